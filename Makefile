@@ -1,0 +1,26 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	# torch first, pinned to the CPU build that lies on the machine's disk.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[server,test]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m draft_server.demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV)

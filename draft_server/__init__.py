@@ -1,0 +1,1 @@
+"""Draft server: ZeroMQ front end, scheduler, sessions, model backends, metrics, CLI."""

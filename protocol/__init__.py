@@ -1,0 +1,63 @@
+"""The wire contract between target engines and the draft server.
+
+Owns message structs (``messages``), the zero-copy frame codec (``codec``) and Step
+validation (``validate``). Imports numpy and msgspec only: both sides import it, and the
+client side lives inside the target engine's process.
+"""
+
+from protocol.codec import ProtocolError, decode_any, decode_reply, decode_request, encode, spec_for, tensor
+from protocol.messages import (
+    GREEDY,
+    PROTOCOL_VERSION,
+    DType,
+    EntryResult,
+    Error,
+    ErrorCode,
+    Free,
+    Hello,
+    ModelContract,
+    Ping,
+    Pong,
+    Sampling,
+    ServerLimits,
+    Status,
+    Step,
+    StepEntry,
+    StepResult,
+    TensorSpec,
+    Timing,
+    Welcome,
+)
+from protocol.validate import check_entry, validate_step
+
+__all__ = [
+    "GREEDY",
+    "PROTOCOL_VERSION",
+    "DType",
+    "EntryResult",
+    "Error",
+    "ErrorCode",
+    "Free",
+    "Hello",
+    "ModelContract",
+    "Ping",
+    "Pong",
+    "ProtocolError",
+    "Sampling",
+    "ServerLimits",
+    "Status",
+    "Step",
+    "StepEntry",
+    "StepResult",
+    "TensorSpec",
+    "Timing",
+    "Welcome",
+    "check_entry",
+    "decode_any",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "spec_for",
+    "tensor",
+    "validate_step",
+]

@@ -1,0 +1,226 @@
+"""Wire messages of the draft RPC: msgspec structs, encoded as msgpack.
+
+A message on the wire is a multipart ZeroMQ message: frame 0 is the msgpack header (one of
+the structs below, tagged by ``kind``), frames 1.. are raw tensor payloads described by
+``TensorSpec`` entries of the header. This module owns the structs, the status and error
+codes, and nothing else: no sockets, no validation beyond types (see ``validate``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Status(enum.IntEnum):
+    """Outcome of one Step entry (one request of the target batch)."""
+
+    OK = 0  # rows applied; drafts (possibly empty for k=0) attached
+    OVERLOADED = 1  # not admitted: rows NOT applied; retry after retry_after_ms
+    EXPIRED = 2  # budget passed before drafting could start; rows applied, no drafts
+    BAD_ENTRY = 3  # entry invalid (message says why); rows NOT applied
+    INTERNAL = 4  # server-side failure while computing; rows state unknown (resend)
+
+
+class ErrorCode(enum.IntEnum):
+    """Whole-message failures, answered with an ``Error`` message."""
+
+    BAD_MESSAGE = 1  # header decodes but fails validation
+    UNSUPPORTED_VERSION = 2
+    UNKNOWN_KIND = 3
+    BAD_FRAMES = 4  # frame count, size, dtype or shape disagree with the header
+    TOO_LARGE = 5  # over a server limit (rows, entries, bytes)
+    CONTRACT_MISMATCH = 6
+    NOT_READY = 7
+    INTERNAL = 8
+
+
+class DType(enum.StrEnum):
+    """Tensor dtypes on the wire. bf16 travels as its raw 16-bit pattern."""
+
+    BF16 = "bf16"
+    F16 = "f16"
+    F32 = "f32"
+    I32 = "i32"
+    I64 = "i64"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+
+_ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8}
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """Describes payload frame ``frame`` (0 = first frame after the header)."""
+
+    dtype: DType
+    shape: tuple[int, ...]
+    frame: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ModelContract(msgspec.Struct, frozen=True):
+    """What the drafter needs from the target; both sides must agree on all of it."""
+
+    model_name: str
+    tap_layer_ids: tuple[int, ...]  # vLLM aux convention: residual stream after k layers
+    target_hidden_size: int
+    vocab_size: int
+    block_size: int  # largest k the server drafts per step
+    mask_token_id: int
+    tap_dtype: DType = DType.BF16
+    has_confidence: bool = False
+
+    @property
+    def tap_width(self) -> int:
+        return len(self.tap_layer_ids) * self.target_hidden_size
+
+    def fingerprint(self) -> str:
+        """A short stable id of the contract, carried in every reply."""
+        return hashlib.sha256(msgspec.msgpack.encode(self)).hexdigest()[:16]
+
+    def mismatches(self, other: ModelContract) -> list[str]:
+        """Names of fields that differ, with both values (empty when compatible)."""
+        out = []
+        for f in self.__struct_fields__:
+            a, b = getattr(self, f), getattr(other, f)
+            if f != "model_name" and a != b:
+                out.append(f"{f}: {a!r} != {b!r}")
+        return out
+
+
+class ServerLimits(msgspec.Struct, frozen=True):
+    max_entries_per_step: int
+    max_rows_per_step: int
+    max_sessions: int
+    max_queue_rows: int
+    max_message_bytes: int
+    max_position: int
+    max_session_id_bytes: int
+    prefill_chunk_rows: int
+    max_budget_ms: float
+
+
+class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Draft sampling. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    return_probs: int = 0  # >0: return the top-n draft probabilities per position
+
+
+GREEDY = Sampling()
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="kind"):
+    """Base of every top-level message: tagged by ``kind`` on the wire."""
+
+
+class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One request of the target's batch.
+
+    ``rows`` committed rows at absolute positions pos..pos+rows-1 (their taps are the next
+    ``rows`` rows of the Step's tap frame, in entry order), then the anchor token at position
+    pos+rows, and the wish for ``k`` drafts after it (k=0: ingest only).
+    """
+
+    session: str
+    pos: int
+    rows: int
+    anchor: int
+    k: int
+    sampling: Sampling = GREEDY
+
+
+class Hello(_Message, tag="hello"):
+    protocol_version: int
+    client_name: str
+    call_id: int = 0
+    expect: ModelContract | None = None  # None: take whatever the server serves
+
+
+class Welcome(_Message, tag="welcome"):
+    protocol_version: int
+    call_id: int
+    epoch: str
+    contract: ModelContract
+    contract_id: str
+    limits: ServerLimits
+
+
+class Step(_Message, tag="step"):
+    call_id: int
+    budget_ms: float
+    entries: tuple[StepEntry, ...]
+    taps: TensorSpec | None = None  # [sum(rows), tap_width]; None when no entry has rows
+
+
+class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    status: Status
+    drafts: tuple[int, ...] = ()
+    end: int = -1  # session context end after this entry (-1: not applied / unknown)
+    retry_after_ms: float = 0.0
+    message: str = ""
+    confidence: tuple[float, ...] = ()  # per-draft conditional survival, when served
+    probs: TensorSpec | None = None  # top-n draft probabilities: frame of [k, n] f32 ...
+    prob_ids: TensorSpec | None = None  # ... and their token ids [k, n] i32
+
+
+class Timing(msgspec.Struct, frozen=True, array_like=True):
+    queue_ms: float  # receive -> batch start (largest over the call's entries)
+    compute_ms: float  # engine time of the batches that served this call
+    server_ms: float  # receive -> reply queued
+
+
+class StepResult(_Message, tag="result"):
+    call_id: int
+    epoch: str
+    contract_id: str
+    results: tuple[EntryResult, ...]
+    timing: Timing
+    advised_k: int = -1  # load-aware advice; -1 = no advice
+
+
+class Free(_Message, tag="free"):
+    """Release sessions. Fire-and-forget: no reply."""
+
+    sessions: tuple[str, ...]
+
+
+class Ping(_Message, tag="ping"):
+    call_id: int
+
+
+class Pong(_Message, tag="pong"):
+    call_id: int
+    epoch: str
+    contract_id: str
+    healthy: bool
+    live_sessions: int
+    queue_rows: int
+
+
+class Error(_Message, tag="error"):
+    call_id: int  # -1 when the failing message had no readable call id
+    code: ErrorCode
+    message: str
+    epoch: str = ""
+
+
+Message = Hello | Welcome | Step | StepResult | Free | Ping | Pong | Error
+Request = Hello | Step | Free | Ping
+Reply = Welcome | StepResult | Pong | Error

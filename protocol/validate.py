@@ -1,0 +1,106 @@
+"""Validation of a decoded Step against the model contract and the server limits.
+
+Whole-message faults (budget, frame layout, totals) raise ``ProtocolError``; per-entry faults
+are returned as messages so the server can answer BAD_ENTRY for that entry alone and serve
+the rest. The client runs the same checks before sending, so a bug on the target side shows
+up as a clear local error instead of a remote one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from protocol.codec import Buffer, ProtocolError, tensor
+from protocol.messages import ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry
+
+
+def check_sampling(s: Sampling, vocab_size: int) -> str | None:
+    if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
+        return f"temperature must be finite and >= 0, got {s.temperature}"
+    if not 0 <= s.top_k <= vocab_size:
+        return f"top_k must be in [0, {vocab_size}], got {s.top_k}"
+    if not (math.isfinite(s.top_p) and 0.0 < s.top_p <= 1.0):
+        return f"top_p must be in (0, 1], got {s.top_p}"
+    if s.seed is not None and not 0 <= s.seed < 2**63:
+        return f"seed must be in [0, 2**63), got {s.seed}"
+    if not 0 <= s.return_probs <= 1024:
+        return f"return_probs must be in [0, 1024], got {s.return_probs}"
+    if s.return_probs and s.temperature == 0.0:
+        return "return_probs needs temperature > 0 (greedy drafts have one-hot probabilities)"
+    return None
+
+
+def check_entry(e: StepEntry, contract: ModelContract, limits: ServerLimits) -> str | None:
+    """Why this entry cannot be served, or None."""
+    sid = e.session.encode("utf-8", "surrogatepass")
+    if not sid:
+        return "empty session id"
+    if len(sid) > limits.max_session_id_bytes:
+        return f"session id of {len(sid)} bytes exceeds {limits.max_session_id_bytes}"
+    if e.pos < 0:
+        return f"negative position {e.pos}"
+    if e.rows < 0:
+        return f"negative row count {e.rows}"
+    if e.pos + e.rows + e.k > limits.max_position:
+        return f"positions up to {e.pos + e.rows + e.k} exceed max_position {limits.max_position}"
+    if not 0 <= e.k <= contract.block_size:
+        return f"k={e.k} outside [0, block_size={contract.block_size}]"
+    if not 0 <= e.anchor < contract.vocab_size:
+        return f"anchor token {e.anchor} outside vocab [0, {contract.vocab_size})"
+    return check_sampling(e.sampling, contract.vocab_size)
+
+
+def validate_step(
+    step: Step, payloads: Sequence[Buffer], contract: ModelContract, limits: ServerLimits
+) -> tuple[np.ndarray | None, list[str | None]]:
+    """Check a Step; return its tap rows (a view, or None) and a per-entry error list."""
+    cid = step.call_id
+    if not (math.isfinite(step.budget_ms) and 0.0 < step.budget_ms <= limits.max_budget_ms):
+        raise ProtocolError(
+            ErrorCode.BAD_MESSAGE, f"budget_ms must be in (0, {limits.max_budget_ms}], got {step.budget_ms}", cid
+        )
+    if len(step.entries) > limits.max_entries_per_step:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE, f"{len(step.entries)} entries exceed {limits.max_entries_per_step}", cid
+        )
+    total_rows = 0
+    for e in step.entries:
+        if e.rows < 0:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"negative row count in session {e.session!r}", cid)
+        total_rows += e.rows
+    if total_rows > limits.max_rows_per_step:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{total_rows} rows exceed {limits.max_rows_per_step}", cid)
+    expected_frames = 0
+    taps = None
+    if step.taps is None:
+        if total_rows:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, f"{total_rows} rows announced but no tap tensor", cid)
+    else:
+        spec = step.taps
+        if spec.dtype != contract.tap_dtype:
+            raise ProtocolError(
+                ErrorCode.BAD_FRAMES, f"taps dtype {spec.dtype.value}, server expects {contract.tap_dtype.value}", cid
+            )
+        if spec.frame != 0:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps must be payload frame 0, got {spec.frame}", cid)
+        want = (total_rows, contract.tap_width)
+        if tuple(spec.shape) != want:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps shape {list(spec.shape)}, expected {list(want)}", cid)
+        taps = tensor(spec, payloads, cid)
+        expected_frames = 1
+    if len(payloads) != expected_frames:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAMES, f"{len(payloads)} payload frames, header describes {expected_frames}", cid
+        )
+    errors: list[str | None] = []
+    seen: set[str] = set()
+    for e in step.entries:
+        err = check_entry(e, contract, limits)
+        if err is None and e.session in seen:
+            err = f"session {e.session!r} appears twice in one step"
+        seen.add(e.session)
+        errors.append(err)
+    return taps, errors

@@ -1,0 +1,1 @@
+"""Thin client for the target engine: DraftClient and the vLLM plugin. Imports protocol only."""
