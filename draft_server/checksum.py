@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from draft_server.drafter import DraftItem, DraftOut, Drafter, IngestItem
+from draft_server.drafter import Drafter, DraftItem, DraftOut, IngestItem
 from protocol import DType, ModelContract
 
 _M64 = (1 << 64) - 1
