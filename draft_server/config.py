@@ -1,0 +1,114 @@
+"""Server configuration: one dataclass, settable from a TOML file and from flags.
+
+Every field carries its help text; the CLI builds one flag per field from it, so `--help`
+and the TOML keys can never drift apart. Precedence: defaults < TOML file < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ServerConfig:
+    # --- endpoints
+    bind: str = _f("tcp://127.0.0.1:5557", "ZeroMQ endpoint the ROUTER socket binds (loopback by default)")
+    metrics_port: int = _f(9400, "HTTP port for /metrics (Prometheus) and /healthz; 0 picks a free port, -1 disables")
+    metrics_host: str = _f("127.0.0.1", "address the metrics HTTP server listens on")
+    # --- model
+    drafter: str = _f("dspark", "backend: 'dspark' (needs --model) or 'checksum' (deterministic test drafter)")
+    model: str = _f("", "DSpark draft checkpoint directory (config.json + safetensors)")
+    target_model: str = _f("", "target checkpoint directory holding lm_head.weight (and the embedding)")
+    device: str = _f("auto", "torch device for the drafter: auto, cpu, cuda, cuda:N")
+    dtype: str = _f("auto", "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    kv_budget_mib: int = _f(0, "memory for the draft KV cache in MiB; 0 sizes it from free device memory")
+    checksum_delay_ms: float = _f(0.0, "checksum drafter only: sleep this long in every draft batch (fault tests)")
+    # --- limits and admission
+    max_sessions: int = _f(1024, "live sessions at most; beyond it idle sessions are evicted LRU, else 'overloaded'")
+    max_queue_rows: int = _f(65536, "rows waiting for ingest at most; entries beyond it are answered 'overloaded'")
+    max_rows_per_step: int = _f(32768, "rows one Step message may carry")
+    max_entries_per_step: int = _f(1024, "entries one Step message may carry")
+    max_message_mib: int = _f(2048, "ZeroMQ MAXMSGSIZE: larger messages are refused at the socket")
+    max_position: int = _f(1 << 24, "largest absolute position accepted")
+    max_budget_ms: float = _f(60000.0, "largest per-step budget a client may ask for")
+    # --- scheduling
+    max_batch_rows: int = _f(4096, "rows ingested in one engine iteration (decode batch plus one prefill chunk)")
+    max_batch_sessions: int = _f(256, "sessions drafted in one engine iteration")
+    prefill_chunk_rows: int = _f(512, "longer entries are ingested in chunks of this size between decode batches")
+    batch_window_ms: float = _f(0.0, "wait up to this long for more entries before a batch (0: never wait)")
+    session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
+    watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")
+    watchdog_exit: bool = _f(False, "exit the process (code 3) when the watchdog fires, for an orchestrator to restart")
+    # --- security
+    curve_secret_key_file: str = _f("", "CurveZMQ: server secret key file (`draft-server keygen`); enables encryption")
+    curve_allow_dir: str = _f("", "CurveZMQ: directory of allowed client public key files (empty: any client key)")
+    # --- logging
+    log_level: str = _f("INFO", "logging level")
+
+    @classmethod
+    def from_toml(cls, path: str) -> ServerConfig:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        data = data.get("server", data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown config keys {unknown}")
+        return cls(**data)
+
+    def validate(self) -> None:
+        positive = [
+            "max_sessions",
+            "max_queue_rows",
+            "max_rows_per_step",
+            "max_entries_per_step",
+            "max_message_mib",
+            "max_position",
+            "max_batch_rows",
+            "max_batch_sessions",
+            "prefill_chunk_rows",
+        ]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ["max_budget_ms", "session_ttl_s", "watchdog_s"]:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.batch_window_ms < 0 or self.checksum_delay_ms < 0:
+            raise ValueError("batch_window_ms and checksum_delay_ms must be >= 0")
+        if self.prefill_chunk_rows > self.max_batch_rows:
+            raise ValueError("prefill_chunk_rows must be <= max_batch_rows")
+        if self.drafter not in ("dspark", "checksum"):
+            raise ValueError(f"unknown drafter {self.drafter!r} (dspark, checksum)")
+        if self.drafter == "dspark" and not self.model:
+            raise ValueError("--model is required with the dspark drafter")
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, defaulting to None so that TOML values survive."""
+    for f in dataclasses.fields(ServerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            parser.add_argument(flag, type=typ, default=None, help=help_text, metavar=f.name.upper())
+
+
+def from_args(args: argparse.Namespace) -> ServerConfig:
+    cfg = ServerConfig.from_toml(args.config) if getattr(args, "config", None) else ServerConfig()
+    for f in dataclasses.fields(ServerConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            setattr(cfg, f.name, value)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,349 @@
+"""DraftServer: the ROUTER socket, its I/O thread, the watchdog, and wiring to the engine.
+
+The I/O thread is the only owner of the socket. It decodes and validates each message,
+answers what needs no model (Hello, Ping, malformed input, per-entry rejections) at once, and
+hands admitted entries to the engine thread without waiting. Replies come back from the
+engine through an outbox and a wake-up pipe registered in the same poller, so neither thread
+ever waits on the other's work. Health turns red when a thread dies or an engine iteration
+overruns the watchdog.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from draft_server.config import ServerConfig
+from draft_server.drafter import Drafter
+from draft_server.engine import Call, Engine, Work
+from draft_server.metrics import MetricsHTTPServer, ServerMetrics
+from protocol import (
+    PROTOCOL_VERSION,
+    EntryResult,
+    Error,
+    ErrorCode,
+    Free,
+    Hello,
+    Ping,
+    Pong,
+    ProtocolError,
+    ServerLimits,
+    Status,
+    Step,
+    Welcome,
+    decode_request,
+    encode,
+    validate_step,
+)
+from protocol.codec import check_version
+
+log = logging.getLogger("draft_server")
+
+
+def build_drafter(cfg: ServerConfig) -> Drafter:
+    """The model backend the config names (fails before anything binds)."""
+    if cfg.drafter == "checksum":
+        from draft_server.checksum import ChecksumDrafter
+
+        return ChecksumDrafter(delay_ms=cfg.checksum_delay_ms)
+    from draft_server.models import load_drafter
+
+    return load_drafter(
+        cfg.model,
+        cfg.target_model or None,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        kv_budget_bytes=cfg.kv_budget_mib * (1 << 20) or None,
+    )
+
+
+class DraftServer:
+    def __init__(self, cfg: ServerConfig, drafter: Drafter) -> None:
+        self.cfg = cfg
+        self.drafter = drafter
+        self.contract = drafter.contract
+        self.contract_id = self.contract.fingerprint()
+        self.epoch = f"{uuid.uuid4().hex[:12]}-{os.getpid()}"
+        self.limits = ServerLimits(
+            max_entries_per_step=cfg.max_entries_per_step,
+            max_rows_per_step=cfg.max_rows_per_step,
+            max_sessions=cfg.max_sessions,
+            max_queue_rows=cfg.max_queue_rows,
+            max_message_bytes=cfg.max_message_mib << 20,
+            max_position=cfg.max_position,
+            max_session_id_bytes=256,
+            prefill_chunk_rows=cfg.prefill_chunk_rows,
+            max_budget_ms=cfg.max_budget_ms,
+        )
+        self.metrics = ServerMetrics()
+        self.metrics.info.info({"epoch": self.epoch, "model": self.contract.model_name, "contract": self.contract_id})
+        self.metrics.kv_capacity.set(drafter.capacity_tokens())
+        self.metrics.healthy.set(1)
+        self.engine = Engine(
+            drafter,
+            self.metrics,
+            self._queue_reply,
+            self.epoch,
+            self.contract_id,
+            max_sessions=cfg.max_sessions,
+            max_batch_rows=cfg.max_batch_rows,
+            max_batch_sessions=cfg.max_batch_sessions,
+            prefill_chunk_rows=cfg.prefill_chunk_rows,
+            batch_window_ms=cfg.batch_window_ms,
+            session_ttl_s=cfg.session_ttl_s,
+        )
+        self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._sock = self._make_socket()
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._outbox: deque[tuple[bytes, object]] = deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._running = threading.Event()
+        self._io = threading.Thread(target=self._io_loop, name="draft-io", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="draft-watchdog", daemon=True)
+        self._overrun = False
+        self.http: MetricsHTTPServer | None = None
+        if cfg.metrics_port >= 0:
+            self.http = MetricsHTTPServer(self.metrics, self.health, cfg.metrics_host, cfg.metrics_port)
+
+    def _make_socket(self) -> zmq.Socket:
+        cfg = self.cfg
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_mib << 20)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, and is counted
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        if cfg.curve_secret_key_file:
+            public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
+            if secret is None:
+                raise ValueError(f"{cfg.curve_secret_key_file} holds no secret key")
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=cfg.curve_allow_dir or zmq.auth.CURVE_ALLOW_ANY)
+            sock.curve_server = True
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.bind(cfg.bind)
+        return sock
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._running.set()
+        self.engine.start()
+        self._io.start()
+        self._watchdog.start()
+        if self.http:
+            self.http.start()
+        log.info(
+            "draft server %s serving %s on %s (contract %s, metrics port %s)",
+            self.epoch,
+            self.contract.model_name,
+            self.endpoint,
+            self.contract_id,
+            self.http.port if self.http else "off",
+        )
+
+    def stop(self) -> None:
+        self._running.clear()
+        self.engine.stop()
+        os.write(self._wake_w, b"\0")
+        self._io.join(5.0)
+        self._watchdog.join(2.0)
+        if self.http:
+            self.http.stop()
+        self._sock.close(linger=0)
+        if self._auth:
+            self._auth.stop()
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.drafter.close()
+
+    def health(self) -> dict:
+        healthy = self._io.is_alive() and self.engine.alive() and not self._overrun
+        return {
+            "healthy": healthy,
+            "epoch": self.epoch,
+            "model": self.contract.model_name,
+            "sessions": len(self.engine.sessions),
+            "queue_rows": self.engine.queued_rows,
+        }
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _queue_reply(self, ident: bytes, msg: object) -> None:
+        """Any thread: queue a reply for the I/O thread (never blocks)."""
+        self._outbox.append((ident, msg))
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # pipe already full of wake-ups: the I/O thread is about to drain
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while self._running.is_set():
+            try:
+                events = dict(poller.poll(100))
+                if self._sock in events:
+                    for _ in range(256):  # bounded so replies keep flowing under a flood
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                self._flush_outbox()
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # never let one message end the I/O thread
+                log.exception("I/O loop error")
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            ident, msg = self._outbox.popleft()
+            self._send(ident, msg)
+
+    def _send(self, ident: bytes, msg: object) -> None:
+        try:
+            self._sock.send_multipart([ident, *encode(msg)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
+        except (zmq.Again, zmq.ZMQError):
+            self.metrics.replies_dropped.inc()
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        recv_t = time.monotonic()
+        if len(frames) < 2:
+            self.metrics.dropped_messages.inc()
+            return
+        ident = frames[0].bytes
+        header = frames[1].buffer
+        payloads = [f.buffer for f in frames[2:]]
+        try:
+            msg = decode_request(header)
+        except ProtocolError as e:
+            if e.call_id < 0:
+                self.metrics.dropped_messages.inc()  # nothing to answer to
+                return
+            self._error(ident, e)
+            return
+        kind = type(msg).__name__.lower()
+        self.metrics.messages.labels(kind).inc()
+        try:
+            if isinstance(msg, Step):
+                self._on_step(ident, msg, payloads, recv_t)
+            elif isinstance(msg, Hello):
+                self._on_hello(ident, msg, payloads)
+            elif isinstance(msg, Ping):
+                self._send(ident, self._pong(msg.call_id))
+            elif isinstance(msg, Free):
+                if payloads:
+                    raise ProtocolError(ErrorCode.BAD_FRAMES, "free carries no payload frames")
+                self.engine.submit_free(ident, msg.sessions)
+        except ProtocolError as e:
+            self._error(ident, e)
+
+    def _error(self, ident: bytes, e: ProtocolError) -> None:
+        self.metrics.bad_messages.labels(e.code.name.lower()).inc()
+        self._send(ident, Error(call_id=e.call_id, code=e.code, message=e.message, epoch=self.epoch))
+
+    def _pong(self, call_id: int) -> Pong:
+        return Pong(
+            call_id=call_id,
+            epoch=self.epoch,
+            contract_id=self.contract_id,
+            healthy=self.health()["healthy"],
+            live_sessions=len(self.engine.sessions),
+            queue_rows=self.engine.queued_rows,
+        )
+
+    def _on_hello(self, ident: bytes, msg: Hello, payloads: list) -> None:
+        check_version(msg.protocol_version, msg.call_id)
+        if payloads:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, "hello carries no payload frames", msg.call_id)
+        if msg.expect is not None:
+            diff = msg.expect.mismatches(self.contract)
+            if diff:
+                raise ProtocolError(
+                    ErrorCode.CONTRACT_MISMATCH,
+                    f"server serves {self.contract.model_name}; differing fields: " + "; ".join(diff),
+                    msg.call_id,
+                )
+        self._send(
+            ident,
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                call_id=msg.call_id,
+                epoch=self.epoch,
+                contract=self.contract,
+                contract_id=self.contract_id,
+                limits=self.limits,
+            ),
+        )
+
+    def _on_step(self, ident: bytes, step: Step, payloads: list, recv_t: float) -> None:
+        taps, errors = validate_step(step, payloads, self.contract, self.limits)
+        call = Call(ident, step.call_id, recv_t, recv_t + step.budget_ms / 1000.0, [None] * len(step.entries))
+        works: list[Work] = []
+        row = 0
+        for i, (e, err) in enumerate(zip(step.entries, errors, strict=True)):
+            rows = taps[row : row + e.rows] if (taps is not None and e.rows) else None
+            row += e.rows
+            if err is not None:
+                self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
+                continue
+            if not self.engine.try_admit_rows(e.rows, self.cfg.max_queue_rows):
+                self._set(
+                    call,
+                    i,
+                    EntryResult(Status.OVERLOADED, retry_after_ms=self.engine.retry_hint_ms(), message="queue full"),
+                )
+                continue
+            end = e.pos + e.rows
+            if e.k == 0:  # ingest only: acknowledged now, applied in order before the session's next entry
+                self._set(call, i, EntryResult(Status.OK, end=end))
+                if rows is None:
+                    continue
+            else:
+                call.remaining += 1
+            works.append(Work(call, i, e.session, e.pos, rows, e.anchor, e.k, e.sampling, end))
+        if works:
+            self.engine.submit(works)  # the engine owns `call` from here on
+        if call.remaining == 0:
+            self.engine.finish_if_done(call)
+
+    def _set(self, call: Call, i: int, result: EntryResult) -> None:
+        call.results[i] = result
+        self.metrics.entries.labels(result.status.name.lower()).inc()
+
+    # ------------------------------------------------------------------ watchdog
+
+    def _watch(self) -> None:
+        fired_for: float | None = None
+        while self._running.is_set():
+            time.sleep(0.05)
+            busy = self.engine.busy_since
+            overrun = busy is not None and time.monotonic() - busy > self.cfg.watchdog_s
+            if overrun and fired_for != busy:
+                fired_for = busy
+                self.metrics.watchdog_fired.inc()
+                log.error("engine iteration running for over %.1f s: health red", self.cfg.watchdog_s)
+                if self.cfg.watchdog_exit:
+                    logging.shutdown()
+                    os._exit(3)
+            self._overrun = overrun
+            alive = self._io.is_alive() and self.engine.alive() and not overrun
+            self.metrics.healthy.set(1 if alive else 0)

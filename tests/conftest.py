@@ -1,0 +1,223 @@
+"""Shared test fixtures: a real draft-server subprocess, a raw DEALER peer, a metrics scraper.
+
+Everything talks over real sockets on 127.0.0.1; servers run as separate processes so tests
+can pause (SIGSTOP), kill (SIGKILL) and restart them on the same port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from protocol import DType, ModelContract, Step, StepEntry, decode_reply, encode, spec_for
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The checksum drafter's default contract (draft_server.checksum.ChecksumDrafter).
+CHECKSUM_CONTRACT = ModelContract(
+    model_name="checksum",
+    tap_layer_ids=(1, 3),
+    target_hidden_size=64,
+    vocab_size=32000,
+    block_size=8,
+    mask_token_id=31999,
+    tap_dtype=DType.BF16,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    """A `draft-server serve` subprocess on fixed ports, restartable in place."""
+
+    def __init__(self, *extra: str, drafter: str = "checksum") -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.args = [
+            sys.executable,
+            "-m",
+            "draft_server",
+            "serve",
+            "--drafter",
+            drafter,
+            "--bind",
+            self.endpoint,
+            "--metrics-port",
+            str(self.metrics_port),
+            "--log-level",
+            "WARNING",
+            *extra,
+        ]
+        self.proc: subprocess.Popen | None = None
+        self.epoch = ""
+
+    def start(self, timeout: float = 60.0) -> ServerProc:
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
+        deadline = time.monotonic() + timeout
+        lines = []
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("READY "):
+                fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+                self.epoch = fields["epoch"]
+                return self
+        self.kill()
+        raise RuntimeError("draft server did not start:\n" + "".join(lines))
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def metrics(self) -> dict[str, float]:
+        return scrape(self.metrics_port)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of /metrics, keyed `name{label="v",...}` (labels sorted), parsed by prometheus_client."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+@pytest.fixture
+def server() -> Iterator[ServerProc]:
+    srv = ServerProc().start()
+    yield srv
+    srv.kill()
+
+
+@pytest.fixture
+def server_factory() -> Iterator:
+    made: list[ServerProc] = []
+
+    def make(*extra: str, drafter: str = "checksum") -> ServerProc:
+        srv = ServerProc(*extra, drafter=drafter).start()
+        made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
+        srv.kill()
+
+
+class RawPeer:
+    """A bare DEALER for protocol-level tests: send anything, read replies by call id."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        self.sock.connect(endpoint)
+        self.call_id = 0
+
+    def send(self, msg: object, payloads: Sequence = ()) -> None:
+        self.sock.send_multipart(encode(msg, payloads), copy=False)  # type: ignore[arg-type]
+
+    def send_raw(self, frames: Sequence[bytes]) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout_ms: int = 5000):
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart()
+        return decode_reply(frames[0])
+
+    def step(
+        self,
+        entries: Sequence[StepEntry],
+        taps: np.ndarray | None,
+        budget_ms: float = 5000.0,
+        timeout_ms: int = 10000,
+    ):
+        self.call_id += 1
+        spec = spec_for(taps, DType.BF16, 0) if taps is not None else None
+        self.send(Step(self.call_id, budget_ms, tuple(entries), spec), [taps] if taps is not None else [])
+        while True:
+            reply = self.recv(timeout_ms)
+            if reply is None or getattr(reply, "call_id", None) == self.call_id:
+                return reply
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def random_taps(rng: np.random.Generator, rows: int, width: int = CHECKSUM_CONTRACT.tap_width) -> np.ndarray:
+    return rng.integers(0, 1 << 16, size=(rows, width), dtype=np.uint16)
+
+
+class SessionMirror:
+    """What a session's context must be on the server; predicts checksum drafts."""
+
+    def __init__(self, vocab: int = CHECKSUM_CONTRACT.vocab_size) -> None:
+        self.rows: dict[int, bytes] = {}
+        self.start = 0
+        self.vocab = vocab
+
+    def apply(self, pos: int, taps: np.ndarray, known_end: int | None) -> None:
+        """Mirror the positional semantics: append/overwrite within [start, end], else restart."""
+        end = self.start + len(self.rows)
+        if known_end is None or not (self.start <= pos <= end):
+            self.rows, self.start = {}, pos
+        for p in [p for p in self.rows if p >= pos]:
+            del self.rows[p]
+        for i, row in enumerate(taps):
+            self.rows[pos + i] = row.tobytes()
+
+    def expect(self, anchor: int, k: int) -> list[int]:
+        from draft_server.checksum import expected_drafts
+
+        pos = self.start + len(self.rows)
+        return expected_drafts(self.rows, self.start, pos, anchor, k, self.vocab)
