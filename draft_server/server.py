@@ -212,6 +212,7 @@ class DraftServer:
                 return
             except Exception:  # never let one message end the I/O thread
                 log.exception("I/O loop error")
+                self.metrics.io_errors.inc()
 
     def _flush_outbox(self) -> None:
         while self._outbox:
