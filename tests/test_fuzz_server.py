@@ -33,7 +33,7 @@ entries = st.builds(
 
 
 @st.composite
-def structured(draw):  # noqa: ANN201
+def structured(draw):
     kind = draw(st.sampled_from(["step", "step", "step", "hello", "ping", "free"]))
     cid = draw(ints)
     if kind == "hello":
@@ -54,7 +54,7 @@ def structured(draw):  # noqa: ANN201
 
 
 @st.composite
-def mutated(draw):  # noqa: ANN201
+def mutated(draw):
     taps = np.arange(2 * W, dtype=np.uint16).reshape(2, W)
     frames = [
         bytes(f)
@@ -93,7 +93,7 @@ def test_fuzz_10k_messages_then_still_drafts_correctly():
             database=None,
         )
         @given(st.lists(st.one_of(structured(), mutated()), min_size=BATCH, max_size=BATCH))
-        def blast(msgs):  # noqa: ANN001, ANN202
+        def blast(msgs):
             nonlocal sent
             for frames in msgs:
                 fuzzer.send_raw([bytes(f) for f in frames])
