@@ -1,0 +1,152 @@
+"""Paged draft KV cache: one pool of fixed-size pages, a block table per session.
+
+Owns page allocation (``reserve`` / ``release``), the position -> slot map, writes of context
+rows and the per-layer gather of a batch's context for the block forward.
+
+Addressing is absolute: position t lives in the session's page for logical page t // P at
+offset t % P, so a rewrite of position t (a resend, a rejected block's overwrite) simply lands
+in the same slot; there is no rollback bookkeeping. ``reserve(key, start, end)`` makes the
+session hold exactly the pages covering [start, end), freeing the rest, or returns False and
+changes nothing. Capacity and use are counted in page-granular tokens (pages x P).
+
+The draft block's own rows are not written here: attention concatenates them to the gathered
+context, so a session only needs pages for its committed context.
+
+Storage: ``data[layer, page, offset, *token_shape]``; MLA: token_shape (576,) (512 normalised
+latent + 64 roped key); GQA: (2, kv_heads, head_dim) for K and V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class _Session:
+    first_lp: int = 0  # logical page number of pages[0]
+    pages: list[int] = field(default_factory=list)
+    last_use: int = 0
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        token_shape: tuple[int, ...],
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError("KV budget too small for one page")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.token_shape = token_shape
+        self.data = torch.zeros((num_layers, num_pages, page_size, *token_shape), dtype=dtype, device=device)
+        self._flat = self.data.view(num_layers, num_pages * page_size, *token_shape)
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
+        self._sessions: dict[int, _Session] = {}
+        self._tick = 0
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, token_shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return num_layers * int(np.prod(token_shape)) * torch.empty((), dtype=dtype).element_size()
+
+    # -- accounting -------------------------------------------------------------------------
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def used_tokens(self) -> int:
+        return (self.num_pages - len(self._free)) * self.page_size
+
+    def touch(self, key: int) -> None:
+        self._tick += 1
+        s = self._sessions.get(key)
+        if s is not None:
+            s.last_use = self._tick
+
+    def lru_keys(self) -> list[int]:
+        """Sessions, least recently used first (the eviction order for the scheduler)."""
+        return sorted(self._sessions, key=lambda k: self._sessions[k].last_use)
+
+    def held_tokens(self, key: int) -> int:
+        s = self._sessions.get(key)
+        return len(s.pages) * self.page_size if s else 0
+
+    # -- allocation -------------------------------------------------------------------------
+    def reserve(self, key: int, start: int, end: int) -> bool:
+        P = self.page_size
+        lo, hi = (start // P, (end - 1) // P + 1) if end > start else (0, 0)
+        s = self._sessions.get(key) or _Session(first_lp=lo)
+        keep = {s.first_lp + i: p for i, p in enumerate(s.pages) if lo <= s.first_lp + i < hi}
+        if (hi - lo) - len(keep) > len(self._free) + (len(s.pages) - len(keep)):
+            return False
+        for i, p in enumerate(s.pages):
+            if not lo <= s.first_lp + i < hi:
+                self._free.append(p)
+        s.pages = [keep[lp] if lp in keep else self._free.pop() for lp in range(lo, hi)]
+        s.first_lp = lo
+        self._sessions[key] = s
+        self.touch(key)
+        return True
+
+    def release(self, key: int) -> None:
+        s = self._sessions.pop(key, None)
+        if s is not None:
+            self._free.extend(s.pages)
+
+    # -- addressing -------------------------------------------------------------------------
+    def slots(self, key: int, positions: np.ndarray) -> np.ndarray:
+        """Flat slot of each absolute position; raises if the session does not hold it."""
+        s = self._sessions.get(key)
+        P = self.page_size
+        lp = positions // P - (s.first_lp if s else 0)
+        if s is None or (len(positions) and (lp.min() < 0 or lp.max() >= len(s.pages))):
+            span = f"[{positions.min()}, {positions.max() + 1})" if len(positions) else "[]"
+            raise RuntimeError(f"KV cache: session {key} has no pages reserved for positions {span}")
+        return np.asarray(s.pages, dtype=np.int64)[lp] * P + positions % P
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [num_layers, R, *token_shape] -> their slots (last write wins within a call)."""
+        self._flat.index_copy_(1, slots, rows.to(self.data.dtype))
+
+    def gather_plan(self, spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """For (key, start, pos) spans: page ids [N, maxp] and a visibility mask [N, maxp*P].
+
+        The mask is True exactly for absolute positions in [start, pos); padding pages point at
+        page 0 and are masked out.
+        """
+        P = self.page_size
+        firsts, counts = [], []
+        for key, start, pos in spans:
+            if pos <= start:
+                firsts.append(0)
+                counts.append(0)
+                continue
+            lo, hi = start // P, (pos - 1) // P + 1
+            s = self._sessions.get(key)
+            if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
+                raise RuntimeError(f"KV cache: session {key} has no pages reserved for context [{start}, {pos})")
+            firsts.append(lo)
+            counts.append(hi - lo)
+        maxp = max(max(counts, default=0), 1)
+        table = np.zeros((len(spans), maxp), dtype=np.int64)
+        mask = np.zeros((len(spans), maxp * P), dtype=bool)
+        for n, ((key, start, pos), lo, cnt) in enumerate(zip(spans, firsts, counts, strict=True)):
+            if not cnt:
+                continue
+            s = self._sessions[key]
+            table[n, :cnt] = s.pages[lo - s.first_lp : lo - s.first_lp + cnt]
+            abs_pos = lo * P + np.arange(cnt * P)
+            mask[n, : cnt * P] = (abs_pos >= start) & (abs_pos < pos)
+        dev = self.data.device
+        return torch.from_numpy(table).to(dev), torch.from_numpy(mask).to(dev)
+
+    def gather(self, layer: int, table: torch.Tensor) -> torch.Tensor:
+        """Context rows of one layer for a batch: [N, maxp*P, *token_shape]."""
+        n, maxp = table.shape
+        return self.data[layer][table].view(n, maxp * self.page_size, *self.token_shape)

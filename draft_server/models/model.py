@@ -1,0 +1,108 @@
+"""The DSpark draft network, batched over sessions: context ingest and the block forward.
+
+Owns what both backbones share: tap fusion (``context_proj``/``context_norm`` for K3,
+``fc``/``hidden_norm`` for Qwen3), the pre-norm decoder loop with SwiGLU MLPs, the final norm
+and the base logits. The attention of one layer (what a token caches, and how the block rows
+attend) lives in ``qwen3.py`` (GQA) and ``k3_mla.py`` (MLA).
+
+Shapes: N sessions, B block rows, S gathered context slots (pages x page size, masked),
+H hidden. Weights are plain tensors (``self.w`` by checkpoint name) used with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draft_server.models.config import K3, DSparkConfig
+from draft_server.models.kv_cache import PagedKVCache
+from draft_server.models.ops import Rope, acc_dtype, rms_norm, swiglu
+
+
+class DSparkModel:
+    """Base: subclasses implement ``context_kv``, ``attention`` and set ``token_shape``."""
+
+    token_shape: tuple[int, ...]
+
+    def __init__(self, cfg: DSparkConfig, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.cfg, self.w, self.device, self.dtype = cfg, w, device, dtype
+        self.acc = acc_dtype(dtype)
+        self.rope = Rope(cfg.rope, device)
+        self.eps = cfg.rms_norm_eps
+        k3 = cfg.variant == K3
+        self.ctx_proj = w["context_proj.weight" if k3 else "fc.weight"]
+        self.ctx_norm = w["context_norm.weight" if k3 else "hidden_norm.weight"]
+        self.final_norm = w["final_norm.weight" if k3 else "norm.weight"]
+        self.embed = w["embed_tokens.weight"]
+        self.lm_head = w["lm_head.weight"]
+        self.markov_w1 = w.get("markov_head.markov_w1.weight")
+        self.markov_w2 = w.get("markov_head.markov_w2.weight")
+        self.d2t = w.get("d2t")
+        self.conf_w = w.get("confidence_head.proj.weight") if cfg.confidence else None
+        self.conf_b = w.get("confidence_head.proj.bias") if cfg.confidence else None
+        self.mask_cache: dict[int, torch.Tensor] = {}
+
+    # -- per-variant -------------------------------------------------------------------------
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Fused context projection into every layer's cache rows: [L, R, *token_shape]."""
+        raise NotImplementedError
+
+    def attention(
+        self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Layer i attention of block rows u [N, B, H] over ctx [N, S, ...] + the block itself."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Taps [R, n_taps * target_hidden] (compute dtype) -> fused context c [R, H]."""
+        return rms_norm(F.linear(taps, self.ctx_proj), self.ctx_norm, self.eps)
+
+    def _block_mask(self, ctx_mask: torch.Tensor, B: int) -> torch.Tensor:
+        """[N, B, S + B]: context visibility per session, then the block (full or causal)."""
+        blk = self.mask_cache.get(B)
+        if blk is None:
+            blk = torch.ones(B, B, dtype=torch.bool, device=self.device)
+            blk = blk.tril() if self.cfg.causal else blk
+            self.mask_cache[B] = blk
+        n, s = ctx_mask.shape
+        return torch.cat([ctx_mask[:, None, :].expand(n, B, s), blk.expand(n, B, B)], dim=-1)
+
+    def block(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PagedKVCache,
+        table: torch.Tensor,
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Block rows ids/positions [N, B] over each session's cached context -> final-normed z [N, B, H]."""
+        w, eps = self.w, self.eps
+        mask = self._block_mask(ctx_mask, ids.shape[1])
+        h = F.embedding(ids, self.embed)
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            u = rms_norm(h, w[p + "input_layernorm.weight"], eps)
+            h = h + self.attention(i, u, positions, cache.gather(i, table), mask)
+            u = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
+            h = h + swiglu(u, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+        return rms_norm(h, self.final_norm, eps)
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Base draft-vocab logits in the accumulation dtype."""
+        out = F.linear(z, self.lm_head).to(self.acc)
+        return out * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else out
+
+    def markov_embed(self, prev: torch.Tensor) -> torch.Tensor | None:
+        return None if self.markov_w1 is None else F.embedding(prev, self.markov_w1)
+
+    def markov_bias(self, e: torch.Tensor) -> torch.Tensor:
+        out = F.linear(e, self.markov_w2).to(self.acc)
+        return out * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else out
+
+    def confidence_logit(self, z: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        feat = torch.cat([z, e], dim=-1) if self.cfg.confidence_with_markov else z
+        return F.linear(feat.to(self.conf_w.dtype), self.conf_w, self.conf_b).squeeze(-1)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]

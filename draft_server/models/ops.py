@@ -1,0 +1,91 @@
+"""Small tensor ops shared by both backbones: RMSNorm, SwiGLU, RoPE, masked block attention.
+
+RMSNorm and RoPE compute in float32 (float64 when the model runs in float64) and cast back.
+RoPE angles are formed in float64 from integer positions, so large positions keep precision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from draft_server.models.config import RopeSpec, yarn_mscale
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for norms, softmax and sampling: float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.to(acc_dtype(x.dtype))
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype) * w
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] float64, cos/sin multiplier) for this RoPE spec."""
+    d = spec.dim
+    pos_freqs = spec.theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if spec.kind == "default":
+        return 1.0 / pos_freqs, 1.0
+
+    def corr_dim(rot: float) -> float:
+        return d * math.log(spec.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low = max(math.floor(corr_dim(spec.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(spec.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1.0 - ramp  # 1: keep the original frequency
+    inv = (1.0 / (spec.factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    if spec.kind == "deepseek_yarn":
+        mul = yarn_mscale(spec.factor, spec.mscale) / yarn_mscale(spec.factor, spec.mscale_all_dim) * spec.attn_factor
+    else:
+        mul = yarn_mscale(spec.factor) * spec.attn_factor
+    return inv, mul
+
+
+class Rope:
+    def __init__(self, spec: RopeSpec, device: torch.device) -> None:
+        inv, self.mul = rope_inv_freq(spec)
+        self.inv_freq = inv.to(device)
+        self.interleaved = spec.interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq
+        return (ang.cos() * self.mul).to(dtype), (ang.sin() * self.mul).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [..., dim] with cos/sin [..., dim/2] (broadcastable to x's leading dims)."""
+        xf = x.to(cos.dtype)
+        if self.interleaved:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xf.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out.to(x.dtype)
+
+
+def block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Grouped attention without repeating K/V per head.
+
+    q [N, G, g, B, D] (G kv groups of g query heads, B block rows), k [N, G, S, D],
+    v [N, G, S, Dv], mask [N, B, S] bool (True = visible). Returns [N, G, g, B, Dv].
+    Scores and softmax run in the accumulation dtype.
+    """
+    acc = acc_dtype(q.dtype)
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v.unsqueeze(2))
