@@ -1,1 +1,25 @@
-"""Thin client for the target engine: DraftClient and the vLLM plugin. Imports protocol only."""
+"""Thin client for the target engine: DraftClient and its value types. Imports protocol only.
+
+Never imports torch or draft_server: it runs inside the target engine's process (numpy,
+msgspec, pyzmq and prometheus_client only).
+"""
+
+from target_client.api import (
+    ClientConfig,
+    ConnectTimeoutError,
+    ContractMismatchError,
+    DraftClientError,
+    DraftReply,
+    StepRequest,
+)
+from target_client.client import DraftClient
+
+__all__ = [
+    "ClientConfig",
+    "ConnectTimeoutError",
+    "ContractMismatchError",
+    "DraftClient",
+    "DraftClientError",
+    "DraftReply",
+    "StepRequest",
+]

@@ -1,0 +1,140 @@
+"""Public value types of the target-side draft client: configuration, requests, replies, errors.
+
+Owns ``ClientConfig`` (checked when built), ``StepRequest`` (one request of the engine's batch
+as the caller describes it), ``DraftReply`` (what the caller gets back for it) and the only
+exceptions the client raises: from ``connect()`` and for caller bugs. No sockets, no threads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protocol import GREEDY, ModelContract, Sampling, Status
+
+
+class DraftClientError(Exception):
+    """Base of the client's own exceptions (never raised by step()/astep() for draft-side faults)."""
+
+
+class ContractMismatchError(DraftClientError):
+    """The server serves a model contract (or protocol version) this engine cannot use.
+
+    ``fields`` names what differs, e.g. ``("tap_layer_ids", "vocab_size")``.
+    """
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class ConnectTimeoutError(DraftClientError, TimeoutError):
+    """connect(wait=True) got no Welcome within ``connect_timeout_s`` (the client keeps trying)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Settings of one DraftClient. Times are milliseconds unless the name says seconds."""
+
+    endpoint: str
+    budget_ms: float = 20.0  # default wait per step (the hard bound on how long step() blocks)
+    name: str = "engine"
+    expect: ModelContract | None = None  # refuse a server serving another contract
+    connect_timeout_s: float = 5.0
+    resend_rows_limit: int = 64  # unacknowledged rows kept per session for resend
+    breaker_failures: int = 5  # consecutive misses that open the breaker
+    breaker_backoff_ms: float = 500.0  # ping period while open
+    adaptive_budget: bool = False  # budget = clamp(adaptive_multiplier * p99 RTT, adaptive_min_ms, budget_ms)
+    adaptive_multiplier: float = 2.0
+    adaptive_min_ms: float = 2.0
+    adaptive_window: int = 512  # RTT samples the p99 is taken over
+    curve_server_key: bytes | None = None  # z85; setting it turns CurveZMQ on
+    curve_public_key: bytes | None = None  # z85; generated when curve is on and these are None
+    curve_secret_key: bytes | None = None
+    registry: Any = None  # prometheus_client CollectorRegistry; None = the default REGISTRY
+    hello_retry_ms: float = 250.0  # Hello resend period while connecting
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 1000
+    max_reply_bytes: int = 64 << 20  # ZMQ_MAXMSGSIZE on receive
+    send_hwm: int = 64  # messages queued towards the server before sends fail fast
+    reply_margin_ms: float = 0.5  # subtracted from the budget the server is told, for the way back
+    session_idle_s: float = 600.0  # client-side session state not touched this long is dropped
+    close_timeout_s: float = 2.0  # join bound for the I/O thread in close()
+    routing_id: bytes | None = None  # ZMQ IDENTITY; None = random per client instance
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: float) -> None:
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"ClientConfig.{name} must be a finite number > 0, got {value!r}")
+
+        if not isinstance(self.endpoint, str) or "://" not in self.endpoint:
+            raise ValueError(
+                f"ClientConfig.endpoint must be a ZeroMQ endpoint like tcp://host:port, got {self.endpoint!r}"
+            )
+        for name in (
+            "budget_ms",
+            "connect_timeout_s",
+            "breaker_backoff_ms",
+            "adaptive_multiplier",
+            "adaptive_min_ms",
+            "hello_retry_ms",
+            "session_idle_s",
+            "close_timeout_s",
+        ):
+            positive(name, getattr(self, name))
+        if self.resend_rows_limit < 0:
+            raise ValueError(f"ClientConfig.resend_rows_limit must be >= 0, got {self.resend_rows_limit}")
+        if self.breaker_failures < 1:
+            raise ValueError(f"ClientConfig.breaker_failures must be >= 1, got {self.breaker_failures}")
+        if self.adaptive_window < 8:
+            raise ValueError(f"ClientConfig.adaptive_window must be >= 8, got {self.adaptive_window}")
+        if self.reply_margin_ms < 0:
+            raise ValueError(f"ClientConfig.reply_margin_ms must be >= 0, got {self.reply_margin_ms}")
+        if self.routing_id is not None and not (0 < len(self.routing_id) <= 255 and self.routing_id[0] != 0):
+            raise ValueError("ClientConfig.routing_id must be 1..255 bytes and must not start with a zero byte")
+        if (self.curve_public_key is None) != (self.curve_secret_key is None):
+            raise ValueError("ClientConfig.curve_public_key and curve_secret_key come together")
+        if self.curve_public_key is not None and self.curve_server_key is None:
+            raise ValueError("ClientConfig.curve_public_key needs curve_server_key")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One request of the target batch for this step.
+
+    ``rows`` committed rows at absolute positions pos..pos+rows-1 (the next ``rows`` rows of the
+    step's taps array, in request order), the anchor token at position pos+rows, and ``k`` drafts
+    wanted after it (k=0: ingest only).
+    """
+
+    session: str
+    pos: int
+    rows: int
+    anchor: int
+    k: int
+    sampling: Sampling = GREEDY
+
+
+@dataclass(slots=True)
+class DraftReply:
+    """The answer for one StepRequest. ``tokens == []`` on any failure (the engine decodes plainly).
+
+    ``status`` is the server's per-entry status, or None when no answer came (timeout, breaker
+    open, server unreachable, bad reply). A session skipped locally because the server asked to
+    retry later carries ``Status.OVERLOADED`` with the remaining ``retry_after_ms``.
+    """
+
+    tokens: list[int]
+    status: Status | None = None
+    confidence: list[float] = field(default_factory=list)
+    probs: np.ndarray | None = None  # [k, n] float32 top-n draft probabilities, when asked for
+    prob_ids: np.ndarray | None = None  # [k, n] int32 their token ids
+    retry_after_ms: float = 0.0
+    message: str = ""
+
+
+def empty_replies(n: int, status: Status | None = None) -> list[DraftReply]:
+    return [DraftReply([], status) for _ in range(n)]

@@ -1,0 +1,124 @@
+"""Per-session bookkeeping of rows sent but not yet acknowledged (the resend buffer).
+
+Owns ``SessionRows``: for one session, the contiguous rows the server has not confirmed, as
+references (views, never copies) into the caller's earlier taps arrays, plus the call that last
+carried them and the server's retry hint. Only the client's I/O thread touches these objects,
+so there are no locks. The rules (DESIGN.md §4, positions make appends idempotent):
+
+* an entry at ``pos`` first takes the buffered rows that end exactly at ``pos`` (rows at or
+  after ``pos`` are superseded by the new rows; rows that leave a gap are dropped, since the
+  server restarts the session at the first row it gets, which is legal);
+* at most ``limit`` rows are kept per session, the oldest dropped first;
+* an OK/EXPIRED result of the call that last carried the rows acknowledges rows below the
+  server's reported ``end``; results of older calls are ignored (a later call may have
+  overwritten those positions with different rows, e.g. after a rollback).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Chunk = tuple[int, np.ndarray]  # (absolute position of row 0, rows [n, tap_width])
+
+
+def chunk_rows(chunks: list[Chunk]) -> int:
+    return sum(len(a) for _, a in chunks)
+
+
+def keep_newest(chunks: list[Chunk], limit: int) -> tuple[list[Chunk], int]:
+    """The newest ``limit`` rows of contiguous ``chunks``, and how many rows were dropped."""
+    total = chunk_rows(chunks)
+    drop = total - limit
+    if drop <= 0:
+        return chunks, 0
+    out: list[Chunk] = []
+    skip = drop
+    for pos, arr in chunks:
+        if skip >= len(arr):
+            skip -= len(arr)
+            continue
+        out.append((pos + skip, arr[skip:]) if skip else (pos, arr))
+        skip = 0
+    return out, drop
+
+
+def cut_below(chunks: list[Chunk], end: int) -> list[Chunk]:
+    """Chunks without the rows at positions < ``end``."""
+    out: list[Chunk] = []
+    for pos, arr in chunks:
+        if pos + len(arr) <= end:
+            continue
+        out.append((end, arr[end - pos :]) if pos < end else (pos, arr))
+    return out
+
+
+def cut_from(chunks: list[Chunk], pos: int) -> tuple[list[Chunk], int]:
+    """Chunks without the rows at positions >= ``pos``, and how many rows that removed."""
+    out: list[Chunk] = []
+    removed = 0
+    for p, arr in chunks:
+        if p >= pos:
+            removed += len(arr)
+        elif p + len(arr) > pos:
+            out.append((p, arr[: pos - p]))
+            removed += p + len(arr) - pos
+        else:
+            out.append((p, arr))
+    return out, removed
+
+
+class SessionRows:
+    """Unacknowledged rows of one session (I/O thread only)."""
+
+    __slots__ = ("call_id", "chunks", "last_used", "retry_at")
+
+    def __init__(self, now: float) -> None:
+        self.chunks: list[Chunk] = []  # contiguous, ascending positions
+        self.call_id: int | None = None  # the call that last carried all of ``chunks`` (None: never sent)
+        self.retry_at = 0.0  # monotonic time before which the server asked us not to send
+        self.last_used = now
+
+    @property
+    def rows(self) -> int:
+        return chunk_rows(self.chunks)
+
+    @property
+    def end(self) -> int:
+        if not self.chunks:
+            return -1
+        pos, arr = self.chunks[-1]
+        return pos + len(arr)
+
+    def take(self, pos: int, limit: int) -> tuple[list[Chunk], int]:
+        """Remove and return the buffered rows that can precede new rows at ``pos``.
+
+        Returns (chunks ending exactly at ``pos``, at most ``limit`` rows; rows dropped).
+        """
+        chunks, self.chunks = self.chunks, []
+        self.call_id = None
+        if not chunks:
+            return [], 0
+        chunks, _superseded = cut_from(chunks, pos)  # rollback / overwrite: the new rows win
+        dropped = 0
+        if chunks and chunks[-1][0] + len(chunks[-1][1]) != pos:  # a gap: useless for resend
+            dropped += chunk_rows(chunks)
+            chunks = []
+        chunks, over = keep_newest(chunks, limit)
+        return chunks, dropped + over
+
+    def store(self, chunks: list[Chunk], limit: int, call_id: int | None) -> int:
+        """Buffer ``chunks`` (what was just sent, or held back) as unacknowledged; rows dropped."""
+        self.chunks, dropped = keep_newest([c for c in chunks if len(c[1])], limit)
+        self.call_id = call_id if self.chunks else None
+        return dropped
+
+    def ack(self, call_id: int, end: int) -> None:
+        """The server applied call ``call_id``'s rows of this session; its context ends at ``end``."""
+        if call_id == self.call_id and end >= 0:
+            self.chunks = cut_below(self.chunks, end)
+            if not self.chunks:
+                self.call_id = None
+
+    def unsent(self) -> None:
+        """The call that carried the rows never left the client: they are buffered, not in flight."""
+        self.call_id = None
