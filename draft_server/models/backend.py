@@ -155,7 +155,7 @@ class DSparkDrafter(Drafter):
             z, ids[:, 0].to(m.device), [it.pos for it in its], ks, [it.sampling for it in its], want_logits
         )
         tokens = res.tokens.cpu().tolist()
-        conf = res.confidence.float().cpu().tolist() if res.confidence is not None else None
+        conf = res.confidence.cpu().tolist() if res.confidence is not None else None
         for r, n in enumerate(act):
             k = ks[r]
             out = outs[n]
