@@ -193,6 +193,7 @@ class DraftClient:
         self._next_hello_at = math.inf
         self._probe_due = False
         self._next_probe_at = math.inf
+        self._ping_queue: list[_PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._waiters: list[Future] = []
         self._rtts: collections.deque[float] = collections.deque(maxlen=cfg.adaptive_window)
@@ -576,7 +577,7 @@ class DraftClient:
         sock_flags = zmq.POLLIN
         try:
             while True:
-                want = zmq.POLLIN | (zmq.POLLOUT if (self._hello_due or self._probe_due) else 0)
+                want = zmq.POLLIN | (zmq.POLLOUT if self._out_due() else 0)
                 if want != sock_flags:
                     poller.modify(self._sock, want)
                     sock_flags = want
@@ -592,17 +593,22 @@ class DraftClient:
                 now = time.monotonic()
                 self._expire(now)
                 self._timers(now)
-                if (self._hello_due or self._probe_due) and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
+                if self._out_due() and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
                     self._send_due(now)
         except Exception:
             log.exception("draft client %s: I/O thread failed; drafting is off for this client", self.cfg.name)
         finally:
             self._shutdown()
 
+    def _out_due(self) -> bool:
+        return self._hello_due or self._probe_due or bool(self._ping_queue)
+
     def _poll_timeout_ms(self, now: float) -> int:
         t = min(now + 1.0, self._next_sweep)
         for p in self._pending.values():
             t = min(t, p.deadline)
+        for q in self._ping_queue:
+            t = min(t, q.deadline)
         if self._need_hello and not self._hello_due:
             t = min(t, self._next_hello_at)
         if self._breaker and not self._probe_due:
@@ -773,11 +779,15 @@ class DraftClient:
         self._hello_due = True
 
     def _do_ping(self, cmd: _PingCmd, now: float) -> None:
+        if not self._send_ping(cmd, now):
+            self._ping_queue.append(cmd)  # no live connection yet: sent when the socket turns writable
+
+    def _send_ping(self, cmd: _PingCmd, now: float) -> bool:
         cid = next(self._ids)
-        if self._try_send(encode(Ping(call_id=cid))):
-            self._pending[cid] = _Pending("ping", cid, cmd.deadline, now, cmd.future)
-        else:
-            self._set_future(cmd.future, None)
+        if not self._try_send(encode(Ping(call_id=cid))):
+            return False
+        self._pending[cid] = _Pending("ping", cid, cmd.deadline, now, cmd.future)
+        return True
 
     def _do_free(self, cmd: _FreeCmd) -> None:
         dropped = 0
@@ -806,6 +816,12 @@ class DraftClient:
                 self._pending[cid] = _Pending("hello", cid, self._next_hello_at, now)
             else:
                 self._next_hello_at = now + 0.02
+        if self._ping_queue:
+            queue, self._ping_queue = self._ping_queue, []
+            for i, cmd in enumerate(queue):
+                if not self._send_ping(cmd, now):
+                    self._ping_queue = queue[i:]
+                    break
         if self._probe_due:
             cid = next(self._ids)
             self._probe_due = False
@@ -826,6 +842,11 @@ class DraftClient:
                 del self._sessions[name]
 
     def _expire(self, now: float) -> None:
+        if self._ping_queue:
+            for cmd in self._ping_queue:
+                if cmd.deadline <= now:
+                    self._set_future(cmd.future, None)
+            self._ping_queue = [c for c in self._ping_queue if c.deadline > now]
         for cid in [c for c, p in self._pending.items() if p.deadline <= now]:
             p = self._pending.pop(cid)
             if p.kind == "step":
@@ -1159,6 +1180,9 @@ class DraftClient:
             elif p.kind == "ping" and p.future is not None:
                 self._set_future(p.future, None)
         self._pending.clear()
+        for q in self._ping_queue:
+            self._set_future(q.future, None)
+        self._ping_queue = []
         while self._cmds:
             cmd = self._cmds.popleft()
             if isinstance(cmd, _StepCall):
