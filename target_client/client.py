@@ -81,6 +81,9 @@ _EXPIRED_KEEP = 4096  # timed-out calls remembered so their late replies can sti
 _MAX_RETRY_AFTER_S = 5.0  # cap on a server's retry hint
 _SWEEP_EVERY_S = 5.0
 _RESULT_GRACE_S = 0.002  # a result the I/O thread has claimed is set within microseconds
+# The I/O thread expires a step this long after the caller's own deadline, so that at the deadline
+# only the caller wakes (it gives up by itself; the I/O thread's expiry is bookkeeping).
+_EXPIRE_GRACE_S = 0.002
 _FREE_CHUNK = 1024  # sessions per Free message
 _APPLIED = (Status.OK, Status.EXPIRED)
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
@@ -606,7 +609,7 @@ class DraftClient:
     def _poll_timeout_ms(self, now: float) -> int:
         t = min(now + 1.0, self._next_sweep)
         for p in self._pending.values():
-            t = min(t, p.deadline)
+            t = min(t, p.deadline + (_EXPIRE_GRACE_S if p.kind == "step" else 0.0))
         for q in self._ping_queue:
             t = min(t, q.deadline)
         if self._need_hello and not self._hello_due:
@@ -847,7 +850,8 @@ class DraftClient:
                 if cmd.deadline <= now:
                     self._set_future(cmd.future, None)
             self._ping_queue = [c for c in self._ping_queue if c.deadline > now]
-        for cid in [c for c, p in self._pending.items() if p.deadline <= now]:
+        late = now - _EXPIRE_GRACE_S
+        for cid in [c for c, p in self._pending.items() if p.deadline <= (late if p.kind == "step" else now)]:
             p = self._pending.pop(cid)
             if p.kind == "step":
                 if p.future is not None:
