@@ -13,8 +13,13 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from protocol import ErrorCode, Status
+
+MESSAGE_KINDS = ("hello", "step", "free", "ping")
+EVICTION_REASONS = ("free", "ttl", "lru", "error")
 
 LATENCY_BUCKETS = (
     0.00005,
@@ -96,6 +101,19 @@ class ServerMetrics:
         self.batch_rows = Histogram(
             "draft_server_batch_rows", "Rows ingested per engine iteration", buckets=SIZE_BUCKETS, registry=r
         )
+
+        self.max_sessions = Gauge("draft_server_max_sessions", "Configured session capacity", registry=r)
+        self.max_queue_rows = Gauge("draft_server_max_queue_rows", "Configured ingest queue bound in rows", registry=r)
+        ProcessCollector(namespace="draft_server", registry=r)  # RSS, CPU, fds of the server process
+        # label children exist from the start, so rate() and increase() see the first event
+        for kind in MESSAGE_KINDS:
+            self.messages.labels(kind)
+        for code in ErrorCode:
+            self.bad_messages.labels(code.name.lower())
+        for status in Status:
+            self.entries.labels(status.name.lower())
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -87,6 +87,8 @@ class DraftServer:
         self.metrics.info.info({"epoch": self.epoch, "model": self.contract.model_name, "contract": self.contract_id})
         self.metrics.kv_capacity.set(drafter.capacity_tokens())
         self.metrics.healthy.set(1)
+        self.metrics.max_sessions.set(cfg.max_sessions)
+        self.metrics.max_queue_rows.set(cfg.max_queue_rows)
         self.engine = Engine(
             drafter,
             self.metrics,
