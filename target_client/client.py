@@ -174,6 +174,7 @@ class DraftClient:
         self._epoch: str | None = None
         self._advised_k = -1
         self._adaptive_ms: float | None = None
+        self._rtt_p99_ms: float | None = None
 
         self._close_lock = threading.Lock()
         self._closed = False
@@ -214,6 +215,9 @@ class DraftClient:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
         os.set_blocking(self._wfd, False)
+        # Guards the write end against close(): a caller racing close() must never write into a
+        # closed (and possibly reused) descriptor. Held for one non-blocking write only.
+        self._wake_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"draft-client-io-{cfg.name}", daemon=True)
         self._thread.start()
 
@@ -394,6 +398,7 @@ class DraftClient:
             contract_id=self._contract_id,
             refused=self._refused,
             budget_ms=self.budget_ms,
+            rtt_p99_ms=self._rtt_p99_ms,
             advised_k=self._advised_k,
             sessions=len(self._sessions),
             pending=len(self._pending),
@@ -413,7 +418,9 @@ class DraftClient:
         if self._thread.is_alive():  # pragma: no cover - would need a wedged libzmq call
             log.error("draft client %s: I/O thread did not stop within %.1f s", self.cfg.name, self.cfg.close_timeout_s)
             return
-        for fd in (self._rfd, self._wfd):
+        with self._wake_lock:
+            wfd, self._wfd = self._wfd, -1
+        for fd in (self._rfd, wfd):
             try:
                 os.close(fd)
             except OSError:
@@ -542,10 +549,13 @@ class DraftClient:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wfd, b"\0")
-        except (BlockingIOError, OSError):
-            pass  # pipe full: a wake-up is already pending (or the client is closed)
+        with self._wake_lock:
+            if self._wfd < 0:
+                return  # closed
+            try:
+                os.write(self._wfd, b"\0")
+            except OSError:
+                pass  # BlockingIOError: the pipe is full, so a wake-up is already pending
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -1156,6 +1166,7 @@ class DraftClient:
             return
         cfg = self.cfg
         p99_ms = float(np.percentile(np.fromiter(self._rtts, dtype=np.float64), 99)) * 1000.0
+        self._rtt_p99_ms = p99_ms
         self._adaptive_ms = min(max(cfg.adaptive_multiplier * p99_ms, cfg.adaptive_min_ms), cfg.budget_ms)
         if cfg.adaptive_budget:
             self._m.budget.set(self._adaptive_ms / 1000.0)
