@@ -266,8 +266,8 @@ class DraftClient:
         client keeps trying in the background either way). wait=False: None at once; the
         handshake goes on in the background and steps return empty drafts until it succeeds.
         """
-        if self._closed:
-            raise DraftClientError("client is closed")
+        if self._closed or self._gate == "closed":
+            raise DraftClientError("client is closed (or its I/O thread failed; see the log)")
         self._connect_requested = True
         fut: Future | None = Future() if wait else None
         self._submit(_Connect(fut))
@@ -342,7 +342,7 @@ class DraftClient:
     def free(self, sessions: Iterable[str]) -> None:
         """Release sessions on the server (fire-and-forget) and drop their client-side state."""
         names = tuple(sessions)
-        if not names or self._closed:
+        if not names or self._closed or self._gate == "closed":
             return
         self._submit(_FreeCmd(names))
 
@@ -350,7 +350,7 @@ class DraftClient:
         """A Pong from the server within ``timeout_ms``, else None."""
         if not (math.isfinite(timeout_ms) and timeout_ms > 0):
             raise ValueError(f"timeout_ms must be finite and > 0, got {timeout_ms}")
-        if self._closed:
+        if self._closed or self._gate == "closed":
             return None
         deadline = time.monotonic() + timeout_ms / 1000.0
         fut: Future = Future()
@@ -955,6 +955,9 @@ class DraftClient:
             self._late(p, now, late)
             return
         self._misses = 0
+        if self._breaker:  # a call that was in flight when the breaker opened came back in time
+            self._close_breaker()
+            self._misses = 0
         self._advised_k = msg.advised_k
         for r in msg.results:
             self._m_entries[r.status].inc()
@@ -1213,10 +1216,7 @@ class DraftClient:
         if self._gauge_on:
             self._gauge_on = False
             self._m.breaker_open.dec()
-        try:
-            self._sock.close(linger=0)
-        finally:
-            self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
 
 
 def _entry_error(e: StepEntry, contract: ModelContract | None, limits: ServerLimits | None) -> str | None:

@@ -2,8 +2,9 @@
 
 It speaks the real protocol (protocol.codec / protocol.validate) and keeps positional sessions
 per client identity, but what it answers is scripted: per Step a policy returns "ok", "drop",
-("delay", seconds), "garbage", "overloaded", "internal", "error" or "short" (wrong result
-count). Epoch, contract and contract_id are plain attributes a test may change at any time.
+("delay", seconds), "garbage", "overloaded", "internal", "error", "short" (wrong result
+count), "probs" (drafts with confidence and top-2 probability frames) or a dict
+{session: "overloaded"}. Epoch, contract and contract_id are plain attributes a test may change at any time.
 Delayed replies are scheduled, never slept on, so one slow reply never holds up another.
 Every request it receives is recorded (Step headers with a copy of their tap frame).
 """
@@ -41,6 +42,7 @@ from protocol import (
     Welcome,
     decode_request,
     encode,
+    spec_for,
     validate_step,
 )
 
@@ -221,6 +223,7 @@ class FakeServer:
                 self._send(ident, Error(msg.call_id, ErrorCode.INTERNAL, "scripted failure", self.epoch), delay=delay)
                 return
             results = []
+            frames: list[bytes] = []
             for e in msg.entries:
                 if action == "overloaded" or (isinstance(action, dict) and action.get(e.session) == "overloaded"):
                     results.append(EntryResult(Status.OVERLOADED, retry_after_ms=self.retry_after_ms))
@@ -235,11 +238,19 @@ class FakeServer:
                 end = e.pos + e.rows
                 self.sessions[key] = (start, end)
                 drafts = tuple(fake_drafts(e.session, end, e.anchor, e.k))
+                if action == "probs":  # top-2 probabilities per draft, in two payload frames
+                    probs = np.full((e.k, 2), 0.25, np.float32)
+                    ids = np.array([[t, (t + 1) % self.contract.vocab_size] for t in drafts], np.int32).reshape(e.k, 2)
+                    ps, ids_spec = spec_for(probs, DType.F32, len(frames)), spec_for(ids, DType.I32, len(frames) + 1)
+                    frames += [probs.tobytes(), ids.tobytes()]
+                    conf = tuple(0.5 for _ in drafts)
+                    results.append(EntryResult(Status.OK, drafts, end, confidence=conf, probs=ps, prob_ids=ids_spec))
+                    continue
                 results.append(EntryResult(Status.OK, drafts=drafts, end=end))
             if action == "short":
                 results = results[:-1]
             reply = StepResult(msg.call_id, self.epoch, self._cid(), tuple(results), Timing(0.0, 0.0, 0.0))
-            self._send(ident, reply, delay=delay)
+            self._send(ident, reply, frames, delay=delay)
 
 
 def _pipe() -> tuple[int, int]:

@@ -356,6 +356,33 @@ def test_internal_error_reply_and_short_reply_give_empty_drafts(server, clients)
     assert st["errors"] == 2 and st["ok"] == 2 and st["bad_replies"] == 1
 
 
+def test_confidence_and_probability_frames_are_decoded(server, clients) -> None:
+    server.policy = lambda step, n: "probs"
+    client = clients(cfg(server.endpoint))
+    client.connect()
+    reqs = [req("a", 0, 1, k=3), req("b", 0, 1, k=2)]
+    out = timed_step(client, reqs, taps_for(2, 0))
+    for r, o in zip(reqs, out, strict=True):
+        assert o.tokens == expected(r) and o.confidence == [0.5] * r.k
+        assert o.probs is not None and o.probs.dtype == np.float32 and o.probs.shape == (r.k, 2)
+        assert o.prob_ids is not None and o.prob_ids[:, 0].tolist() == o.tokens
+
+
+def test_a_dead_io_thread_turns_drafting_off_without_raising(server, clients, monkeypatch) -> None:
+    client = clients(cfg(server.endpoint))
+    client.connect()
+
+    def boom(now: float) -> None:
+        raise RuntimeError("injected I/O thread failure")
+
+    monkeypatch.setattr(client, "_timers", boom)
+    client.ping(50.0)  # wakes the I/O thread, which now dies
+    assert until(lambda: not client._thread.is_alive())
+    assert timed_step(client, [req("a", 0, 1)], taps_for(1, 0))[0].tokens == []
+    assert client.stats()["gate"] == "closed" and client.ping(10.0) is None
+    client.free(["a"])  # no effect, no raise
+
+
 def test_garbage_reply_never_raises(server, clients) -> None:
     server.policy = lambda step, n: "garbage" if n == 0 else "ok"
     client = clients(cfg(server.endpoint))
