@@ -1,0 +1,194 @@
+"""A synthetic target engine: drives a DraftClient the way a decoding engine would.
+
+Sessions arrive (staggered), stream a prefill, then decode: each step commits 1..k+1 rows
+(anchor plus accepted drafts, acceptance drawn at random), sends one Step for the whole batch,
+and finishes after a random number of steps with a Free. Taps are random bf16 bit patterns
+taken as zero-copy slices of a pre-made pool. Every call is recorded (wait, statuses, drafts)
+for the demo, the benchmark and the soak. Uses the client only: no server code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol import ModelContract, Status
+from target_client.api import StepRequest
+from target_client.client import DraftClient
+
+
+@dataclass(slots=True)
+class CallRecord:
+    t: float  # seconds since the run started
+    wait_ms: float  # how long step() took
+    budget_ms: float
+    sessions: int
+    rows: int
+    drafted: int  # entries that got drafts
+    wanted: int  # entries that asked for drafts
+    tokens: int
+    statuses: dict[str, int]
+    bad_tokens: int = 0  # drafts outside the vocab or of the wrong count (must stay 0)
+
+
+@dataclass(slots=True)
+class _Session:
+    sid: str
+    end: int = 0  # committed context end
+    steps_left: int = 0
+    prefilled: bool = False
+
+
+@dataclass
+class SyntheticTarget:
+    client: DraftClient
+    contract: ModelContract
+    name: str = "engine"
+    sessions: int = 8  # concurrent sessions
+    total_sessions: int = 0  # sessions over the whole run (0: sessions, no replacement)
+    k: int = 0  # drafts per step (0: the contract's block size)
+    prefill_rows: tuple[int, int] = (16, 256)
+    decode_steps: tuple[int, int] = (20, 60)
+    accept_p: float = 0.6  # chance each further draft is accepted
+    stagger_steps: int = 1  # a new session joins every this many steps at the start
+    seed: int = 0
+    pool_rows: int = 8192
+    records: list[CallRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = np.random.default_rng(self.seed)
+        self.k = self.k or self.contract.block_size
+        self.total_sessions = self.total_sessions or self.sessions
+        width = self.contract.tap_width
+        self.pool = self.rng.integers(0, 1 << 16, size=(self.pool_rows, width), dtype=np.uint16)
+        self._pool_off = 0
+        self._started = 0
+        self._active: list[_Session] = []
+
+    def _taps(self, rows: int) -> np.ndarray | None:
+        if rows == 0:
+            return None
+        if rows > self.pool_rows:
+            return self.rng.integers(0, 1 << 16, size=(rows, self.contract.tap_width), dtype=np.uint16)
+        if self._pool_off + rows > self.pool_rows:
+            self._pool_off = 0
+        out = self.pool[self._pool_off : self._pool_off + rows]
+        self._pool_off += rows
+        return out
+
+    def _admit(self, step_no: int) -> None:
+        while (
+            len(self._active) < self.sessions
+            and self._started < self.total_sessions
+            and (self._started < self.sessions and step_no >= self._started * self.stagger_steps
+                 or self._started >= self.sessions)
+        ):
+            lo, hi = self.decode_steps
+            s = _Session(f"{self.name}-s{self._started}", steps_left=int(self.rng.integers(lo, hi + 1)))
+            self._active.append(s)
+            self._started += 1
+
+    @property
+    def done(self) -> bool:
+        return self._started >= self.total_sessions and not self._active
+
+    def step(self, step_no: int, t0: float) -> CallRecord | None:
+        """One engine step for every active session; returns its record (None when idle)."""
+        self._admit(step_no)
+        if not self._active:
+            return None
+        reqs: list[StepRequest] = []
+        for s in self._active:
+            if not s.prefilled:
+                rows = int(self.rng.integers(self.prefill_rows[0], self.prefill_rows[1] + 1))
+                s.prefilled = True
+            else:  # anchor of the last step plus the drafts it accepted
+                accepted = 0
+                while accepted < self.k and self.rng.random() < self.accept_p:
+                    accepted += 1
+                rows = 1 + accepted
+            anchor = int(self.rng.integers(0, self.contract.vocab_size))
+            reqs.append(StepRequest(s.sid, s.end, rows, anchor, self.k))
+            s.end += rows
+        total_rows = sum(r.rows for r in reqs)
+        taps = self._taps(total_rows)
+        start = time.perf_counter()
+        replies = self.client.step(reqs, taps)
+        wait_ms = (time.perf_counter() - start) * 1000.0
+        statuses: dict[str, int] = {}
+        drafted = tokens = bad = 0
+        for r in replies:
+            key = r.status.name.lower() if r.status is not None else "none"
+            statuses[key] = statuses.get(key, 0) + 1
+            if r.tokens:
+                drafted += 1
+                tokens += len(r.tokens)
+                if len(r.tokens) != self.k or not all(0 <= t < self.contract.vocab_size for t in r.tokens):
+                    bad += 1
+            elif r.status == Status.OK:
+                bad += 1  # OK with k>0 must carry k drafts
+        rec = CallRecord(
+            t=start - t0,
+            wait_ms=wait_ms,
+            budget_ms=self.client.budget_ms if hasattr(self.client, "budget_ms") else 0.0,
+            sessions=len(reqs),
+            rows=total_rows,
+            drafted=drafted,
+            wanted=len(reqs),
+            tokens=tokens,
+            statuses=statuses,
+            bad_tokens=bad,
+        )
+        self.records.append(rec)
+        finished = []
+        for s in self._active:
+            s.steps_left -= 1
+            if s.steps_left <= 0:
+                finished.append(s)
+        if finished:
+            self.client.free([s.sid for s in finished])
+            self._active = [s for s in self._active if s.steps_left > 0]
+        return rec
+
+    def run(self, max_steps: int = 1_000_000, duration_s: float | None = None, step_interval_s: float = 0.0) -> None:
+        t0 = time.perf_counter()
+        for step_no in range(max_steps):
+            if self.done or (duration_s is not None and time.perf_counter() - t0 > duration_s):
+                break
+            self.step(step_no, t0)
+            if step_interval_s:
+                time.sleep(step_interval_s)
+        if self._active:  # a run cut short still frees what it holds
+            self.client.free([s.sid for s in self._active])
+            self._active = []
+
+
+def summarize(records: list[CallRecord]) -> dict:
+    """Latency percentiles and throughput of a list of call records."""
+    if not records:
+        return {"calls": 0}
+    waits = np.array([r.wait_ms for r in records])
+    span = max(r.t + r.wait_ms / 1000 for r in records) - min(r.t for r in records)
+    tokens = sum(r.tokens for r in records)
+    statuses: dict[str, int] = {}
+    for r in records:
+        for k, v in r.statuses.items():
+            statuses[k] = statuses.get(k, 0) + v
+    return {
+        "calls": len(records),
+        "entries": sum(r.sessions for r in records),
+        "rows": sum(r.rows for r in records),
+        "drafted_entries": sum(r.drafted for r in records),
+        "fallback_entries": sum(r.wanted - r.drafted for r in records),
+        "tokens": tokens,
+        "bad_tokens": sum(r.bad_tokens for r in records),
+        "wait_ms_p50": float(np.percentile(waits, 50)),
+        "wait_ms_p90": float(np.percentile(waits, 90)),
+        "wait_ms_p99": float(np.percentile(waits, 99)),
+        "wait_ms_max": float(waits.max()),
+        "calls_per_s": len(records) / span if span > 0 else 0.0,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "statuses": statuses,
+    }
