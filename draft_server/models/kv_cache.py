@@ -111,7 +111,7 @@ class PagedKVCache:
         return np.asarray(s.pages, dtype=np.int64)[lp] * P + positions % P
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """rows [num_layers, R, *token_shape] -> their slots (last write wins within a call)."""
+        """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
         self._flat.index_copy_(1, slots, rows.to(self.data.dtype))
 
     def gather_plan(self, spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
