@@ -10,7 +10,7 @@ same run:
   drafter's compute time; overhead = wait - compute.
 
 Writes JSON (machine, command, numbers) and prints a short table.
-Usage: python bench/bench_rpc.py [--iters 300] [--out bench/rpc_loopback.json]
+Usage: draft-bench [--iters 300] [--out bench/rpc_loopback.json]   (or python -m draft_server.bench)
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import time
 import numpy as np
 import zmq
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from protocol import DType, ModelContract  # noqa: E402
+from protocol import DType, ModelContract
 
 K3 = ModelContract(
     model_name="checksum-k3",
@@ -75,7 +72,10 @@ def serve_echo(endpoint: str) -> None:
 
 def spawn(mode: str, endpoint: str) -> subprocess.Popen:
     p = subprocess.Popen(
-        [sys.executable, __file__, f"--{mode}", endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "draft_server.bench", f"--{mode}", endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert p.stdout is not None and p.stdout.readline().startswith("READY")
     return p
@@ -142,7 +142,7 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "rpc_loopback.json"))
+    ap.add_argument("--out", default="bench/rpc_loopback.json")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 floor = bench_floor(ep_echo, n, rows, args.iters)
                 prod = bench_product(ep_srv, n, rows, args.iters)
                 mb = n * rows * K3.tap_width * 2 / 1e6
-                results.append({"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "floor": floor,
-                                "product": prod})
+                results.append(
+                    {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "floor": floor, "product": prod}
+                )
                 print(
                     f"{payload:5s} B={n:3d} {mb:6.2f} MB  floor p50 {floor['p50_ms']:7.3f} ms | "
                     f"client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | "
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             p.kill()
     out = {
         "benchmark": "rpc_loopback",
-        "command": " ".join([os.path.relpath(sys.executable, ROOT), *sys.argv]),
+        "command": "python -m draft_server.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),
