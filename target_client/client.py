@@ -85,6 +85,7 @@ _RESULT_GRACE_S = 0.002  # a result the I/O thread has claimed is set within mic
 # only the caller wakes (it gives up by itself; the I/O thread's expiry is bookkeeping).
 _EXPIRE_GRACE_S = 0.002
 _FREE_CHUNK = 1024  # sessions per Free message
+_COMMANDS_PER_ITERATION = 256
 _APPLIED = (Status.OK, Status.EXPIRED)
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 
@@ -617,6 +618,8 @@ class DraftClient:
         return self._hello_due or self._probe_due or bool(self._ping_queue)
 
     def _poll_timeout_ms(self, now: float) -> int:
+        if self._cmds:
+            return 0  # commands left over from a bounded drain
         t = min(now + 1.0, self._next_sweep)
         for p in self._pending.values():
             t = min(t, p.deadline + (_EXPIRE_GRACE_S if p.kind == "step" else 0.0))
@@ -636,8 +639,10 @@ class DraftClient:
             pass
 
     def _drain_commands(self, now: float) -> None:
+        # Bounded: callers may keep appending (e.g. fast breaker-open steps); timers, expiry and
+        # replies must still run every iteration. Leftovers make the next poll return at once.
         cmds = self._cmds
-        while cmds:
+        for _ in range(min(len(cmds), _COMMANDS_PER_ITERATION)):
             cmd = cmds.popleft()
             try:
                 if isinstance(cmd, _StepCall):
