@@ -494,6 +494,45 @@ def test_breaker_opens_after_misses_and_a_pong_closes_it(server, clients) -> Non
     assert client.stats()["breaker_opens"] == 1
 
 
+def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
+    # Regression: the I/O thread once drained its command queue until empty, so callers
+    # stepping fast against an open breaker starved the timers and no probe ever went out.
+    server.policy = lambda step, n: "drop"
+    server.answer_pings = False
+    client = clients(cfg(server.endpoint, breaker_failures=2, breaker_backoff_ms=30.0))
+    client.connect()
+    for i in range(2):
+        timed_step(client, [req("x", i, 1)], taps_for(1, i), MISS_BUDGET)
+    assert until(lambda: client.breaker_open)
+    stop = threading.Event()
+    errors: list[str] = []
+    row = taps_for(1, 0)
+
+    def flood(name: str) -> None:
+        i = 0
+        try:
+            while not stop.is_set():
+                timed_step(client, [req(name, i, 1)], row, MISS_BUDGET)
+                i += 1
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=flood, args=(f"f{j}",)) for j in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        pings = server.count("ping")
+        assert until(lambda: server.count("ping") >= pings + 3)  # probing goes on under the flood
+        server.answer_pings = True
+        assert until(lambda: client.stats()["breaker_state"] == "closed" or client.stats()["breaker_opens"] > 1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert not errors, errors[:3]
+    assert client.stats()["outcome_breaker_open"] > 100
+
+
 def test_server_absent_engine_still_runs_then_server_appears(clients) -> None:
     port = FakeServer(port=None)  # reserve a free port, then release it
     endpoint, free_port = port.endpoint, port.port
