@@ -77,10 +77,19 @@ class ClientMetrics:
             "draft_client_contract_changes", "Replies whose contract_id differed from the verified one", **kw
         )
         self.breaker_opens = Counter("draft_client_breaker_opens", "Times the circuit breaker opened", **kw)
+        # multiprocess_mode only matters under PROMETHEUS_MULTIPROC_DIR (vLLM's API server export).
         self.breaker_open = Gauge(
-            "draft_client_breaker_open", "Clients (of this registry) whose circuit breaker is open now", **kw
+            "draft_client_breaker_open",
+            "Clients (of this registry) whose circuit breaker is open now",
+            multiprocess_mode="livesum",
+            **kw,
         )
-        self.budget = Gauge("draft_client_budget_seconds", "Current default step budget (adaptive or fixed)", **kw)
+        self.budget = Gauge(
+            "draft_client_budget_seconds",
+            "Current default step budget (adaptive or fixed)",
+            multiprocess_mode="livemax",
+            **kw,
+        )
         for o in OUTCOMES:
             self.steps.labels(o)
         for s in ENTRY_STATUSES:
