@@ -130,7 +130,7 @@ class DSparkDrafter(Drafter):
 
     @torch.inference_mode()
     def draft_debug(self, items: Sequence[DraftItem]) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
-        """Like ``draft``, plus each session's per-step logits [k, draft_vocab] (acc dtype)."""
+        """Like ``draft``, plus each session's per-step logits [k, draft_vocab] (acc dtype, on the CPU)."""
         return self._draft(items, want_logits=True)
 
     def _draft(self, items: Sequence[DraftItem], want_logits: bool) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
@@ -165,7 +165,7 @@ class DSparkDrafter(Drafter):
             if res.probs[r] is not None:
                 out.probs, out.prob_ids = res.probs[r]
             if res.logits is not None:
-                logits[n] = res.logits[r, :k]
+                logits[n] = res.logits[r, :k].cpu()
         return outs, logits
 
     def close(self) -> None:

@@ -78,14 +78,16 @@ class Rope:
 def block_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Grouped attention without repeating K/V per head.
+    """Grouped attention that never repeats K/V per head.
 
     q [N, G, g, B, D] (G kv groups of g query heads, B block rows), k [N, G, S, D],
     v [N, G, S, Dv], mask [N, B, S] bool (True = visible). Returns [N, G, g, B, Dv].
-    Scores and softmax run in the accumulation dtype.
+    The g heads are folded into the row dimension, so both products are plain batched GEMMs
+    over (N, G) and K/V are read in place; scores and softmax run in the accumulation dtype.
     """
+    N, G, g, B, D = q.shape
     acc = acc_dtype(q.dtype)
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).to(acc) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v.unsqueeze(2))
+    scores = torch.matmul(q.reshape(N, G, g * B, D), k.transpose(-1, -2)).to(acc) * scale
+    scores = scores.view(N, G, g, B, -1).masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(N, G, g * B, -1)
+    return torch.matmul(probs, v).view(N, G, g, B, -1)
