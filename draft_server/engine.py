@@ -331,9 +331,10 @@ class Engine:
         self.metrics.rows_ingested.inc(n_rows)
         self.metrics.batch_rows.observe(n_rows)
         self.metrics.batch_sessions.observe(len(drafts))
+        for call in {id(w.call): w.call for _, w in placed}.values():
+            call.compute_s += dt  # once per call: its entries shared this batch
         for s, w in placed:
             s.pending.popleft()
-            w.call.compute_s += dt
             self._ingested(w.rows)
             w.taps = None
         for (_s, w), out in zip(drafts, outs, strict=True):

@@ -59,6 +59,7 @@ from protocol import (
     Step,
     StepEntry,
     StepResult,
+    Timing,
     Welcome,
 )
 from protocol.codec import NUMPY_DTYPE, ProtocolError, decode_reply, encode, spec_for, tensor
@@ -163,6 +164,7 @@ class DraftClient:
         self._m_entries = {s: self._m.entries.labels(s.name.lower()) for s in Status}
         self._m_entries_skipped = self._m.entries.labels("skipped")
         self._m.budget.set(cfg.budget_ms / 1000.0)
+        self.last_timing: Timing | None = None  # server timing of the latest on-time StepResult
 
         # Counters written by both sides (tiny critical sections, never around I/O).
         self._stats_lock = threading.Lock()
@@ -956,6 +958,7 @@ class DraftClient:
             elif r.status == Status.OVERLOADED and r.retry_after_ms > 0:
                 s.retry_at = now + min(r.retry_after_ms / 1000.0, _MAX_RETRY_AFTER_S)
         self._note_epoch(msg.epoch)  # after the acks: this reply's own acks stand
+        self.last_timing = msg.timing  # set before the future resolves, so a lone caller sees its own
         if late or not self._resolve(p.future, self._replies(p, msg.results, payloads), "ok"):
             self._late(p, now, late)
             return

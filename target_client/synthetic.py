@@ -82,8 +82,10 @@ class SyntheticTarget:
         while (
             len(self._active) < self.sessions
             and self._started < self.total_sessions
-            and (self._started < self.sessions and step_no >= self._started * self.stagger_steps
-                 or self._started >= self.sessions)
+            and (
+                (self._started < self.sessions and step_no >= self._started * self.stagger_steps)
+                or self._started >= self.sessions
+            )
         ):
             lo, hi = self.decode_steps
             s = _Session(f"{self.name}-s{self._started}", steps_left=int(self.rng.integers(lo, hi + 1)))
