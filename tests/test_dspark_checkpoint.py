@@ -15,9 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draft_server.drafter import DraftItem, IngestItem
 from draft_server.models import CheckpointError, load_drafter, parse_config
 from draft_server.models.config import expected_shapes
 from draft_server.models.tiny import K3_CONFIG, QWEN3_CONFIG, main, make_tiny
+from protocol import GREEDY
 
 # The Inferact / TorchSpec K3 DSpark config.json as published (dspark.md §1.1, tokenspeed fixture).
 INFERACT_K3 = {
@@ -128,6 +130,12 @@ def test_draft_without_head_needs_the_target(tmp_path):
     assert "no lm_head.weight; pass the target model directory" in load_err(p.draft, None)
 
 
+def test_kv_budget_below_one_page_fails_before_loading(tmp_path):
+    p = make_tiny("k3", str(tmp_path))
+    with pytest.raises(CheckpointError, match="below one KV page"):
+        load_drafter(p.draft, p.target, "cpu", "float32", kv_budget_bytes=100)
+
+
 def test_unexpected_tensor_is_named(tmp_path):
     p = make_tiny("k3", str(tmp_path))
     extra = {"layers.0.self_attn.g_proj.weight": torch.zeros(96, 64)}
@@ -195,4 +203,10 @@ def test_make_tiny_cli_writes_both_layouts(tmp_path, capsys):
     for d in ("q", "k"):
         drafter = load_drafter(str(tmp_path / d), str(tmp_path / d / "target"), "cpu", "bf16", 1 << 20)
         assert drafter.contract.has_confidence and drafter.capacity_tokens() > 0
+        c = drafter.contract
+        rows = torch.randn(5, c.tap_width).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+        assert drafter.reserve(1, 0, 5)
+        drafter.ingest([IngestItem(1, 0, 0, rows)])
+        out = drafter.draft([DraftItem(1, 0, 5, 3, c.block_size, GREEDY)])[0]  # bf16 end to end on CPU
+        assert len(out.tokens) == c.block_size and all(0 <= t < c.vocab_size for t in out.tokens)
     assert load_drafter(str(tmp_path / "q"), str(tmp_path / "q" / "target"), "cpu", "fp32", 1 << 20).cfg.causal

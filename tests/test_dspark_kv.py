@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draft_server.drafter import DraftItem, IngestItem
 from draft_server.models import load_drafter
@@ -50,6 +52,45 @@ def test_reserve_holds_exactly_the_span():
     assert kv.reserve(2, 7, 7) and kv.used_tokens() == 0  # empty span holds nothing
     with pytest.raises(RuntimeError, match="no pages reserved"):
         kv.slots(2, np.array([7]))
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["reserve", "release"]), st.integers(0, 3), st.integers(0, 60), st.integers(0, 30)),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_reserve_release_invariants(seq):
+    """Against a plain model: a session holds exactly the pages covering its last granted span."""
+    P, pages = 4, 8
+    kv = PagedKVCache(1, (1,), num_pages=pages, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    held: dict[int, tuple[int, int]] = {}
+
+    def npages(span: tuple[int, int]) -> int:
+        a, b = span
+        return 0 if b <= a else (b - 1) // P - a // P + 1
+
+    for op, key, start, length in seq:
+        if op == "release":
+            kv.release(key)
+            held.pop(key, None)
+        else:
+            span = (start, start + length)
+            others = sum(npages(s) for k, s in held.items() if k != key)
+            ok = kv.reserve(key, *span)
+            assert ok == (others + npages(span) <= pages)
+            if ok:
+                held[key] = span
+        assert kv.used_tokens() == P * sum(npages(s) for s in held.values())
+        for k, (a, b) in held.items():
+            assert kv.held_tokens(k) == P * npages((a, b))
+            if b > a:
+                slots = kv.slots(k, np.arange(a, b))
+                assert len(set(slots.tolist())) == b - a  # distinct slots, no sharing across positions
+        all_pages = [p for k in held for p in kv._sessions[k].pages]
+        assert len(all_pages) == len(set(all_pages))  # no page owned twice
 
 
 def test_capacity_comes_from_the_budget(drafter):

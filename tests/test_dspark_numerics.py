@@ -1,7 +1,8 @@
 """Must-show 1: the batched, paged implementation equals the plain float64 reference.
 
-Random tiny checkpoints of both families (and variants: causal block, YaRN, attention bias, a
-pruned draft vocabulary with d2t, 96-style heads that do not divide hidden). Several sessions of
+Random tiny checkpoints of both families and variants: causal block, DeepSeek-YaRN (K3) and
+YaRN (Qwen3), logit_scale, no Markov head, attention bias, a pruned draft vocabulary with d2t,
+MLA heads that do not divide hidden (6 and 5 heads over 64). Several sessions of
 different lengths go through multi-step appends, overwrites after a rejected block and gap
 restarts, all sessions batched in every ingest/draft call. Greedy drafts must be
 token-identical and every step's logits within 1e-4 relative (max abs diff / max abs logit).
@@ -25,11 +26,14 @@ from tests.dspark_reference import Reference, processed_probs
 
 CASES = {
     "k3": ("k3", {}),
-    "k3-causal-yarn": (
+    "k3-causal-yarn-nomarkov": (
         "k3",
         {
             "is_causal": True,
             "num_attention_heads": 5,
+            "markov_rank": 0,
+            "confidence_head_with_markov": False,
+            "logit_scale": 0.5,
             "rope_parameters": {
                 "rope_type": "yarn",
                 "factor": 8.0,
@@ -43,9 +47,15 @@ CASES = {
         },
     ),
     "qwen3": ("qwen3", {}),
-    "qwen3-causal-pruned-bias": (
+    "qwen3-causal-pruned-bias-yarn": (
         "qwen3",
-        {"is_causal": True, "draft_vocab_size": 200, "attention_bias": True, "enable_confidence_head": False},
+        {
+            "is_causal": True,
+            "draft_vocab_size": 200,
+            "attention_bias": True,
+            "enable_confidence_head": False,
+            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        },
     ),
 }
 

@@ -202,6 +202,9 @@ def load_drafter(
     tdtype = DTYPES[dtype]
     dev = torch.device(device)
     cfg = load_config(model_dir)
+    page_bytes = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.kv_token_shape, tdtype) * page_size
+    if kv_budget_bytes is not None and kv_budget_bytes < page_bytes:
+        raise CheckpointError(f"kv_budget_bytes {kv_budget_bytes} is below one KV page ({page_bytes} bytes)")
     ck = Checkpoint(model_dir)
     names = validate_draft(ck, cfg)
     need_head = "lm_head.weight" not in ck
