@@ -210,3 +210,24 @@ def test_make_tiny_cli_writes_both_layouts(tmp_path, capsys):
         out = drafter.draft([DraftItem(1, 0, 5, 3, c.block_size, GREEDY)])[0]  # bf16 end to end on CPU
         assert len(out.tokens) == c.block_size and all(0 <= t < c.vocab_size for t in out.tokens)
     assert load_drafter(str(tmp_path / "q"), str(tmp_path / "q" / "target"), "cpu", "fp32", 1 << 20).cfg.causal
+
+
+def test_k3_uses_the_target_embedding_like_vllm(tmp_path):
+    """vLLM's K3 loader drops the draft's frozen embed copy and aliases the target's: so do we."""
+    p = make_tiny("k3", str(tmp_path))
+    c = load_drafter(p.draft, p.target, "cpu", "float32", 1 << 20).contract
+    rows = torch.randn(6, c.tap_width).to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+
+    def drafts() -> list[int]:
+        d = load_drafter(p.draft, p.target, "cpu", "float32", 1 << 20)
+        assert d.reserve(1, 0, 6)
+        d.ingest([IngestItem(1, 0, 0, rows)])
+        return d.draft([DraftItem(1, 0, 6, 3, c.block_size, GREEDY)])[0].tokens
+
+    before = drafts()
+    emb = torch.zeros(320, 64, dtype=torch.bfloat16)
+    edit_tensors(os.path.join(p.draft, "model.safetensors"), replace={"embed_tokens.weight": emb})
+    assert drafts() == before
+    # without the target directory the draft's own copy is what there is (tokenspeed's choice)
+    with pytest.raises(CheckpointError, match=r"no lm_head\.weight"):
+        load_drafter(p.draft, None, "cpu", "float32", 1 << 20)

@@ -7,6 +7,10 @@ per-step logits as well (the numerics tests compare them with the float64 refere
 
 Context for a draft is exactly [DraftItem.start, DraftItem.pos): positions outside it are
 masked, so stale rows of a gap restart or a rejected block can never leak in.
+
+CUDA: runs eagerly today. Shapes are bucket-friendly for graphs later: B is fixed, the gathered
+context width is page-granular (pad the page table to a bucket), N can be padded with dummy
+sessions (their block rows always see themselves, so no row is fully masked).
 """
 
 from __future__ import annotations
@@ -207,18 +211,20 @@ def load_drafter(
         raise CheckpointError(f"kv_budget_bytes {kv_budget_bytes} is below one KV page ({page_bytes} bytes)")
     ck = Checkpoint(model_dir)
     names = validate_draft(ck, cfg)
-    need_head = "lm_head.weight" not in ck
-    need_embed = "embed_tokens.weight" not in ck
+    # Which embedding / lm_head, as vLLM 0.32 does it: K3 drops the draft's frozen copies and
+    # uses the target's (its weight mapper maps them to None); Qwen3 DSpark keeps the draft's own
+    # when present (has_own_embed_tokens / has_own_lm_head) and takes the rest from the target.
+    if cfg.variant == K3 and target_model_dir is not None:
+        names = [n for n in names if n not in ("embed_tokens.weight", "lm_head.weight")]
+    need_head = "lm_head.weight" not in names
+    need_embed = "embed_tokens.weight" not in names
     if target_model_dir is None:
         if need_head or need_embed:
             what = "lm_head.weight" if need_head else "embed_tokens.weight"
             raise CheckpointError(f"{model_dir}: the draft has no {what}; pass the target model directory")
         target = {}
-    else:
+    else:  # the target head is shape-checked against the config even when the draft has its own
         target = load_target_head(target_model_dir, cfg, need_head, need_embed)
-        if not need_head and not cfg.pruned_vocab:  # prefer the target's own head over a copy
-            names = [n for n in names if n != "lm_head.weight"]
-            target.update(load_target_head(target_model_dir, cfg, True, False))
     raw = ck.load(names)
     raw.update(target)
     w: dict[str, torch.Tensor] = {}
