@@ -5,7 +5,7 @@ engine start costs 15-40 s on 2 cores, so each engine lives in a ``tests/vllm_dr
 subprocess and serves several scenarios; the reference outputs come from one plain engine with
 the same settings. Every engine uses a tiny random fp32 Qwen3 target (4 layers, hidden 64,
 vocab 32000: the checksum drafter's contract), ``max_num_seqs=4``, ``max_num_batched_tokens=64``
-(chunked prefill, queueing) and a KV cache of 24 blocks of 16 tokens (preemption).
+(chunked prefill, queueing) and a KV cache of 9 blocks of 32 tokens (preemption).
 
 What each test proves:
 
@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DRIVER = ROOT / "tests" / "vllm_driver.py"
 K = 3
 HIDDEN, VOCAB, LAYERS = 64, 32000, 4
-ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=24)
+ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=9, block_size=32)
 TIMINGS: dict[str, float] = {}
 
 
@@ -480,3 +480,105 @@ def test_taps_rows_positions_match_hf(tiny_target: str, reference: dict[str, Any
         assert err[t] < 1e-2, f"aux id {t} != HF hidden_states[{t}] (rel err {err[t]})"
         assert err_shift[t] > 0.1
     _report("taps_test", t0)
+
+
+def _wait_welcomed(drv: Driver, timeout: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        d = drv.stats()["drafter"]
+        if d["client"]["gate"] == "open_for_steps" or time.monotonic() > deadline:
+            return d
+        time.sleep(0.3)
+
+
+def test_remote_equals_plain(tiny_target: str, reference: dict[str, Any]) -> None:
+    """Real server (checksum drafter): equality under chunked prefill, queueing, preemption, a
+    prefix-cache hit, and a server killed and restarted mid-generation; zero sessions after each."""
+    t0 = time.monotonic()
+    srv = ServerProc().start()
+    drv = Driver(tiny_target, K, remote_env(srv.endpoint))
+    TIMINGS["remote_startup"] = drv.startup_s
+    try:
+        # chunked prefill + queueing (10 prompts, max_num_seqs 4, 64-token batches) + preemption
+        assert drv.run("batch") == reference["batch"]
+        d = drv.stats()["drafter"]
+        assert d.get("internal_errors", 0) == 0
+        assert d["drafted_requests"] > 0 and d["client"]["ok"] > 0
+        assert d["preempted"] > 0 and d["rollbacks"] > 0, f"expected preemption with 9 KV blocks: {d}"
+        assert d["live_requests"] == 0 and d["freed"] >= len(WORKLOADS["batch"][0][0])
+        assert wait_sessions_zero(srv.metrics_port) == 0
+
+        # prefix-cache hit: the 2nd phase's requests start at pos > 0 (no hidden states for cached tokens)
+        before = d.get("prefix_starts", 0)
+        assert drv.run("prefix") == reference["prefix"]
+        d = drv.stats()["drafter"]
+        assert d.get("prefix_starts", 0) - before >= 2, d
+        assert wait_sessions_zero(srv.metrics_port) == 0
+
+        # server killed mid-generation, restarted on the same port (new epoch)
+        p, m = WORKLOADS["restart"][0]
+        drv.cmd("start", prompts=p, max_tokens=m, tag="restart")
+        assert drv.cmd("steps", n=6)["ran"] == 6
+        srv.kill()
+        assert drv.cmd("steps", n=6)["ran"] == 6  # server dead: each step costs at most the budget
+        srv.start()
+        d_mid = _wait_welcomed(drv)
+        out = drv.cmd("drain")["outputs"]
+        assert [out] == reference["restart"]
+        d = drv.stats()["drafter"]
+        assert d.get("internal_errors", 0) == 0
+        assert d["client"]["epoch_changes"] >= 1
+        assert d["drafted_requests"] > d_mid["drafted_requests"], "drafting resumed after the restart"
+        assert wait_sessions_zero(srv.metrics_port) == 0
+        print(f"\n[remote] drafter stats: { {k: v for k, v in d.items() if k != 'client'} }")
+        print(f"[remote] client stats: {d['client']}")
+    finally:
+        drv.close()
+        srv.kill()
+    _report("remote_test", t0)
+
+
+def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any]) -> None:
+    """Engine B starts with no server (DRAFT_TAP_LAYERS set): plain decoding, equal output. The
+    server comes up, B connects; then B and a second engine (vLLM's default multiprocess engine
+    core: plugin via entry point in a spawned worker) share the server concurrently."""
+    t0 = time.monotonic()
+    srv = ServerProc()  # ports reserved, not started
+    b = Driver(
+        tiny_target,
+        K,
+        remote_env(srv.endpoint, DRAFT_TAP_LAYERS="1,3", DRAFT_CONNECT_TIMEOUT_S="1"),
+    )
+    c: Driver | None = None
+    try:
+        assert b.run("small") == reference["small"]
+        d = b.stats()["drafter"]
+        assert d.get("drafted_requests", 0) == 0 and d["steps"] > 0 and d.get("internal_errors", 0) == 0
+        srv.start()
+        assert _wait_welcomed(b)["client"]["welcomed"]
+        c = Driver(tiny_target, K, remote_env(srv.endpoint), inproc=False)
+        TIMINGS["mp_engine_startup"] = c.startup_s
+        # both engines generate at the same time against one server
+        results: dict[str, Any] = {}
+
+        def run(name: str, drv: Driver) -> None:
+            results[name] = drv.run("batch")
+
+        threads = [threading.Thread(target=run, args=(n, x)) for n, x in (("b", b), ("c", c))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert results["b"] == reference["batch"]
+        assert results["c"] == reference["batch"]
+        for drv in (b, c):
+            d = drv.stats()["drafter"]
+            assert d["drafted_requests"] > 0 and d.get("internal_errors", 0) == 0
+        assert wait_sessions_zero(srv.metrics_port) == 0
+        print(f"\n[shared] server metrics: { {k: v for k, v in srv.metrics().items() if 'session' in k} }")
+    finally:
+        b.close()
+        if c is not None:
+            c.close()
+        srv.kill()
+    _report("shared_test", t0)

@@ -114,7 +114,7 @@ class Driver:
         drafter = self.llm.collective_rpc(_drafter_stats)
         metrics: dict[str, Any] = {}
         for m in self.llm.get_metrics():
-            if "spec_decode" in m.name:
+            if "spec_decode" in m.name or "preempt" in m.name or "prefix_cache" in m.name:
                 metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else getattr(m, "values", None)
         return {"drafter": drafter[0] if drafter else {}, "vllm": metrics}
 
