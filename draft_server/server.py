@@ -54,13 +54,21 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
         from draft_server.checksum import ChecksumDrafter
 
         return ChecksumDrafter(delay_ms=cfg.checksum_delay_ms)
+    import torch
+
     from draft_server.models import load_drafter
 
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return load_drafter(
         cfg.model,
         cfg.target_model or None,
-        device=cfg.device,
-        dtype=cfg.dtype,
+        device=device,
+        dtype=dtype,
         kv_budget_bytes=cfg.kv_budget_mib * (1 << 20) or None,
     )
 
