@@ -17,6 +17,7 @@ restarts the session at pos. Sessions are keyed by (client identity, session id)
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import OrderedDict, deque
@@ -93,6 +94,8 @@ class Engine:
         prefill_chunk_rows: int,
         batch_window_ms: float,
         session_ttl_s: float,
+        chaos_delay_p: float = 0.0,
+        chaos_delay_s: float = 0.0,
     ) -> None:
         self.drafter = drafter
         self.metrics = metrics
@@ -106,6 +109,10 @@ class Engine:
         self.window_s = batch_window_ms / 1000.0
         self.ttl_s = session_ttl_s
         self.block = drafter.contract.block_size
+        # fault injection for draft-soak: delay this fraction of working iterations (0: off)
+        self._chaos_p = chaos_delay_p
+        self._chaos_s = chaos_delay_s
+        self._chaos_rng = random.Random()
 
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Event()
@@ -240,6 +247,8 @@ class Engine:
             rows += w.rows
         if not decode and prefill is None:
             return False
+        if self._chaos_p and self._chaos_rng.random() < self._chaos_p:
+            time.sleep(self._chaos_s)  # an injected slow iteration (draft-soak); deadlines keep running
         t0 = time.monotonic()
         self.busy_since = t0
         try:

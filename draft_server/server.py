@@ -109,6 +109,8 @@ class DraftServer:
             prefill_chunk_rows=cfg.prefill_chunk_rows,
             batch_window_ms=cfg.batch_window_ms,
             session_ttl_s=cfg.session_ttl_s,
+            chaos_delay_p=cfg.chaos_delay_p,
+            chaos_delay_s=cfg.chaos_delay_ms / 1000.0,
         )
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
