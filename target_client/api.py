@@ -47,6 +47,9 @@ class ClientConfig:
     resend_rows_limit: int = 64  # unacknowledged rows kept per session for resend
     breaker_failures: int = 5  # consecutive misses that open the breaker
     breaker_backoff_ms: float = 500.0  # ping period while open
+    # While open, a step() also sends a probe Ping when none went out for this long (0: off), so a
+    # server that is back (restart, SIGCONT) is noticed within one engine step, not one backoff.
+    breaker_step_probe_ms: float = 10.0
     adaptive_budget: bool = False  # budget = clamp(adaptive_multiplier * p99 RTT, adaptive_min_ms, budget_ms)
     adaptive_multiplier: float = 2.0
     adaptive_min_ms: float = 2.0
@@ -87,6 +90,8 @@ class ClientConfig:
             positive(name, getattr(self, name))
         if self.resend_rows_limit < 0:
             raise ValueError(f"ClientConfig.resend_rows_limit must be >= 0, got {self.resend_rows_limit}")
+        if not (math.isfinite(self.breaker_step_probe_ms) and self.breaker_step_probe_ms >= 0):
+            raise ValueError(f"ClientConfig.breaker_step_probe_ms must be >= 0, got {self.breaker_step_probe_ms}")
         if self.breaker_failures < 1:
             raise ValueError(f"ClientConfig.breaker_failures must be >= 1, got {self.breaker_failures}")
         if self.adaptive_window < 8:

@@ -200,6 +200,7 @@ class DraftClient:
         self._next_hello_at = math.inf
         self._probe_due = False
         self._next_probe_at = math.inf
+        self._last_probe_at = -math.inf
         self._ping_queue: list[_PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._waiters: list[Future] = []
@@ -750,6 +751,7 @@ class DraftClient:
             self._m.dropped_rows.inc(dropped)
             self._count("dropped_rows", dropped)
         if not send:
+            self._step_probe(now)
             self._resolve(call.future, empty_replies(n), self._gate or "not_ready")
             return
         if not wire_entries:  # everything held back
@@ -846,9 +848,16 @@ class DraftClient:
             cid = next(self._ids)
             self._probe_due = False
             self._next_probe_at = now + self.cfg.breaker_backoff_ms / 1000.0
+            self._last_probe_at = now
             if self._try_send(encode(Ping(call_id=cid))):
                 self._count("probes_sent")
                 self._pending[cid] = _Pending("probe", cid, self._next_probe_at, now)
+
+    def _step_probe(self, now: float) -> None:
+        """A step found the breaker open: probe now unless a probe went out very recently."""
+        gap = self.cfg.breaker_step_probe_ms / 1000.0
+        if gap and self._breaker and not self._need_hello and now - self._last_probe_at >= gap:
+            self._probe_due = True  # sent by _send_due in this same loop iteration (socket writable)
 
     def _timers(self, now: float) -> None:
         if self._need_hello and not self._hello_due and now >= self._next_hello_at:

@@ -494,6 +494,35 @@ def test_breaker_opens_after_misses_and_a_pong_closes_it(server, clients) -> Non
     assert client.stats()["breaker_opens"] == 1
 
 
+@pytest.mark.parametrize("step_probe_ms", [10.0, 0.0])
+def test_a_step_against_an_open_breaker_probes_at_once(server, clients, step_probe_ms) -> None:
+    # draft-soak invariant "drafting resumes within 2 steps after a restart": with a 60 s backoff
+    # only the step's own probe (breaker_step_probe_ms) can close the breaker before the next step.
+    server.policy = lambda step, n: "drop"
+    server.answer_pings = False
+    client = clients(
+        cfg(server.endpoint, breaker_failures=2, breaker_backoff_ms=60_000.0, breaker_step_probe_ms=step_probe_ms)
+    )
+    client.connect()
+    taps = [taps_for(1, i) for i in range(4)]
+    for i in range(2):
+        timed_step(client, [req("p", i, 1)], taps[i], MISS_BUDGET)
+    assert until(lambda: client.breaker_open)
+    server.policy = lambda step, n: "ok"
+    server.answer_pings = True  # the server is back
+    pings = server.count("ping")
+    assert timed_step(client, [req("p", 2, 1)], taps[2])[0].tokens == []  # open: fallback, and a probe
+    if step_probe_ms:
+        assert until(lambda: client.stats()["breaker_state"] == "closed")
+        assert server.count("ping") == pings + 1
+        r = req("p", 3, 1)
+        assert timed_step(client, [r], taps[3])[0].tokens == expected(r)  # drafting on the next step
+        assert [(e.pos, e.rows) for e in server.steps()[-1].msg.entries] == [(0, 4)]  # resent rows
+    else:
+        time.sleep(0.1)
+        assert server.count("ping") == pings and client.breaker_open  # only the 60 s backoff would probe
+
+
 def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
     # Regression: the I/O thread once drained its command queue until empty, so callers
     # stepping fast against an open breaker starved the timers and no probe ever went out.
