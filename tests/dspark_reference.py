@@ -64,13 +64,15 @@ class RefRope:
         self.freqs = freqs
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        out = x.clone()
+        """Rotate each pair (a_i, b_i) of x by angle pos * freq_i."""
         half = self.dim // 2
-        for i, f in enumerate(self.freqs):
-            c, s = math.cos(pos * f) * self.mul, math.sin(pos * f) * self.mul
-            a, b = (2 * i, 2 * i + 1) if self.interleaved else (i, i + half)
-            out[a] = x[a] * c - x[b] * s
-            out[b] = x[b] * c + x[a] * s
+        c = torch.tensor([math.cos(pos * f) * self.mul for f in self.freqs], dtype=F64)
+        s = torch.tensor([math.sin(pos * f) * self.mul for f in self.freqs], dtype=F64)
+        a = [2 * i if self.interleaved else i for i in range(half)]
+        b = [2 * i + 1 if self.interleaved else i + half for i in range(half)]
+        out = x.clone()
+        out[a] = x[a] * c - x[b] * s
+        out[b] = x[b] * c + x[a] * s
         return out
 
 

@@ -84,6 +84,8 @@ def run_scenario(drafter, ref: Reference, seed: int, rel_tol: float, steps: int 
     sessions = [Session(k, s) for k, s in zip((10, 11, 12, 13), (0, 0, 40, 3), strict=True)]
     first_rows = [5, 19, 1, 34]
     compared = 0
+    kinds: dict[str, int] = {}
+    forced = {(2, 0): "overwrite", (2, 1): "gap", (2, 3): "overwrite"}  # every run has both
     for step in range(steps):
         ingest, drafts = [], []
         for n, s in enumerate(sessions):
@@ -91,6 +93,8 @@ def run_scenario(drafter, ref: Reference, seed: int, rel_tol: float, steps: int 
                 pos, rows = s.start, first_rows[n]
             else:
                 kind = pyr.choice(["append", "append", "overwrite", "gap"] if step > 1 else ["append"])
+                kind = forced.get((step, n), kind)
+                kinds[kind] = kinds.get(kind, 0) + 1
                 rows = pyr.randint(1, 4)
                 if kind == "append":
                     pos = s.end
@@ -123,6 +127,7 @@ def run_scenario(drafter, ref: Reference, seed: int, rel_tol: float, steps: int 
             else:
                 assert out.confidence == []
             compared += 1
+    assert {"append", "overwrite", "gap"} <= set(kinds), kinds
     return compared
 
 
