@@ -153,6 +153,21 @@ def test_batch_of_16_equals_each_alone_and_reruns_are_exact(drafter):
         drafter.release(300 + s)
 
 
+def test_evict_lru_frees_oldest_unprotected_sessions(drafter):
+    for key in (500, 501, 502, 503):
+        assert drafter.reserve(key, 0, 40)
+    drafter.draft([DraftItem(500, 0, 0, 1, 1, GREEDY)])  # 500 becomes the most recently used
+    free = drafter.capacity_tokens() - drafter.used_tokens()
+    held = drafter.cache.held_tokens(501)
+    evicted = drafter.evict_lru(free + held + 1, protect={501})
+    assert evicted == [502, 503]  # 501 protected, 500 recently used and not needed
+    assert drafter.capacity_tokens() - drafter.used_tokens() >= free + held + 1
+    assert drafter.evict_lru(0) == []
+    for key in (500, 501):
+        drafter.release(key)
+    assert drafter.used_tokens() == 0
+
+
 def test_k_zero_and_context_outside_the_reservation(drafter):
     w = drafter.contract.tap_width
     assert drafter.draft([DraftItem(400, 0, 5, 1, 0, Sampling())])[0].tokens == []

@@ -15,7 +15,7 @@ sessions (their block rows always see themselves, so no row is fully masked).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -94,6 +94,18 @@ class DSparkDrafter(Drafter):
     def lru_keys(self) -> list[int]:
         """Sessions least recently used first: the order to evict in when room runs out."""
         return self.cache.lru_keys()
+
+    def evict_lru(self, need_tokens: int, protect: Collection[int] = ()) -> list[int]:
+        """Release least recently used sessions (never those in ``protect``) until ``need_tokens``
+        are free or nothing is left to evict; return the released keys (the server forgets them)."""
+        out = []
+        for key in self.cache.lru_keys():
+            if self.capacity_tokens() - self.used_tokens() >= need_tokens:
+                break
+            if key not in protect:
+                self.cache.release(key)
+                out.append(key)
+        return out
 
     # -- compute -----------------------------------------------------------------------------
     @torch.inference_mode()
