@@ -248,6 +248,7 @@ class Engine:
         if not decode and prefill is None:
             return False
         if self._chaos_p and self._chaos_rng.random() < self._chaos_p:
+            log.warning("chaos delay: this engine iteration sleeps %.1f ms first", self._chaos_s * 1000.0)
             time.sleep(self._chaos_s)  # an injected slow iteration (draft-soak); deadlines keep running
         t0 = time.monotonic()
         self.busy_since = t0
