@@ -34,7 +34,7 @@ from draft_server.models.config import K3, expected_shapes
 from draft_server.models.k3_mla import K3DSpark
 from draft_server.models.qwen3 import Qwen3DSpark
 from draft_server.models.tiny import K3_CONFIG, QWEN3_CONFIG, make_tiny
-from protocol import GREEDY
+from protocol import GREEDY, Sampling
 
 K3_FULL = {
     **K3_CONFIG,
@@ -175,6 +175,18 @@ def numerics(dev: torch.device) -> list[dict]:
                 same_first += a[0] == b[0]
                 same_all += a == b
                 total += 1
+            c64 = load_drafter(p.draft, p.target, str(dev), "float64", 8 << 20)
+            same = 0
+            for s in range(32):
+                rows = 2 + (5 * s) % 40
+                t = taps(rng, rows, cpu.contract.tap_width)
+                for d in (cpu, c64):
+                    assert d.reserve(100 + s, 0, rows)
+                    d.ingest([IngestItem(100 + s, 0, 0, t)])
+                samp = Sampling(temperature=0.9, top_k=40 * (s % 3), top_p=1.0 - 0.1 * (s % 4), seed=s)
+                it = [DraftItem(100 + s, 0, rows, (7 * s) % 300, cpu.contract.block_size, samp)]
+                same += cpu.draft(it)[0].tokens == c64.draft(it)[0].tokens
+            out.append({"variant": variant, "check": "sampled, cuda float64 vs cpu float64", "identical": same / 32})
             out.append(
                 {
                     "variant": variant,
