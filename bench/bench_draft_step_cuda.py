@@ -29,82 +29,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from draft_server.drafter import DraftItem, IngestItem
-from draft_server.models import DSparkDrafter, load_drafter, parse_config
-from draft_server.models.config import K3, expected_shapes
-from draft_server.models.k3_mla import K3DSpark
-from draft_server.models.qwen3 import Qwen3DSpark
-from draft_server.models.tiny import K3_CONFIG, QWEN3_CONFIG, make_tiny
+from draft_server.models import DSparkDrafter, load_drafter
+from draft_server.models.presets import K3_FULL, QWEN3_8B, random_drafter
+from draft_server.models.tiny import make_tiny
 from protocol import GREEDY, Sampling
-
-K3_FULL = {
-    **K3_CONFIG,
-    "hidden_size": 7168,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 64,
-    "q_lora_rank": 1536,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "vocab_size": 163840,
-    "draft_vocab_size": 163840,
-    "num_target_layers": 5,
-    "target_hidden_size": 7168,
-    "target_layer_ids": [2, 23, 47, 71, 89],
-    "mask_token_id": 163837,
-    "markov_rank": 256,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "original_max_position_embeddings": 32768,
-        "rope_theta": 50000.0,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    },
-}
-QWEN3_8B = {
-    **QWEN3_CONFIG,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "target_layer_ids": [1, 9, 17, 25, 33],
-    "num_target_layers": 36,
-    "block_size": 7,
-    "mask_token_id": 151669,
-    "markov_rank": 256,
-    "layer_types": ["full_attention"] * 5,
-}
 
 
 def taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
     x = torch.from_numpy(rng.standard_normal((rows, width)).astype(np.float32))
     return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-
-
-def random_drafter(cfg_json: dict, dev: torch.device, kv_bytes: int) -> DSparkDrafter:
-    cfg = parse_config(cfg_json, "random")
-    req, _ = expected_shapes(cfg)
-    req["embed_tokens.weight"] = (cfg.vocab_size, cfg.hidden_size)
-    req["lm_head.weight"] = (cfg.draft_vocab_size, cfg.hidden_size)
-    g = torch.Generator(device=dev).manual_seed(0)
-    w = {}
-    for name, shape in req.items():
-        if "norm" in name:
-            w[name] = torch.ones(shape, device=dev, dtype=torch.bfloat16)
-        else:
-            t = torch.randn(shape, device=dev, dtype=torch.bfloat16, generator=g)
-            w[name] = t.div_(shape[-1] ** 0.5) if name != "embed_tokens.weight" else t
-        if name.startswith("confidence_head"):
-            w[name] = w[name].float()
-    model = (K3DSpark if cfg.variant == K3 else Qwen3DSpark)(cfg, w, dev, torch.bfloat16)
-    return DSparkDrafter(model, kv_budget_bytes=kv_bytes)
 
 
 def time_steps(d: DSparkDrafter, sessions: int, ctx: int, steps: int, warmup: int = 5) -> dict:

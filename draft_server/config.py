@@ -25,7 +25,7 @@ class ServerConfig:
     metrics_host: str = _f("127.0.0.1", "address the metrics HTTP server listens on")
     # --- model
     drafter: str = _f("dspark", "backend: 'dspark' (needs --model) or 'checksum' (deterministic test drafter)")
-    model: str = _f("", "DSpark draft checkpoint directory (config.json + safetensors)")
+    model: str = _f("", "DSpark draft checkpoint directory, or random:k3 / random:qwen3-8b (full size, random weights)")
     target_model: str = _f("", "target checkpoint directory holding lm_head.weight (and the embedding)")
     device: str = _f("auto", "torch device for the drafter: auto, cpu, cuda, cuda:N")
     dtype: str = _f("auto", "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")

@@ -64,6 +64,11 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
     dtype = cfg.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if cfg.model.startswith("random:"):
+        from draft_server.models.backend import DTYPES
+        from draft_server.models.presets import load_preset
+
+        return load_preset(cfg.model.split(":", 1)[1], device, DTYPES[dtype], cfg.kv_budget_mib * (1 << 20) or None)
     return load_drafter(
         cfg.model,
         cfg.target_model or None,
