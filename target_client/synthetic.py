@@ -19,6 +19,11 @@ from target_client.api import StepRequest
 from target_client.client import DraftClient
 
 
+def bf16_normal(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """Standard-normal values as bf16 bit patterns (uint16), like real hidden states."""
+    return (rng.standard_normal(shape, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
 @dataclass(slots=True)
 class CallRecord:
     t: float  # seconds since the run started
@@ -62,7 +67,7 @@ class SyntheticTarget:
         self.k = self.k or self.contract.block_size
         self.total_sessions = self.total_sessions or self.sessions
         width = self.contract.tap_width
-        self.pool = self.rng.integers(0, 1 << 16, size=(self.pool_rows, width), dtype=np.uint16)
+        self.pool = bf16_normal(self.rng, (self.pool_rows, width))
         self._pool_off = 0
         self._started = 0
         self._active: list[_Session] = []
@@ -71,7 +76,7 @@ class SyntheticTarget:
         if rows == 0:
             return None
         if rows > self.pool_rows:
-            return self.rng.integers(0, 1 << 16, size=(rows, self.contract.tap_width), dtype=np.uint16)
+            return bf16_normal(self.rng, (rows, self.contract.tap_width))
         if self._pool_off + rows > self.pool_rows:
             self._pool_off = 0
         out = self.pool[self._pool_off : self._pool_off + rows]
