@@ -30,6 +30,8 @@ Configuration (environment variables, read in the worker process):
 ``DRAFT_CLIENT_NAME``      client name in server logs (default ``vllm-<host>-<pid>``).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
+``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
+                           rely on the ``vllm.general_plugins`` entry point alone (tests).
 
 Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1]``):
 
@@ -88,7 +90,9 @@ logger = logging.getLogger(__name__)
 
 # Importing this module (vLLM does it inside GPUModelRunner.__init__, before load_model) installs
 # the runner wrappers even where the entry point is not installed. Idempotent.
-register()
+# DRAFT_VLLM_REGISTER_ON_IMPORT=0 leaves it to the entry point alone (tests prove that path).
+if os.environ.get("DRAFT_VLLM_REGISTER_ON_IMPORT", "1") != "0":
+    register()
 
 CLASS_PATH = f"{__name__}.RemoteDSparkProposer"
 

@@ -19,9 +19,10 @@ What each test proves:
   preemption; a prefix-cache hit starts a session at pos > 0; the server is killed and
   restarted mid-generation and drafting resumes; zero live sessions after every scenario.
 * ``test_no_server_then_two_engines``: an engine started with no server (DRAFT_TAP_LAYERS set)
-  decodes plainly, connects when the server comes up, then two engine processes (one with
-  vLLM's default multiprocess engine core, i.e. the plugin loaded by entry point in a spawned
-  worker) share one server; outputs equal plain vLLM, zero live sessions after.
+  decodes plainly, connects when the server comes up, then two engine processes share one
+  server concurrently; the second is production-like: vLLM's default multiprocess engine core,
+  torch.compile (the aux outputs compiled into the graph), and the plugin installed only by
+  the entry point in the spawned worker. Outputs equal plain (eager) vLLM, zero live sessions.
 * ``test_startup_errors``: no endpoint, server down without DRAFT_TAP_LAYERS, contract mismatch:
   clear errors at construction.
 """
@@ -136,7 +137,7 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Driver:
     """One tests/vllm_driver.py subprocess (one vLLM engine)."""
 
-    def __init__(self, model: str, spec_k: int | None, env: dict[str, str], inproc: bool = True) -> None:
+    def __init__(self, model: str, spec_k: int | None, env: dict[str, str], inproc: bool = True, **llm: Any) -> None:
         full_env = dict(os.environ)
         full_env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         if inproc:
@@ -145,7 +146,7 @@ class Driver:
             full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env)
-        cfg = {"model": model, "spec_k": spec_k, "llm": ENGINE}
+        cfg = {"model": model, "spec_k": spec_k, "llm": {**ENGINE, **llm}}
         self.proc = subprocess.Popen(
             [sys.executable, str(DRIVER), json.dumps(cfg)],
             cwd=ROOT,
@@ -538,6 +539,9 @@ def test_remote_equals_plain(tiny_target: str, reference: dict[str, Any]) -> Non
     _report("remote_test", t0)
 
 
+_FREED = 'draft_server_session_evictions_total{reason="free"}'
+
+
 def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any]) -> None:
     """Engine B starts with no server (DRAFT_TAP_LAYERS set): plain decoding, equal output. The
     server comes up, B connects; then B and a second engine (vLLM's default multiprocess engine
@@ -556,7 +560,14 @@ def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any])
         assert d.get("drafted_requests", 0) == 0 and d["steps"] > 0 and d.get("internal_errors", 0) == 0
         srv.start()
         assert _wait_welcomed(b)["client"]["welcomed"]
-        c = Driver(tiny_target, K, remote_env(srv.endpoint), inproc=False)
+        # production-like: multiprocess engine core, torch.compile, plugin only through the entry point
+        c = Driver(
+            tiny_target,
+            K,
+            remote_env(srv.endpoint, DRAFT_VLLM_REGISTER_ON_IMPORT="0"),
+            inproc=False,
+            enforce_eager=False,
+        )
         TIMINGS["mp_engine_startup"] = c.startup_s
         # both engines generate at the same time against one server
         results: dict[str, Any] = {}
@@ -575,7 +586,8 @@ def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any])
             d = drv.stats()["drafter"]
             assert d["drafted_requests"] > 0 and d.get("internal_errors", 0) == 0
         assert wait_sessions_zero(srv.metrics_port) == 0
-        print(f"\n[shared] server metrics: { {k: v for k, v in srv.metrics().items() if 'session' in k} }")
+        m = srv.metrics()
+        print(f"\n[shared] server sessions {m['draft_server_sessions']}, freed {m.get(_FREED)}")
     finally:
         b.close()
         if c is not None:

@@ -106,9 +106,12 @@ class Driver:
         The engine core reports requests finished in step N to the runner in step N+1's scheduler
         output; ``vllm serve``'s engine loop runs that step by itself, but the in-process
         ``LLMEngine`` loop stops as soon as no output is pending. This step delivers the last
-        finished ids to the proposer (which frees their sessions).
+        finished ids to the proposer (which frees their sessions). With the multiprocess engine
+        core (the default), the core's busy loop runs that step itself and ``step()`` here could
+        block waiting for an output that never comes, so it is skipped.
         """
-        self.engine.step()
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            self.engine.step()
 
     def stats(self) -> dict[str, Any]:
         drafter = self.llm.collective_rpc(_drafter_stats)
