@@ -45,6 +45,10 @@ class ClientConfig:
     expect: ModelContract | None = None  # refuse a server serving another contract
     connect_timeout_s: float = 5.0
     resend_rows_limit: int = 64  # unacknowledged rows kept per session for resend
+    # On a server restart (new epoch) each session keeps only its newest this-many unacknowledged
+    # rows: the server lost all context anyway, and resending up to resend_rows_limit rows for
+    # every session at once makes the first step after a restart too big to meet its budget.
+    restart_resend_rows: int = 8
     breaker_failures: int = 5  # consecutive misses that open the breaker
     breaker_backoff_ms: float = 500.0  # ping period while open
     # While open, a step() also sends a probe Ping when none went out for this long (0: off), so a
@@ -90,6 +94,8 @@ class ClientConfig:
             positive(name, getattr(self, name))
         if self.resend_rows_limit < 0:
             raise ValueError(f"ClientConfig.resend_rows_limit must be >= 0, got {self.resend_rows_limit}")
+        if self.restart_resend_rows < 0:
+            raise ValueError(f"ClientConfig.restart_resend_rows must be >= 0, got {self.restart_resend_rows}")
         if not (math.isfinite(self.breaker_step_probe_ms) and self.breaker_step_probe_ms >= 0):
             raise ValueError(f"ClientConfig.breaker_step_probe_ms must be >= 0, got {self.breaker_step_probe_ms}")
         if self.breaker_failures < 1:

@@ -460,9 +460,10 @@ class DraftClient:
                 raise ValueError(f"requests[{i}] is a {type(r).__name__}, not a StepRequest")
             if not isinstance(r.session, str):
                 raise ValueError(f"requests[{i}].session must be a str, got {type(r.session).__name__}")
-            for name in ("pos", "rows", "anchor", "k"):
-                if not _is_int(getattr(r, name)):
-                    raise ValueError(f"requests[{i}].{name} must be an int, got {getattr(r, name)!r}")
+            if not (type(r.pos) is int and type(r.rows) is int and type(r.anchor) is int and type(r.k) is int):
+                for name in ("pos", "rows", "anchor", "k"):  # slow path: numpy ints are fine, bools are not
+                    if not _is_int(getattr(r, name)):
+                        raise ValueError(f"requests[{i}].{name} must be an int, got {getattr(r, name)!r}")
             if not isinstance(r.sampling, Sampling):
                 raise ValueError(f"requests[{i}].sampling must be a protocol.Sampling")
             e = StepEntry(r.session, int(r.pos), int(r.rows), int(r.anchor), int(r.k), r.sampling)
@@ -998,8 +999,8 @@ class DraftClient:
     def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
         if r.status != Status.OK:
             return DraftReply([], r.status, retry_after_ms=r.retry_after_ms, message=r.message)
-        tokens = list(r.drafts[:k])
-        if vocab is not None and not all(isinstance(t, int) and 0 <= t < vocab for t in tokens):
+        tokens = list(r.drafts[:k])  # msgspec already checked they are ints
+        if vocab is not None and tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             self._bad_reply()
             return DraftReply([], r.status, message="drafts outside the vocabulary dropped")
         probs = prob_ids = None
@@ -1106,9 +1107,15 @@ class DraftClient:
             self._m.epoch_changes.inc()
             self._count("epoch_changes")
             log.info("draft client %s: server restarted (epoch %s -> %s)", self.cfg.name, self._epoch, epoch)
+            dropped = 0
             for s in self._sessions.values():  # the server's sessions are gone: forget what it acknowledged
                 s.unsent()
                 s.retry_at = 0.0
+                s.chunks, d = keep_newest(s.chunks, self.cfg.restart_resend_rows)  # a small first step
+                dropped += d
+            if dropped:
+                self._m.dropped_rows.inc(dropped)
+                self._count("dropped_rows", dropped)
         self._epoch = epoch
 
     def _contract_changed(self, new_id: str, now: float) -> None:

@@ -610,6 +610,32 @@ def test_server_dies_and_restarts_with_a_new_epoch(clients) -> None:
         srv.stop()
 
 
+def test_restart_keeps_only_the_newest_rows_for_resend(clients) -> None:
+    # draft-soak found it: 64 sessions x resend_rows_limit rows resent at once after a restart made
+    # the first steps too big for their budget, so drafting took many steps to come back.
+    srv = FakeServer()
+    port = srv.port
+    client = clients(cfg(srv.endpoint, breaker_failures=2, breaker_backoff_ms=50.0, restart_resend_rows=2))
+    client.connect()
+    r = req("a", 0, 1)
+    assert timed_step(client, [r], taps_for(1, 0))[0].tokens == expected(r)
+    srv.stop()
+    taps = [taps_for(1, i) for i in range(7)]
+    for i in range(1, 6):  # rows 1..5 stay unacknowledged while the server is down
+        assert timed_step(client, [req("a", i, 1)], taps[i], MISS_BUDGET)[0].tokens == []
+    srv = FakeServer(port=port, epoch="epoch-2")
+    try:
+        assert until(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)
+        r = req("a", 6, 1)
+        assert timed_step(client, [r], taps[6])[0].tokens == expected(r)
+        step = srv.steps()[-1]
+        assert [(e.pos, e.rows) for e in step.msg.entries] == [(4, 3)]  # rows 4, 5 resent, then row 6
+        assert step.taps.tobytes() == np.concatenate(taps[4:7]).tobytes()
+        assert client.stats()["epoch_changes"] == 1
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------- asyncio
 
 
