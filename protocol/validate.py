@@ -14,10 +14,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from protocol.codec import Buffer, ProtocolError, tensor
-from protocol.messages import ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry
+from protocol.messages import GREEDY, ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry
 
 
 def check_sampling(s: Sampling, vocab_size: int) -> str | None:
+    if s == GREEDY:
+        return None
     if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
         return f"temperature must be finite and >= 0, got {s.temperature}"
     if not 0 <= s.top_k <= vocab_size:
