@@ -62,7 +62,7 @@ def remote(endpoint: str, n: int, rng: np.random.Generator) -> dict:
     end = CTX
     waits, compute, server = [], [], []
     for it in range(STEPS + 5):
-        reqs = [StepRequest(sid, end, ROWS, int(rng.integers(0, 1000)), k) for sid in sids]
+        reqs = [StepRequest(sid, end, ROWS, int(rng.integers(0, w.contract.vocab_size)), k) for sid in sids]
         taps = bf16_normal(rng, (n * ROWS, width))
         t = time.perf_counter()
         out = c.step(reqs, taps)
