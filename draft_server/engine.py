@@ -265,11 +265,18 @@ class Engine:
         return True
 
     def _expire(self, now: float) -> None:
+        early = False
         for s in self.sessions.values():
             for w in s.pending:
                 if w.k and now + self._draft_ewma_s > w.call.deadline:
+                    early = early or now <= w.call.deadline
                     self._resolve(w, EntryResult(Status.EXPIRED, end=w.end, message="budget passed before drafting"))
                     w.k = 0
+        if early:
+            # Work refused on the estimate alone never drafts, so the estimate could never come down
+            # again: one stall (SIGSTOP, a GPU hiccup inside draft()) would expire everything forever.
+            # Halve it instead, so drafting is tried again within a few iterations.
+            self._draft_ewma_s *= 0.5
 
     def _place(self, s: Session, w: Work, rows: int) -> tuple[int, int] | None:
         """Positional semantics for `rows` rows at w.pos: the session's new [start, end)."""
