@@ -1,0 +1,194 @@
+"""A fault-injecting ZeroMQ proxy between target clients and a draft server (draft-soak).
+
+Owns ``ChaosProxy``: a ROUTER frontend that clients connect to, and per client routing id one
+DEALER backend towards the server that carries the same routing id, so the server still sees
+each client as itself (sessions are keyed by client identity) and replies find their way back
+by that id. In each direction a seeded fraction of messages is dropped, and a fraction of
+requests is held back for ``delay_ms`` before it is forwarded (a delayed engine step). Every
+drop and delay is logged with its monotonic time and routing id, so the soak can tell which
+calls a fault touched. Backends use IMMEDIATE and a 10 ms reconnect interval: while the server
+is down a request is dropped (counted as ``unroutable``), never queued and delivered stale.
+
+Runs in its own process (``run_proxy``) so that its work never competes with a client's GIL;
+SIGTERM stops it and it writes its counters and event log as JSON.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+
+@dataclass
+class ProxyConfig:
+    frontend: str  # endpoint the proxy binds for clients
+    backend: str  # the draft server's endpoint
+    drop_request_p: float = 0.0
+    drop_reply_p: float = 0.0
+    delay_p: float = 0.0  # fraction of Step requests held back
+    delay_ms: float = 0.0
+    seed: int = 0
+    only_steps: bool = False  # drop/delay only Step requests and their replies (not Hello/Ping/Free)
+
+
+@dataclass
+class ProxyStats:
+    forwarded_requests: int = 0
+    forwarded_replies: int = 0
+    dropped_requests: int = 0
+    dropped_replies: int = 0
+    delayed_requests: int = 0
+    unroutable: int = 0  # requests the backend could not take (server down): dropped
+    reply_send_failures: int = 0
+    events: list[tuple[float, str, str]] = field(default_factory=list)  # (monotonic t, kind, routing id)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["events"] = [list(e) for e in self.events]
+        return d
+
+
+_STEP_TAG = b"\xa4kind\xa4step"  # msgpack: the kind tag of a Step header (msgspec writes the tag first)
+_RESULT_TAG = b"\xa4kind\xa6result"  # ... and of a StepResult
+
+
+def _is_step(header: bytes) -> bool:
+    return _STEP_TAG in header[:16]
+
+
+def _is_result(header: bytes) -> bool:
+    return _RESULT_TAG in header[:16]
+
+
+class ChaosProxy:
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.stats = ProxyStats()
+        self._rng = random.Random(cfg.seed)
+        self._ctx = zmq.Context()
+        self._front = self._ctx.socket(zmq.ROUTER)
+        self._front.setsockopt(zmq.LINGER, 0)
+        self._front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._front.bind(cfg.frontend)
+        self._backs: dict[bytes, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._front, zmq.POLLIN)
+        self._held: list[tuple[float, int, bytes, list[bytes]]] = []  # delayed requests (due, seq, ident, frames)
+        self._seq = 0
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _backend(self, ident: bytes) -> zmq.Socket:
+        s = self._backs.get(ident)
+        if s is None:
+            s = self._ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.ROUTING_ID, ident)
+            s.setsockopt(zmq.RECONNECT_IVL, 10)
+            s.setsockopt(zmq.RECONNECT_IVL_MAX, 10)
+            s.connect(self.cfg.backend)
+            self._backs[ident] = s
+            self._poller.register(s, zmq.POLLIN)
+        return s
+
+    def _event(self, kind: str, ident: bytes) -> None:
+        self.stats.events.append((time.monotonic(), kind, ident.decode("latin-1")))
+
+    def _chaos_applies(self, header: bytes, reply: bool = False) -> bool:
+        return not self.cfg.only_steps or (_is_result(header) if reply else _is_step(header))
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        ident, body = frames[0], frames[1:]
+        if self._chaos_applies(body[0]):
+            if self.cfg.drop_request_p and self._rng.random() < self.cfg.drop_request_p:
+                self.stats.dropped_requests += 1
+                self._event("drop_request", ident)
+                return
+            if self.cfg.delay_p and _is_step(body[0]) and self._rng.random() < self.cfg.delay_p:
+                self.stats.delayed_requests += 1
+                self._event("delay_request", ident)
+                self._seq += 1
+                heapq.heappush(self._held, (time.monotonic() + self.cfg.delay_ms / 1000.0, self._seq, ident, body))
+                return
+        self._forward(ident, body)
+
+    def _forward(self, ident: bytes, body: list[bytes]) -> None:
+        try:
+            self._backend(ident).send_multipart(body, zmq.NOBLOCK)
+            self.stats.forwarded_requests += 1
+        except zmq.ZMQError:
+            self.stats.unroutable += 1
+
+    def _on_reply(self, ident: bytes, body: list[bytes]) -> None:
+        if body and self._chaos_applies(body[0], reply=True):
+            if self.cfg.drop_reply_p and self._rng.random() < self.cfg.drop_reply_p:
+                self.stats.dropped_replies += 1
+                self._event("drop_reply", ident)
+                return
+        try:
+            self._front.send_multipart([ident, *body], zmq.NOBLOCK)
+            self.stats.forwarded_replies += 1
+        except zmq.ZMQError:
+            self.stats.reply_send_failures += 1
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                timeout = 50
+                if self._held:
+                    timeout = max(0, min(timeout, int((self._held[0][0] - time.monotonic()) * 1000) + 1))
+                events = dict(self._poller.poll(timeout))
+                if self._front in events:
+                    for _ in range(256):
+                        try:
+                            frames = self._front.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_request(frames)
+                for ident, s in list(self._backs.items()):
+                    if s in events:
+                        for _ in range(256):
+                            try:
+                                body = s.recv_multipart(zmq.NOBLOCK)
+                            except zmq.Again:
+                                break
+                            self._on_reply(ident, body)
+                now = time.monotonic()
+                while self._held and self._held[0][0] <= now:
+                    _, _, ident, body = heapq.heappop(self._held)
+                    self._forward(ident, body)
+        finally:
+            for s in self._backs.values():
+                s.close(0)
+            self._front.close(0)
+            self._ctx.term()
+
+
+def run_proxy(cfg: ProxyConfig, stats_path: str, ready: Any = None) -> None:
+    """Process entry point: proxy until SIGTERM, then write the stats JSON to ``stats_path``."""
+    proxy = ChaosProxy(cfg)
+    signal.signal(signal.SIGTERM, lambda *_: proxy.stop())
+    signal.signal(signal.SIGINT, lambda *_: proxy.stop())
+    if ready is not None:
+        ready.set()
+    try:
+        proxy.run()
+    finally:
+        tmp = stats_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(proxy.stats.as_dict(), f)
+        os.replace(tmp, stats_path)
