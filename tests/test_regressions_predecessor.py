@@ -368,9 +368,11 @@ def test_receive_failure_is_not_fatal_and_health_tells_the_truth(server):
     assert health["healthy"] is True
     met = server.metrics()
     assert met["draft_server_io_errors_total"] == 0 and met["draft_server_healthy"] == 1
-    assert met["draft_server_dropped_messages_total"] + sum(
-        v for k, v in met.items() if k.startswith("draft_server_bad_messages_total{")
-    ) >= 5
+    assert (
+        met["draft_server_dropped_messages_total"]
+        + sum(v for k, v in met.items() if k.startswith("draft_server_bad_messages_total{"))
+        >= 5
+    )
     c.close()
 
 
