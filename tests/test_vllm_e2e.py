@@ -17,7 +17,8 @@ What each test proves:
 * ``test_remote_equals_plain``: with the real draft server (checksum drafter: drafts flow,
   ~0 acceptance) greedy output equals plain vLLM with chunked prefill, queueing and forced
   preemption; a prefix-cache hit starts a session at pos > 0; the server is killed and
-  restarted mid-generation and drafting resumes; zero live sessions after every scenario.
+  restarted mid-generation and drafting resumes; aborted requests are freed; zero live
+  sessions after every scenario.
 * ``test_no_server_then_two_engines``: an engine started with no server (DRAFT_TAP_LAYERS set)
   decodes plainly, connects when the server comes up, then two engine processes share one
   server concurrently; the second is production-like: vLLM's default multiprocess engine core,
@@ -77,6 +78,7 @@ K = 3
 HIDDEN, VOCAB, LAYERS = 64, 32000, 4
 ENGINE = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=9, block_size=32)
 TIMINGS: dict[str, float] = {}
+_FREED = 'draft_server_session_evictions_total{reason="free"}'
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -531,15 +533,28 @@ def test_remote_equals_plain(tiny_target: str, reference: dict[str, Any]) -> Non
         assert d["client"]["epoch_changes"] >= 1
         assert d["drafted_requests"] > d_mid["drafted_requests"], "drafting resumed after the restart"
         assert wait_sessions_zero(srv.metrics_port) == 0
+
+        # aborted requests are freed too (they arrive as finished_req_ids); one still queued when
+        # aborted never reached the server, so the server may count fewer frees than we send
+        freed_before = drv.stats()["drafter"]["freed"]
+        p, m = WORKLOADS["small"][0]
+        drv.cmd("start", prompts=p, max_tokens=m, tag="abort")
+        drv.cmd("steps", n=5)
+        drv.cmd("abort", indices=[1, 4])
+        out = drv.cmd("drain")["outputs"]
+        assert out[1] is None and out[4] is None
+        assert [o for i, o in enumerate(out) if i not in (1, 4)] == [
+            o for i, o in enumerate(reference["small"][0]) if i not in (1, 4)
+        ]
+        assert wait_sessions_zero(srv.metrics_port) == 0
+        d = drv.stats()["drafter"]
+        assert d["freed"] - freed_before == len(p) and d["live_requests"] == 0
         print(f"\n[remote] drafter stats: { {k: v for k, v in d.items() if k != 'client'} }")
         print(f"[remote] client stats: {d['client']}")
     finally:
         drv.close()
         srv.kill()
     _report("remote_test", t0)
-
-
-_FREED = 'draft_server_session_evictions_total{reason="free"}'
 
 
 def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any]) -> None:

@@ -8,7 +8,9 @@ scenarios. It reads JSON commands on stdin and answers each with one stdout line
     add the prompts as requests ``t-0, t-1, ...``, step until all finish, then run one more
     engine step (see ``_flush``); answer ``{"outputs": [[ids..]...]}`` in prompt order.
 ``{"op": "start", ...same...}`` / ``{"op": "steps", "n": N}`` / ``{"op": "drain"}``
-    the same, split so that a test can act (kill the draft server) mid-generation.
+    the same, split so that a test can act (kill the draft server) mid-generation;
+    ``{"op": "abort", "indices": [..]}`` aborts those requests of the current batch (their
+    outputs come back as null).
 ``{"op": "stats"}``  the proposer's ``stats()`` and vLLM's spec-decode counters.
 ``{"op": "exit"}``
 
@@ -94,11 +96,14 @@ class Driver:
             if out.finished:
                 self.done[out.request_id] = list(out.outputs[0].token_ids)
 
-    def drain(self) -> list[list[int]]:
+    def abort(self, indices: list[int]) -> None:
+        self.engine.abort_request([self.order[i] for i in indices])
+
+    def drain(self) -> list[list[int] | None]:
         while self.engine.has_unfinished_requests():
             self._step()
         self._flush()
-        return [self.done[r] for r in self.order]
+        return [self.done.get(r) for r in self.order]  # None: aborted
 
     def _flush(self) -> None:
         """One more engine step after the last output.
@@ -145,6 +150,9 @@ def main() -> int:
                 res = {}
             elif op == "steps":
                 res = {"ran": drv.steps(int(cmd["n"]))}
+            elif op == "abort":
+                drv.abort([int(i) for i in cmd["indices"]])
+                res = {}
             elif op == "drain":
                 res = {"outputs": drv.drain()}
             elif op == "stats":
