@@ -51,8 +51,9 @@ class ClientConfig:
     restart_resend_rows: int = 8
     breaker_failures: int = 5  # consecutive misses that open the breaker
     breaker_backoff_ms: float = 500.0  # ping period while open
-    # While open, a step() also sends a probe Ping when none went out for this long (0: off), so a
-    # server that is back (restart, SIGCONT) is noticed within one engine step, not one backoff.
+    # While open, a step() also sends a probe Ping when none went out for this long (0: off), and
+    # while steps keep coming (within 250 ms) probes repeat at this period instead of the backoff,
+    # so a server that is back (restart, SIGCONT) is noticed within one engine step.
     breaker_step_probe_ms: float = 10.0
     adaptive_budget: bool = False  # budget = clamp(adaptive_multiplier * p99 RTT, adaptive_min_ms, budget_ms)
     adaptive_multiplier: float = 2.0

@@ -87,6 +87,9 @@ _RESULT_GRACE_S = 0.002  # a result the I/O thread has claimed is set within mic
 _EXPIRE_GRACE_S = 0.002
 _FREE_CHUNK = 1024  # sessions per Free message
 _COMMANDS_PER_ITERATION = 256
+# While the breaker is open and a step came within this long, probes go out every
+# breaker_step_probe_ms instead of every breaker_backoff_ms (a lost probe is retried at once).
+_ACTIVE_S = 0.25
 _APPLIED = (Status.OK, Status.EXPIRED)
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 
@@ -201,6 +204,7 @@ class DraftClient:
         self._probe_due = False
         self._next_probe_at = math.inf
         self._last_probe_at = -math.inf
+        self._last_step_at = -math.inf  # when a caller last stepped (the engine is active)
         self._ping_queue: list[_PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._waiters: list[Future] = []
@@ -677,6 +681,7 @@ class DraftClient:
 
     def _do_step(self, call: _StepCall, now: float) -> None:
         cfg = self.cfg
+        self._last_step_at = now
         n = len(call.entries)
         send = call.send and self._gate is None and self._welcome is not None
         contract = self._pinned
@@ -848,7 +853,10 @@ class DraftClient:
         if self._probe_due:
             cid = next(self._ids)
             self._probe_due = False
-            self._next_probe_at = now + self.cfg.breaker_backoff_ms / 1000.0
+            period = self.cfg.breaker_backoff_ms
+            if self.cfg.breaker_step_probe_ms and now - self._last_step_at < _ACTIVE_S:
+                period = min(period, self.cfg.breaker_step_probe_ms)  # an active engine: probe fast
+            self._next_probe_at = now + period / 1000.0
             self._last_probe_at = now
             if self._try_send(encode(Ping(call_id=cid))):
                 self._count("probes_sent")

@@ -523,6 +523,22 @@ def test_a_step_against_an_open_breaker_probes_at_once(server, clients, step_pro
         assert server.count("ping") == pings and client.breaker_open  # only the 60 s backoff would probe
 
 
+def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, clients) -> None:
+    # A probe lost on the way (e.g. by a proxy whose backend is still reconnecting) is retried
+    # every breaker_step_probe_ms while steps keep coming, not one 60 s backoff later.
+    server.policy = lambda step, n: "drop"
+    server.answer_pings = False
+    client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=60_000.0))
+    client.connect()
+    timed_step(client, [req("q", 0, 1)], taps_for(1, 0), MISS_BUDGET)
+    assert until(lambda: client.breaker_open)
+    pings = server.count("ping")
+    assert timed_step(client, [req("q", 1, 1)], taps_for(1, 1))[0].tokens == []  # open: at once, one probe
+    # no further step: the probes that follow within the 250 ms activity window come from the timer
+    assert until(lambda: server.count("ping") >= pings + 4, timeout=0.24)
+    assert client.stats()["probes_sent"] >= 4
+
+
 def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
     # Regression: the I/O thread once drained its command queue until empty, so callers
     # stepping fast against an open breaker starved the timers and no probe ever went out.
