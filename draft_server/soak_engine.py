@@ -50,6 +50,7 @@ CALL_COLUMNS = (
     "bad_drafts",  # replies with drafts of the wrong count or outside the vocabulary
     "mismatch",  # checksum drafter: OK drafts that differ from the fault-free expectation
     "epoch_idx",
+    "run_delay_ms",  # time the calling thread sat runnable but not running during the call (host CPU)
 )
 
 
@@ -128,6 +129,15 @@ SESSION_COLUMNS = (
     "long_prefill",
     "k0_then_draft",
 )
+
+
+def _run_delay_ns() -> int:
+    """Run-queue wait of the calling thread so far (ns; /proc/thread-self/schedstat), 0 if unknown."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _bf16_taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
@@ -217,9 +227,11 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 parts.append(taps)
                 wants.append(kk)
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
+            rd0 = _run_delay_ns()
             t0 = time.monotonic()
             replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
+            rd1 = _run_delay_ns()
             epoch = client.epoch or ""
             if epoch not in epoch_idx:
                 epoch_idx[epoch] = len(epoch_idx)
@@ -227,6 +239,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             rec = dict.fromkeys(CALL_COLUMNS, 0)
             rec.update(t0=t0, wait_ms=(t1 - t0) * 1000.0, budget_ms=spec.budget_ms, entries=len(reqs))
             rec["rows"] = sum(r.rows for r in reqs)
+            rec["run_delay_ms"] = (rd1 - rd0) / 1e6
             rec["epoch_idx"] = epoch_idx[epoch]
             finished = []
             for s, req, taps, rep in zip(active, reqs, parts, replies, strict=True):
