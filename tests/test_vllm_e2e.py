@@ -609,3 +609,84 @@ def test_no_server_then_two_engines(tiny_target: str, reference: dict[str, Any])
             c.close()
         srv.kill()
     _report("shared_test", t0)
+
+
+PAIR_DIR = ROOT / "draft_server" / "assets" / "tiny_pair"
+
+
+@pytest.fixture(scope="session")
+def dspark_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, bool]:
+    """(target dir, draft dir, trained). The shipped trained tiny pair when present; otherwise a
+    random qwen3 DSpark draft from ``make_tiny`` and a full random HF Qwen3 target built around
+    its target head (embedding + lm_head), 6 layers so the draft's taps (aux ids 1, 3, 5) exist."""
+    if (PAIR_DIR / "target" / "config.json").exists() and (PAIR_DIR / "draft" / "config.json").exists():
+        return str(PAIR_DIR / "target"), str(PAIR_DIR / "draft"), True
+    import torch
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from draft_server.models.tiny import make_tiny
+
+    out = tmp_path_factory.mktemp("dspark_pair")
+    paths = make_tiny("qwen3", str(out / "draft"), seed=0)
+    head: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(paths.target).glob("*.safetensors")):
+        head.update(load_file(str(f)))
+    vocab, hidden = head["lm_head.weight"].shape
+    torch.manual_seed(1)
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+        model.model.embed_tokens.weight.copy_(head["model.embed_tokens.weight"].float())
+        model.lm_head.weight.copy_(head["lm_head.weight"].float())
+    model.save_pretrained(out / "target", safe_serialization=True)
+    return str(out / "target"), paths.draft, False
+
+
+def test_dspark_model_end_to_end(dspark_pair: tuple[str, str, bool]) -> None:
+    """The real DSpark backend behind vLLM: the server drafts from vLLM's taps with the DSpark
+    model; greedy output equals plain vLLM; with the trained pair some drafts are accepted."""
+    import json as _json
+
+    t0 = time.monotonic()
+    target, draft, trained = dspark_pair
+    vocab = _json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(4, vocab, size=n)] for n in (5, 40, 17, 90, 9, 33)]
+    max_tokens = [40, 24, 40, 16, 40, 30]
+    ref = Driver(target, None, {})
+    try:
+        expect = ref.cmd("generate", prompts=prompts, max_tokens=max_tokens, tag="ref")["outputs"]
+    finally:
+        ref.close()
+    srv = ServerProc("--model", draft, "--target-model", target, drafter="dspark").start(timeout=120)
+    drv = Driver(target, K, remote_env(srv.endpoint))
+    try:
+        got = drv.cmd("generate", prompts=prompts, max_tokens=max_tokens, tag="ds")["outputs"]
+        st = drv.stats()
+        assert wait_sessions_zero(srv.metrics_port) == 0
+    finally:
+        drv.close()
+        srv.kill()
+    assert got == expect
+    d = st["drafter"]
+    assert d["drafted_requests"] > 0 and d.get("internal_errors", 0) == 0 and d["client"]["bad_replies"] == 0
+    accepted = st["vllm"].get("vllm:spec_decode_num_accepted_tokens") or 0
+    drafted = st["vllm"].get("vllm:spec_decode_num_draft_tokens") or 0
+    print(f"\n[dspark] trained={trained} draft tokens {drafted}, accepted {accepted}")
+    if trained:
+        assert accepted > 0
+    _report("dspark_test", t0)
