@@ -76,6 +76,7 @@ internal error, unless ``DRAFT_DEBUG_CHECKS=1``) gives ``[]`` drafts for the ste
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import os
 import socket
@@ -211,6 +212,7 @@ class RemoteDSparkProposer:
         self._preempted: set[str] = set()
         self._counts: Counter[str] = Counter()
         self._step_s = 0.0  # time spent inside client.step
+        self._waits_ms: collections.deque[float] = collections.deque(maxlen=4096)  # recent step() waits
         self._lock = threading.Lock()  # guards _sent/_counts against close() from atexit
         self._closed = False
         atexit.register(self.close)
@@ -338,7 +340,9 @@ class RemoteDSparkProposer:
         taps = taps_host.view(torch.int16).numpy().view(np.uint16)  # zero-copy
         t0 = time.perf_counter()
         replies = self.client.step(requests, taps)
-        self._step_s += time.perf_counter() - t0
+        wait = time.perf_counter() - t0
+        self._step_s += wait
+        self._waits_ms.append(wait * 1000.0)
         self._counts["steps"] += 1
         self._counts["rows_sent"] += total
         for j, reply in enumerate(replies):
@@ -422,6 +426,10 @@ class RemoteDSparkProposer:
             d: dict[str, Any] = dict(self._counts)
             d["live_requests"] = len(self._sent)
         d["step_s"] = self._step_s
+        waits = sorted(self._waits_ms)
+        for q in (50, 90, 99):
+            d[f"rpc_ms_p{q}"] = waits[min(len(waits) - 1, len(waits) * q // 100)] if waits else None
+        d["rpc_ms_max"] = waits[-1] if waits else None
         d["disabled"] = self._disabled
         d["tap_layer_ids"] = list(self.tap_layer_ids)
         d["client"] = self.client.stats()
