@@ -205,6 +205,11 @@ class DraftClient:
         self._next_probe_at = math.inf
         self._last_probe_at = -math.inf
         self._last_step_at = -math.inf  # when a caller last stepped (the engine is active)
+        # Fast probing (breaker_step_probe_ms) finds a server that was unreachable or restarted. A
+        # server that answers pings but still misses steps (alive but slow) gets the backoff instead:
+        # after a failed half-open trial only breaker_backoff_ms probes, as without fast probing.
+        self._fast_probe = True
+        self._trial = False  # the breaker was closed by a pong and no step has succeeded since
         self._ping_queue: list[_PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._waiters: list[Future] = []
@@ -854,7 +859,7 @@ class DraftClient:
             cid = next(self._ids)
             self._probe_due = False
             period = self.cfg.breaker_backoff_ms
-            if self.cfg.breaker_step_probe_ms and now - self._last_step_at < _ACTIVE_S:
+            if self._fast_probe and self.cfg.breaker_step_probe_ms and now - self._last_step_at < _ACTIVE_S:
                 period = min(period, self.cfg.breaker_step_probe_ms)  # an active engine: probe fast
             self._next_probe_at = now + period / 1000.0
             self._last_probe_at = now
@@ -865,7 +870,7 @@ class DraftClient:
     def _step_probe(self, now: float) -> None:
         """A step found the breaker open: probe now unless a probe went out very recently."""
         gap = self.cfg.breaker_step_probe_ms / 1000.0
-        if gap and self._breaker and not self._need_hello and now - self._last_probe_at >= gap:
+        if gap and self._fast_probe and self._breaker and not self._need_hello and now - self._last_probe_at >= gap:
             self._probe_due = True  # sent by _send_due in this same loop iteration (socket writable)
 
     def _timers(self, now: float) -> None:
@@ -981,8 +986,10 @@ class DraftClient:
             self._late(p, now, late)
             return
         self._misses = 0
+        self._trial = False
+        self._fast_probe = True
         if self._breaker:  # a call that was in flight when the breaker opened came back in time
-            self._close_breaker()
+            self._close_breaker(trial=False)
             self._misses = 0
         self._advised_k = msg.advised_k
         for r in msg.results:
@@ -1116,6 +1123,7 @@ class DraftClient:
             self._count("epoch_changes")
             log.info("draft client %s: server restarted (epoch %s -> %s)", self.cfg.name, self._epoch, epoch)
             dropped = 0
+            self._fast_probe = True  # a restarted server deserves a fast look again
             for s in self._sessions.values():  # the server's sessions are gone: forget what it acknowledged
                 s.unsent()
                 s.retry_at = 0.0
@@ -1160,6 +1168,8 @@ class DraftClient:
         self._misses += 1
         if not self._breaker and self._misses >= self.cfg.breaker_failures:
             self._breaker = True
+            self._fast_probe = not self._trial  # a failed half-open trial: the server is slow, back off
+            self._trial = False
             self._probe_due = False
             self._next_probe_at = now + self.cfg.breaker_backoff_ms / 1000.0
             self._m.breaker_opens.inc()
@@ -1172,11 +1182,12 @@ class DraftClient:
             )
             self._set_gate()
 
-    def _close_breaker(self) -> None:
+    def _close_breaker(self, trial: bool = True) -> None:
         self._breaker = False
         self._probe_due = False
         # Half-open: the first miss after a close reopens at once; the first success resets.
         self._misses = self.cfg.breaker_failures - 1
+        self._trial = trial
         log.info("draft client %s: server answers pings again, breaker closed", self.cfg.name)
         self._set_gate()
 

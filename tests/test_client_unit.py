@@ -539,6 +539,27 @@ def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, cli
     assert client.stats()["probes_sent"] >= 4
 
 
+def test_a_server_that_answers_pings_but_misses_steps_gets_the_backoff(server, clients) -> None:
+    # Fast probing must not turn an alive-but-slow server into a trial step every other step:
+    # once a half-open trial fails after a pong, probes fall back to breaker_backoff_ms.
+    server.policy = lambda step, n: "drop"  # pings answered, steps never
+    client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=60_000.0))
+    client.connect()
+    row = taps_for(1, 0)
+    timed_step(client, [req("z", 0, 1)], row, MISS_BUDGET)
+    assert until(lambda: client.breaker_open)
+    assert timed_step(client, [req("z", 1, 1)], row)[0].tokens == []  # open: a fast probe ...
+    assert until(lambda: not client.breaker_open)  # ... answered: half-open
+    assert timed_step(client, [req("z", 2, 1)], row, MISS_BUDGET)[0].tokens == []  # the trial fails
+    assert until(lambda: client.breaker_open)
+    pings, steps = server.count("ping"), len(server.steps())
+    for i in range(20):
+        assert timed_step(client, [req("z", 3 + i, 1)], row)[0].tokens == []
+        time.sleep(0.005)
+    assert server.count("ping") == pings and len(server.steps()) == steps  # no probe, no trial step
+    assert client.stats()["breaker_opens"] == 2
+
+
 def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
     # Regression: the I/O thread once drained its command queue until empty, so callers
     # stepping fast against an open breaker starved the timers and no probe ever went out.
