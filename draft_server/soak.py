@@ -534,6 +534,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
                 step_ms=args.step_ms,
                 k=args.k,
                 long_prefill_rows=args.long_prefill_rows,
+                prefill_rows=tuple(int(x) for x in args.prefill_rows.split(",")),  # type: ignore[arg-type]
                 checksum=args.drafter == "checksum",
                 max_steps=max_steps[i] if max_steps else 0,
                 reconnect_ivl_ms=args.reconnect_ivl_ms,
@@ -854,12 +855,15 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
     live = res.end_sessions.get("live_at_end")
     inv["zero_sessions_at_end"] = {"ok": live == 0, **res.end_sessions}
     mem = _memory(args, res)
-    mg = mem["max_growth_mib"]
+    rss_g = [i["rss_growth_mib"] for i in mem["incarnations"] if "rss_growth_mib" in i]
+    gpu_g = [i["gpu_growth_mib"] for i in mem["incarnations"] if "gpu_growth_mib" in i]
     inv["memory_flat"] = {
-        "ok": mg is None or mg <= args.rss_tolerance_mib,
+        "ok": all(g <= args.rss_tolerance_mib for g in rss_g) and all(g <= args.gpu_tolerance_mib for g in gpu_g),
         "checked": mem["checked"],
-        "max_growth_mib": mg,
-        "tolerance_mib": args.rss_tolerance_mib,
+        "max_rss_growth_mib": max(rss_g, default=None),
+        "rss_tolerance_mib": args.rss_tolerance_mib,
+        "max_gpu_growth_mib": max(gpu_g, default=None),
+        "gpu_tolerance_mib": args.gpu_tolerance_mib,
     }
     refd = _reference(args, res, ref)
     ref_ok = refd["untouched_sessions_mismatched"] == 0 and refd["sessions_untouched"] > 0
@@ -1120,6 +1124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step-ms", type=float, default=25.0, help="the target's own time per step (sleep between calls)")
     g.add_argument("--k", type=int, default=4, help="drafts per step")
     g.add_argument("--long-prefill-rows", type=int, default=2048, help="rows of the occasional long prompt")
+    g.add_argument("--prefill-rows", default="16,128", help="LO,HI rows of an ordinary prompt")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="soak-out", help="directory for the JSON report and the PNG plots")
     g.add_argument("--report-name", default="soak.json", help="file name of the JSON report in --out")
@@ -1171,7 +1176,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fuzz-messages", type=int, default=5000, help="decoder fuzz messages over the run")
     i = ap.add_argument_group("invariants")
     i.add_argument("--resume-steps", type=int, default=2, help="drafting must be back within this many steps")
-    i.add_argument("--rss-tolerance-mib", type=float, default=48.0)
+    i.add_argument("--rss-tolerance-mib", type=float, default=48.0, help="server RSS growth allowed after warm-up")
+    i.add_argument("--gpu-tolerance-mib", type=float, default=256.0, help="server GPU memory growth allowed")
     i.add_argument("--mem-warmup-s", type=float, default=5.0, help="per server process, before the baseline")
     i.add_argument("--mem-window", type=int, default=5, help="samples averaged for the baseline and the end")
     return ap

@@ -189,6 +189,11 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
         assert welcome is not None
         contract = welcome.contract
         vocab, width, k = contract.vocab_size, contract.tap_width, min(spec.k, contract.block_size)
+        limits = welcome.limits
+        # a long prompt must fit one message with room for the rest of the batch
+        row_bytes = width * contract.tap_dtype.itemsize
+        fit = min(limits.max_rows_per_step, limits.max_message_bytes // row_bytes) // 2
+        long_rows = min(spec.long_prefill_rows, fit)
         if ready is not None:
             ready.set()
         if go is not None and not go.wait(spec.connect_timeout_s + 120.0):
@@ -211,7 +216,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 r = s.rng
                 if s.steps == 0:
                     if r.random() < spec.long_prefill_p:
-                        rows, kk = spec.long_prefill_rows, 0  # a long prompt: ingest only, drafts next step
+                        rows, kk = long_rows, 0  # a long prompt: ingest only, drafts next step
                         s.long_prefill = True
                     else:
                         rows, kk = int(r.integers(spec.prefill_rows[0], spec.prefill_rows[1] + 1)), k
