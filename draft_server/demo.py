@@ -1,10 +1,11 @@
-"""`make demo`: a draft server process plus synthetic target engines, with a latency report.
+"""`make demo`: remote drafts inside vLLM, then many engines against one draft server.
 
-Starts `draft-server serve` on loopback (the deterministic checksum drafter by default, so it
-runs anywhere), then several synthetic target engines — each its own DraftClient, many
-sessions, staggered arrivals, prefills, decode steps committing 1..k+1 rows, finishes with
-Free — and prints per-step latency percentiles and throughput per engine, the server's own
-numbers from /metrics, and checks that no session is left behind. Shuts everything down.
+Part 1 (`demo_vllm`): vLLM on CPU with the shipped tiny trained pair, with and without remote
+drafts, outputs compared. Part 2, here: `draft-server serve` on loopback (the deterministic
+checksum drafter, so it runs anywhere) and several synthetic target engines — each its own
+DraftClient, many sessions, staggered arrivals, prefills, decode steps committing 1..k+1 rows,
+finishes with Free — then per-step latency percentiles and throughput per engine, the
+server's own numbers from /metrics, and a check that no session is left behind.
 """
 
 from __future__ import annotations
@@ -79,7 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-ms", type=float, default=50.0, help="per-step draft budget")
     ap.add_argument("--duration-s", type=float, default=8.0, help="stop after this long")
     ap.add_argument("--server-arg", action="append", default=[], help="extra draft-server serve flag (repeatable)")
+    ap.add_argument(
+        "--part",
+        choices=["all", "vllm", "load"],
+        default="all",
+        help="vllm: remote drafts inside vLLM; load: many synthetic engines; all: both",
+    )
     args = ap.parse_args(argv)
+    same = True
+    if args.part in ("all", "vllm"):
+        from draft_server.demo_vllm import run as run_vllm
+
+        print("#### part 1: a real vLLM engine (CPU) with remote DSpark drafts")
+        same = run_vllm()
+        if args.part == "vllm":
+            return 0 if same else 1
+        print("#### part 2: concurrency — synthetic target engines against one draft server")
     server_args = args.server_arg or ["--drafter", "checksum"]
     print(f"== starting draft server: draft-server serve {' '.join(server_args)}")
     proc, endpoint, mport = start_server(server_args)
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
     print(f"== server stopped (exit {proc.returncode}); demo {'OK' if not met['draft_server_sessions'] else 'LEAK'}")
-    return 0 if met["draft_server_sessions"] == 0 and s["bad_tokens"] == 0 else 1
+    return 0 if same and met["draft_server_sessions"] == 0 and s["bad_tokens"] == 0 else 1
 
 
 if __name__ == "__main__":
