@@ -19,7 +19,7 @@ from tests.conftest import ROOT, RawPeer, random_taps
 
 def test_demo_runs_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "draft_server.demo", "--duration-s", "3", "--total-sessions", "20"],
+        [sys.executable, "-m", "draft_server.demo", "--part", "load", "--duration-s", "3", "--total-sessions", "20"],
         cwd=ROOT,
         capture_output=True,
         text=True,
