@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -336,27 +337,27 @@ class DraftCache:
 # Loading the pair
 
 
-def load_tokenizer(target_dir: Path = TARGET_DIR) -> Tokenizer:
+def load_tokenizer(target_dir: Path | None = None) -> Tokenizer:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(Path(target_dir) / "tokenizer.json"))
+    return Tokenizer.from_file(str(Path(target_dir or TARGET_DIR) / "tokenizer.json"))
 
 
-def load_target(target_dir: Path = TARGET_DIR, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
+def load_target(target_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Qwen3ForCausalLM:
     from transformers import Qwen3ForCausalLM
 
-    model = Qwen3ForCausalLM.from_pretrained(str(target_dir), dtype=dtype)
-    model.eval()
+    model = Qwen3ForCausalLM.from_pretrained(str(target_dir or TARGET_DIR))  # no dtype kwarg: its name changed in v5
+    model.to(dtype).eval()
     return model
 
 
 def load_draft(
-    draft_dir: Path = DRAFT_DIR, target: Qwen3ForCausalLM | None = None, dtype: torch.dtype = torch.float32
+    draft_dir: Path | None = None, target: Qwen3ForCausalLM | None = None, dtype: torch.dtype = torch.float32
 ) -> TinyDSpark:
     """Draft from ``draft_dir`` with the frozen target embedding / lm_head taken from ``target``."""
     from safetensors.torch import load_file
 
-    draft_dir = Path(draft_dir)
+    draft_dir = Path(draft_dir or DRAFT_DIR)
     cfg = DraftConfig.from_json(json.loads((draft_dir / "config.json").read_text()))
     if target is None:
         target = load_target(draft_dir.parent / "target")
@@ -392,10 +393,12 @@ def greedy_generate(target: Qwen3ForCausalLM, prompt: torch.Tensor, new_tokens: 
     out = target(input_ids=prompt, use_cache=True)
     past = out.past_key_values
     seq = [prompt, out.logits[:, -1].argmax(-1, keepdim=True)]
-    for _ in range(new_tokens - 1):
-        out = target(input_ids=seq[-1], past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        seq.append(out.logits[:, -1].argmax(-1, keepdim=True))
+    with warnings.catch_warnings():  # transformers 5 renames past_key_values to cache; 4.x has only the old name
+        warnings.simplefilter("ignore", FutureWarning)
+        for _ in range(new_tokens - 1):
+            out = target(input_ids=seq[-1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            seq.append(out.logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat(seq, dim=1)
 
 
