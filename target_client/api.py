@@ -49,6 +49,10 @@ class ClientConfig:
     # rows: the server lost all context anyway, and resending up to resend_rows_limit rows for
     # every session at once makes the first step after a restart too big to meet its budget.
     restart_resend_rows: int = 8
+    # A step carries at most max(16, resend_ratio x its new rows) resent rows in all: without a
+    # bound, the rows buffered while the breaker was open made every half-open trial step so big
+    # that it missed its budget again (draft-soak, K3 on an H200), and drafting never came back.
+    resend_ratio: float = 1.0
     breaker_failures: int = 5  # consecutive misses that open the breaker
     breaker_backoff_ms: float = 500.0  # ping period while open
     # While open, a step() also sends a probe Ping when none went out for this long (0: off), and
@@ -98,6 +102,8 @@ class ClientConfig:
             positive(name, getattr(self, name))
         if self.resend_rows_limit < 0:
             raise ValueError(f"ClientConfig.resend_rows_limit must be >= 0, got {self.resend_rows_limit}")
+        if not (math.isfinite(self.resend_ratio) and self.resend_ratio >= 0):
+            raise ValueError(f"ClientConfig.resend_ratio must be >= 0, got {self.resend_ratio}")
         if self.restart_resend_rows < 0:
             raise ValueError(f"ClientConfig.restart_resend_rows must be >= 0, got {self.restart_resend_rows}")
         if not (math.isfinite(self.breaker_step_probe_ms) and self.breaker_step_probe_ms >= 0):

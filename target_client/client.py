@@ -90,6 +90,7 @@ _COMMANDS_PER_ITERATION = 256
 # While the breaker is open and a step came within this long, probes go out every
 # breaker_step_probe_ms instead of every breaker_backoff_ms (a lost probe is retried at once).
 _ACTIVE_S = 0.25
+_RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
 _APPLIED = (Status.OK, Status.EXPIRED)
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 
@@ -700,7 +701,7 @@ class DraftClient:
             room = limits.max_rows_per_step - new_total
             if row_bytes:
                 room = min(room, (limits.max_message_bytes - 4096 - 256 * n) // row_bytes - new_total)
-            room = max(0, room)
+            room = max(0, min(room, max(_RESEND_MIN_ROWS, int(cfg.resend_ratio * new_total))))
         cid = next(self._ids) if send else None
         wire_entries: list[StepEntry] = []
         parts: list[np.ndarray] = []

@@ -560,6 +560,27 @@ def test_a_server_that_answers_pings_but_misses_steps_gets_the_backoff(server, c
     assert client.stats()["breaker_opens"] == 2
 
 
+def test_resent_rows_per_step_are_bounded_by_its_new_rows(server, clients) -> None:
+    # draft-soak (K3 on an H200): rows buffered while the breaker was open went out all at once in
+    # the half-open trial step, which then missed its budget again, forever.
+    server.policy = lambda step, n: "drop"
+    client = clients(cfg(server.endpoint, breaker_failures=100, resend_rows_limit=64))
+    client.connect()
+    names = [f"r{i}" for i in range(6)]
+    for i in range(10):  # 6 sessions x 10 rows, none acknowledged
+        reqs = [req(n, i, 1) for n in names]
+        timed_step(client, reqs, taps_for(6, i), MISS_BUDGET)
+    server.policy = lambda step, n: "ok"
+    reqs = [req(n, 10, 1) for n in names]  # 6 new rows: at most 16 resent rows may ride along
+    out = timed_step(client, reqs, taps_for(6, 10))
+    assert all(r.status == Status.OK for r in out)
+    entries = server.steps()[-1].msg.entries
+    assert sum(e.rows for e in entries) == 6 + 16
+    assert all(e.pos + e.rows == 11 for e in entries)  # each entry still ends with its new row
+    assert [e.rows for e in entries] == [11, 7, 1, 1, 1, 1]  # the first sessions got the room
+    assert client.stats()["resent_rows"] == 16
+
+
 def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
     # Regression: the I/O thread once drained its command queue until empty, so callers
     # stepping fast against an open breaker starved the timers and no probe ever went out.
