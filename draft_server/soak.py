@@ -684,15 +684,18 @@ def _touching_windows(res: RunResult, margin_s: float) -> list[tuple[float, floa
     return out
 
 
-def _resume(args: argparse.Namespace, res: RunResult) -> list[dict[str, Any]]:
-    """Steps after each restart's READY until drafting was back, per engine, with exclusions."""
+def _resume(args: argparse.Namespace, res: RunResult, kind: str = "kill") -> list[dict[str, Any]]:
+    """Steps until drafting was back, per engine, after each restart's READY (kind "kill") or
+    after each SIGCONT (kind "pause"), with the reason when a measurement is excluded."""
     budget_s = args.budget_ms / 1000.0
     proxy_events = [(t, kind, ident) for t, kind, ident in (res.proxy or {}).get("events", [])]
     out = []
-    kills = [e for e in res.events if e.kind == "kill" and e.detail.get("ready")]
-    others = [(e.t0, e.t1) for e in res.events if e.kind in ("pause", "flood")]
-    for ev in kills:
-        ready = ev.detail["ready"]
+    if kind == "kill":
+        marks = [(e, e.detail["ready"]) for e in res.events if e.kind == "kill" and e.detail.get("ready")]
+    else:
+        marks = [(e, e.t1) for e in res.events if e.kind == kind]
+    for ev, ready in marks:
+        others = [(e.t0, e.t1) for e in res.events if e.kind in ("kill", "pause", "flood") and e is not ev]
         row: dict[str, Any] = {"t_ready": round(ready - res.t_start, 3), "engines": []}
         for eng in res.engines:
             idx = eng["spec"]["index"]
@@ -964,6 +967,7 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
             "slow_iterations": len(res.slow_events),
         },
         "restarts": resume,
+        "pauses": _resume(args, res, "pause"),
         "memory": mem,
         "server_tail": res.server_tail[-20:],
     }
@@ -1097,6 +1101,13 @@ def summary_text(report: dict[str, Any]) -> str:
         f"  statuses {t['statuses']}",
         f"  chaos {report['chaos']['counts']}",
     ]
+    for key, what in (("restarts", "after READY"), ("pauses", "after SIGCONT")):
+        steps = [e["steps"] for r in report.get(key, []) for e in r["engines"] if e.get("steps") is not None]
+        if steps:
+            lines.append(
+                f"  drafting back {what}: {len(steps)} measured, steps without drafts max {max(steps)}, "
+                f"median {float(np.median(steps)):.0f}"
+            )
     if report["chaos"]["errors"]:
         lines.append(f"  chaos errors: {report['chaos']['errors'][:3]}")
     lines.append("  invariants:")
