@@ -42,7 +42,9 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process core: the proposer's stats are reachable
     from vllm import LLM, SamplingParams
 
-    kw: dict[str, Any] = dict(model=cfg["target"], dtype="float32", enforce_eager=True, max_model_len=512, seed=0)
+    kw: dict[str, Any] = dict(
+        model=cfg["target"], dtype="float32", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False
+    )
     if cfg.get("k"):
         kw["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": cfg["k"]}
     llm = LLM(**kw)
