@@ -146,8 +146,9 @@ class ChaosProxy:
             self.stats.reply_send_failures += 1
 
     def run(self) -> None:
+        parent = os.getppid()
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and os.getppid() == parent:  # never outlive the soak
                 timeout = 50
                 if self._held:
                     timeout = max(0, min(timeout, int((self._held[0][0] - time.monotonic()) * 1000) + 1))

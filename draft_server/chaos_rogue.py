@@ -289,8 +289,9 @@ def run_fuzz(endpoint: str, messages: int, rate_per_s: float, seed: int, width: 
     gen = fuzz_messages(seed, width)
     sent = replies = send_failures = 0
     t0 = time.monotonic()
+    parent = os.getppid()
     try:
-        while sent + send_failures < messages and not stop:
+        while sent + send_failures < messages and not stop and os.getppid() == parent:
             due = t0 + (sent + send_failures) / rate_per_s
             delay = due - time.monotonic()
             if delay > 0:

@@ -136,7 +136,7 @@ class ServerSupervisor:
             self._expected_exit = False
             inc: dict[str, Any] = {"start": time.monotonic(), "ready": None, "end": None, "epoch": "", "how": ""}
             self.proc = subprocess.Popen(
-                self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True
+                self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
             )
             inc["pid"] = self.proc.pid
             self.incarnations.append(inc)
@@ -298,7 +298,8 @@ def run_canary(stop: Any, path: str, period_s: float = 0.002, threshold_s: float
     that the client caused from one where the operating system did not run anybody on time.
     """
     stalls: list[tuple[float, float]] = []
-    while not stop.is_set():
+    parent = os.getppid()
+    while not stop.is_set() and os.getppid() == parent:
         t = time.monotonic()
         time.sleep(period_s)
         late = time.monotonic() - t - period_s

@@ -222,7 +222,10 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
         active: list[_Session] = []
         started = 0
         step_no = 0
+        parent = os.getppid()
         while not stop.is_set() and (spec.max_steps <= 0 or step_no < spec.max_steps):
+            if step_no % 64 == 0 and os.getppid() != parent:
+                break  # the soak died: stop, never outlive it
             arrivals = 0
             while len(active) < spec.sessions and arrivals < spec.arrivals_per_step:
                 rng = np.random.default_rng([spec.seed, spec.index, started])

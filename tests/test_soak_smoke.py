@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -74,15 +75,28 @@ def test_soak_smoke_all_chaos_modes(tmp_path):
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
+    # its own process group: on a timeout the whole tree (server, engines, proxy, rogues) goes
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail("draft-soak did not finish within 200 s:\n" + stdout[-3000:] + stderr[-3000:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
     report_path = out / "soak.json"
-    assert report_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report_path.exists(), stdout[-3000:] + stderr[-3000:]
     report = json.loads(report_path.read_text())
     failed = {k: v for k, v in report["invariants"].items() if not v["ok"]}
     assert not failed, json.dumps(failed, indent=1)[:4000]
-    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert proc.returncode == 0, stdout[-3000:]
     assert report["ok"] is True
-    assert "INVARIANT" not in proc.stdout and "result: OK" in proc.stdout  # the one-screen summary
+    assert "INVARIANT" not in stdout and "result: OK" in stdout  # the one-screen summary
     counts = report["chaos"]["counts"]
     for mode in MODES:
         assert counts.get(mode, 0) >= 1, f"chaos mode {mode} never fired: {counts}"
