@@ -6,8 +6,10 @@ each client as itself (sessions are keyed by client identity) and replies find t
 by that id. In each direction a seeded fraction of messages is dropped, and a fraction of
 requests is held back for ``delay_ms`` before it is forwarded (a delayed engine step). Every
 drop and delay is logged with its monotonic time and routing id, so the soak can tell which
-calls a fault touched. Backends use IMMEDIATE and a 10 ms reconnect interval: while the server
-is down a request is dropped (counted as ``unroutable``), never queued and delivered stale.
+calls a fault touched. Backends use IMMEDIATE and a 10 ms reconnect interval: a request the
+backend cannot take (a new backend still connecting, the server down) is retried for
+``hold_unroutable_ms`` (20 ms), then dropped and counted as ``unroutable``, never queued long
+and delivered stale.
 
 Runs in its own process (``run_proxy``) so that its work never competes with a client's GIL;
 SIGTERM stops it and it writes its counters and event log as JSON.
@@ -38,6 +40,7 @@ class ProxyConfig:
     delay_ms: float = 0.0
     seed: int = 0
     only_steps: bool = False  # drop/delay only Step requests and their replies (not Hello/Ping/Free)
+    hold_unroutable_ms: float = 20.0  # retry a request the backend cannot take yet for this long
 
 
 @dataclass
@@ -84,6 +87,7 @@ class ChaosProxy:
         self._poller.register(self._front, zmq.POLLIN)
         self._held: list[tuple[float, int, bytes, list[bytes]]] = []  # delayed requests (due, seq, ident, frames)
         self._seq = 0
+        self._retry: list[tuple[float, bytes, list[bytes]]] = []  # (give up at, ident, frames)
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -126,12 +130,22 @@ class ChaosProxy:
                 return
         self._forward(ident, body)
 
-    def _forward(self, ident: bytes, body: list[bytes]) -> None:
+    def _forward(self, ident: bytes, body: list[bytes], give_up_at: float | None = None) -> None:
+        if give_up_at is None and any(i == ident for _, i, _ in self._retry):
+            # keep this client's order: queue behind its requests that are still being retried
+            self._retry.append((time.monotonic() + self.cfg.hold_unroutable_ms / 1000.0, ident, body))
+            return
         try:
             self._backend(ident).send_multipart(body, zmq.NOBLOCK)
             self.stats.forwarded_requests += 1
         except zmq.ZMQError:
-            self.stats.unroutable += 1
+            now = time.monotonic()
+            if give_up_at is None:
+                give_up_at = now + self.cfg.hold_unroutable_ms / 1000.0
+            if now < give_up_at:
+                self._retry.append((give_up_at, ident, body))
+            else:
+                self.stats.unroutable += 1
 
     def _on_reply(self, ident: bytes, body: list[bytes]) -> None:
         if body and self._chaos_applies(body[0], reply=True):
@@ -149,7 +163,7 @@ class ChaosProxy:
         parent = os.getppid()
         try:
             while not self._stop.is_set() and os.getppid() == parent:  # never outlive the soak
-                timeout = 50
+                timeout = 2 if self._retry else 50
                 if self._held:
                     timeout = max(0, min(timeout, int((self._held[0][0] - time.monotonic()) * 1000) + 1))
                 events = dict(self._poller.poll(timeout))
@@ -168,6 +182,15 @@ class ChaosProxy:
                             except zmq.Again:
                                 break
                             self._on_reply(ident, body)
+                retry, self._retry = self._retry, []
+                blocked: set[bytes] = set()
+                for give_up_at, ident, body in retry:  # in arrival order, per client
+                    if ident in blocked:
+                        self._retry.append((give_up_at, ident, body))
+                        continue
+                    self._forward(ident, body, give_up_at)
+                    if self._retry and self._retry[-1][1] == ident:
+                        blocked.add(ident)  # still not routable: the rest of this client's queue waits
                 now = time.monotonic()
                 while self._held and self._held[0][0] <= now:
                     _, _, ident, body = heapq.heappop(self._held)
