@@ -1218,6 +1218,11 @@ def _machine() -> dict[str, Any]:
                 if line.startswith("model name"):
                     info["cpu"] = line.split(":", 1)[1].strip()
                     break
+    with contextlib.suppress(Exception):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     if shutil.which("nvidia-smi"):
         with contextlib.suppress(Exception):
             info["gpus"] = (
