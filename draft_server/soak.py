@@ -1072,11 +1072,13 @@ def make_plots(args: argparse.Namespace, res: RunResult, out_dir: str, prefix: s
     if s:
         st = np.array([x[0] - t0 for x in s])
         fig, ax = plt.subplots(figsize=(9, 2.8))
-        ax.plot(st, [np.nan if x[4] is None else x[4] for x in s], lw=1, label="live sessions")
-        ax.plot(st, [np.nan if x[5] is None else x[5] for x in s], lw=1, label="queued rows")
+        ax.plot(st, [np.nan if x[4] is None else x[4] for x in s], lw=1, color="C0", label="live sessions")
+        ax.set_ylabel("live sessions", color="C0")
+        ax2 = ax.twinx()
+        ax2.plot(st, [np.nan if x[5] is None else x[5] for x in s], lw=0.6, color="C1", alpha=0.7)
+        ax2.set_ylabel("queued rows", color="C1")
         shade(ax)
-        ax.set(xlabel="s", title="server live sessions (/metrics; gaps: paused or down)")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.set(xlabel="s", title="server live sessions and queued rows (/metrics; gaps: paused or down)")
         save(fig, f"{prefix}_sessions.png")
 
         fig, ax = plt.subplots(figsize=(9, 2.8))
@@ -1286,6 +1288,8 @@ def main(argv: list[str] | None = None) -> int:
                 ref_path = os.path.join(args.from_raw, "result-0.json")
                 ref = _load_result(ref_path) if os.path.exists(ref_path) else None
             else:
+                with open(os.path.join(work, "argv.json"), "w") as f:
+                    json.dump(argv, f)
                 res = run_pass(args, work, chaos=True)
                 _save_result(res, os.path.join(work, "result-1.json"))
                 ref = None
@@ -1302,9 +1306,15 @@ def main(argv: list[str] | None = None) -> int:
     report = analyze(args, res, ref)
     report_path = os.path.join(args.out, args.report_name)
     cfg = {k: v for k, v in vars(args).items()}
+    command = "draft-soak " + " ".join(argv)
+    original = os.path.join(args.from_raw, "argv.json") if args.from_raw else ""
+    if original and os.path.exists(original):
+        with open(original) as f:
+            command = "draft-soak " + " ".join(json.load(f))
     report = {
         "tool": "draft-soak",
-        "command": "draft-soak " + " ".join(argv),
+        "command": command,
+        "analysed_with": ("draft-soak " + " ".join(argv)) if args.from_raw else None,
         "started_utc": started,
         "duration_s": round(res.t_end - res.t_start, 2),
         "machine": _machine(),
