@@ -88,7 +88,7 @@ class DraftConfig:
 
 
 class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm (computed in float32, weight applied after the cast back)."""
+    """Qwen3 RMSNorm (computed in float32, or float64 for float64 input; weight applied after the cast back)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -97,15 +97,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        xf = x.to(torch.float64 if dtype == torch.float64 else torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """HF default (NeoX rotate-half) RoPE tables for integer ``positions`` -> [..., head_dim]."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = positions.float()[..., None] * inv
+    """HF default (NeoX rotate-half) RoPE tables for integer ``positions`` -> [..., head_dim].
+
+    Angles are formed in float64 and cast to ``dtype`` (HF forms them in float32; the difference
+    is below float32 resolution at these positions).
+    """
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = positions.to(torch.float64)[..., None] * inv.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

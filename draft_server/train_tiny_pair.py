@@ -90,14 +90,14 @@ class Settings:
     target_layer_ids: tuple[int, ...] = (0, 2, 4)  # DeepSpec ids: HF hidden_states[id + 1]
     block_size: int = 5
     markov_rank: int = 32
-    d_data_seqs: int = 1536  # greedy continuations generated for draft training
+    d_data_seqs: int = 3072  # greedy continuations generated for draft training
     d_seq_len: int = 160
     d_prompt_min: int = 16
     d_prompt_max: int = 96
     d_gen_batch: int = 64
     d_batch: int = 16
     d_anchors: int = 32  # anchors per sequence per step
-    d_steps: int = 600
+    d_steps: int = 1500
     d_lr: float = 2e-3
     d_warmup: int = 50
     d_weight_decay: float = 0.01
@@ -462,11 +462,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=Settings.seed)
     ap.add_argument("--target-steps", type=int, default=Settings.t_steps)
     ap.add_argument("--draft-steps", type=int, default=Settings.d_steps)
+    ap.add_argument("--draft-data-seqs", type=int, default=Settings.d_data_seqs)
     ap.add_argument("--smoke", action="store_true", help="tiny step counts: checks the script, not the model")
     ap.add_argument("--reuse-target", action="store_true", help="keep <out>/target and train only the draft")
     args = ap.parse_args(argv)
 
-    s = Settings(threads=args.threads, seed=args.seed, t_steps=args.target_steps, d_steps=args.draft_steps)
+    s = Settings(
+        threads=args.threads,
+        seed=args.seed,
+        t_steps=args.target_steps,
+        d_steps=args.draft_steps,
+        d_data_seqs=args.draft_data_seqs,
+    )
     if args.smoke:
         s = smoke(s)
     torch.set_num_threads(s.threads)
