@@ -486,3 +486,97 @@ def test_every_wait_is_bounded_by_the_budget_while_the_server_is_paused(server):
         time.sleep(0.02)
     assert back, "drafting did not come back after SIGCONT"
     c.close()
+
+
+def test_threads_sharing_one_client_never_deadlock(server):
+    """predecessor.md §4 (6): "gate or barrier deadlock, or two threads on one socket" (the main
+    thread, a reply thread and an ingest worker shared one REQ socket under a lock).
+
+    Eight threads step through one DraftClient at once, each with its own sessions: no call
+    waits past its budget + 5 ms and every draft is exact.
+    """
+    c = client_for(server.endpoint, budget_ms=ROOMY_MS)
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            tr = Track(f"t{i}", np.random.default_rng(100 + i))
+            for step in range(15):
+                req, taps = tr.request(6 if step == 0 else 1 + step % (K + 1), k=0 if step % 5 == 4 else K)
+                rep = timed_step(c, [req], taps)[0]
+                assert rep.status == Status.OK and rep.tokens == (tr.expect(req) if req.k else [])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller thread is stuck"
+    assert not errors, errors[:2]
+    assert c.stats()["io_thread_alive"] is True
+    c.close()
+
+
+def test_startup_validates_budget_staging_and_limits():
+    """predecessor.md §6 Startup: "validate the timeout, staging size, max_model_len and window at
+    startup" (the predecessor failed at request time instead: 64-row staging, max_model_len).
+
+    A server refuses to start, with one clear line and exit code 2, on a budget limit of 0, a
+    prefill chunk larger than its batch, or zero capacity.
+    """
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    for flags, word in (
+        (["--max-budget-ms", "0"], "max_budget_ms"),
+        (["--prefill-chunk-rows", "8192", "--max-batch-rows", "4096"], "prefill_chunk_rows"),
+        (["--max-sessions", "0"], "max_sessions"),
+        (["--max-position", "-1"], "max_position"),
+    ):
+        p = subprocess.run(
+            [sys.executable, "-m", "draft_server", "serve", "--drafter", "checksum", "--metrics-port", "-1", *flags],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert p.returncode == 2, (flags, p.stdout, p.stderr)
+        assert word in p.stderr and "READY" not in p.stdout
+
+
+def test_a_hung_engine_turns_health_red_and_clients_fall_back(server_factory):
+    """predecessor.md §4 (1) "the server hangs in synchronize() holding the engine lock, and every
+    later RPC times out" while /v1/status looked fine; §6 Server: a per-step watchdog and health
+    that reflects whether the loop is alive.
+
+    An engine iteration far over the watchdog (a 1.5 s draft batch, standing in for a hung
+    kernel) turns /healthz red (503) and the watchdog counter up; meanwhile clients fall back
+    within their budget; when the batch ends, health is green again and drafting resumes.
+    """
+    import urllib.error
+
+    srv = server_factory("--checksum-delay-ms", "1500", "--watchdog-s", "0.3")
+    c = client_for(srv.endpoint, budget_ms=50.0, breaker_failures=100)
+    tr = Track("hung", np.random.default_rng(14))
+    req, taps = tr.request(2)
+    assert timed_step(c, [req], taps)[0].tokens == []  # the batch that hangs
+    assert wait_for(lambda: srv.metrics()["draft_server_watchdog_fired_total"] == 1, timeout=5)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/healthz", timeout=5)
+    assert err.value.code == 503 and json.loads(err.value.read())["healthy"] is False
+    for _ in range(3):
+        req, taps = tr.request(1)
+        assert timed_step(c, [req], taps)[0].tokens == []  # fallback within budget, never a hang
+
+    def green() -> bool:
+        try:
+            return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/healthz").read())["healthy"]
+        except urllib.error.HTTPError:
+            return False
+
+    assert wait_for(green, timeout=15)
+    c.close()
