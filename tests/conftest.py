@@ -37,6 +37,32 @@ CHECKSUM_CONTRACT = ModelContract(
 )
 
 
+SLACK_MS = float(os.environ.get("DRAFT_CLIENT_TEST_SLACK_MS", "5.0"))
+
+
+def run_queue_ms() -> float:
+    """Run-queue wait so far of this process's threads (ms; /proc/self/task/*/schedstat).
+
+    A call's wait includes time its threads sat runnable while other processes held the cores
+    (or a preempted thread held the GIL): the host's doing, not the client's. Budget checks
+    take it out.
+    """
+    from draft_server.soak_engine import _proc_run_delay_ns, _run_delay_ns
+
+    return max(_run_delay_ns(), _proc_run_delay_ns()) / 1e6
+
+
+def assert_on_time(call, budget_ms: float, what: str = "step"):
+    """Run call(); assert it took at most budget + SLACK_MS of the client's own time."""
+    q0, t0 = run_queue_ms(), time.monotonic()
+    out = call()
+    took, host = (time.monotonic() - t0) * 1000.0, run_queue_ms() - q0
+    assert took - host <= budget_ms + SLACK_MS, (
+        f"{what} took {took:.2f} ms ({host:.2f} ms on the run queue) with a {budget_ms:.1f} ms budget"
+    )
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
