@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from draft_server.chaos_proxy import ChaosProxy, ProxyConfig
-from draft_server.chaos_rogue import fuzz_messages, malformed_burst, oversized, vanish
 from draft_server.chaos_rogue import flood as flood_rogue
+from draft_server.chaos_rogue import fuzz_messages, malformed_burst, oversized, vanish
 from protocol import Pong, Status, StepEntry, StepResult
 from tests.conftest import CHECKSUM_CONTRACT, RawPeer, SessionMirror, free_port, random_taps
 
