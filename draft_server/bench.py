@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
             "processor": platform.processor(),
+            "loadavg_1m_at_end": os.getloadavg()[0],
         },
         "iters": args.iters,
         "transport": "tcp loopback",
