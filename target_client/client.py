@@ -211,6 +211,10 @@ class DraftClient:
         # after a failed half-open trial only breaker_backoff_ms probes, as without fast probing.
         self._fast_probe = True
         self._trial = False  # the breaker was closed by a pong and no step has succeeded since
+        # A server that just (re)started may miss its very first steps (cold caches, lazy CUDA
+        # init, every session new at once): until a step succeeds, a pong-closed breaker then
+        # tolerates one more miss before reopening, and a failed trial keeps fast probing.
+        self._restart_grace = False
         self._ping_queue: list[_PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._waiters: list[Future] = []
@@ -989,6 +993,7 @@ class DraftClient:
         self._misses = 0
         self._trial = False
         self._fast_probe = True
+        self._restart_grace = False
         if self._breaker:  # a call that was in flight when the breaker opened came back in time
             self._close_breaker(trial=False)
             self._misses = 0
@@ -1125,6 +1130,7 @@ class DraftClient:
             log.info("draft client %s: server restarted (epoch %s -> %s)", self.cfg.name, self._epoch, epoch)
             dropped = 0
             self._fast_probe = True  # a restarted server deserves a fast look again
+            self._restart_grace = True
             for s in self._sessions.values():  # the server's sessions are gone: forget what it acknowledged
                 s.unsent()
                 s.retry_at = 0.0
@@ -1169,7 +1175,10 @@ class DraftClient:
         self._misses += 1
         if not self._breaker and self._misses >= self.cfg.breaker_failures:
             self._breaker = True
-            self._fast_probe = not self._trial  # a failed half-open trial: the server is slow, back off
+            # a failed half-open trial: the server is slow, back off (unless it has just restarted)
+            self._fast_probe = not self._trial or self._restart_grace
+            if self._trial:
+                self._restart_grace = False  # used up: a restarted server that stays slow gets the backoff
             self._trial = False
             self._probe_due = False
             self._next_probe_at = now + self.cfg.breaker_backoff_ms / 1000.0
@@ -1188,6 +1197,8 @@ class DraftClient:
         self._probe_due = False
         # Half-open: the first miss after a close reopens at once; the first success resets.
         self._misses = self.cfg.breaker_failures - 1
+        if trial and self._restart_grace:
+            self._misses = max(0, self.cfg.breaker_failures - 2)
         self._trial = trial
         log.info("draft client %s: server answers pings again, breaker closed", self.cfg.name)
         self._set_gate()

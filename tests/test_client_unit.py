@@ -579,6 +579,36 @@ def test_resent_rows_per_step_are_bounded_by_its_new_rows(server, clients) -> No
     assert client.stats()["resent_rows"] - resent == 16
 
 
+def test_a_restarted_server_may_miss_its_first_step_without_a_backoff(clients) -> None:
+    # draft-soak: the first step after a restart (every session new at once, cold caches) missed
+    # its budget; the breaker reopened with the 500 ms backoff and drafting took ~16 steps to return.
+    srv = FakeServer()
+    port = srv.port
+    client = clients(cfg(srv.endpoint, breaker_failures=2, breaker_backoff_ms=60_000.0))
+    client.connect()
+    row = taps_for(1, 0)
+    assert timed_step(client, [req("g", 0, 1)], row)[0].tokens == expected(req("g", 0, 1))
+    srv.stop()
+    for i in range(1, 4):
+        timed_step(client, [req("g", i, 1)], row, MISS_BUDGET)
+    assert until(lambda: client.breaker_open)
+    srv = FakeServer(port=port, epoch="epoch-2")
+    srv.policy = lambda step, n: "drop" if n == 0 else "ok"  # the restarted server misses its first step
+    try:
+        assert until(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)  # a fast probe's pong
+        assert timed_step(client, [req("g", 4, 1)], row, MISS_BUDGET)[0].tokens == []  # the cold first step
+        assert not client.breaker_open  # one miss is forgiven after a restart
+        r = req("g", 5, 1)
+        assert timed_step(client, [r], row)[0].tokens == expected(r)  # drafting on the next step
+        # the grace is spent once a step succeeds: two misses now reopen the breaker as before
+        srv.policy = lambda step, n: "drop"
+        for i in range(6, 8):
+            timed_step(client, [req("g", i, 1)], row, MISS_BUDGET)
+        assert until(lambda: client.breaker_open)
+    finally:
+        srv.stop()
+
+
 def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients) -> None:
     # Regression: the I/O thread once drained its command queue until empty, so callers
     # stepping fast against an open breaker starved the timers and no probe ever went out.
