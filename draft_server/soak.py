@@ -1279,6 +1279,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = args.reference if args.reference is not None else args.drafter != "checksum"
     os.makedirs(args.out, exist_ok=True)
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    machine = _machine()  # before the run: the git commit the run started from
     with contextlib.ExitStack() as stack:
         work = args.raw_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="draft-soak-"))
         os.makedirs(work, exist_ok=True)
@@ -1317,7 +1318,7 @@ def main(argv: list[str] | None = None) -> int:
         "analysed_with": ("draft-soak " + " ".join(argv)) if args.from_raw else None,
         "started_utc": started,
         "duration_s": round(res.t_end - res.t_start, 2),
-        "machine": _machine(),
+        "machine": machine,
         "config": cfg,
         "report_path": report_path,
         **report,
