@@ -134,11 +134,14 @@ class MetricsHTTPServer:
                     ctype, code = "application/json", 200 if state["healthy"] else 503
                 else:
                     body, ctype, code = b"not found\n", "text/plain", 404
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the scraper gave up (its timeout): nothing to answer
 
             def log_message(self, *args: object) -> None:
                 pass
