@@ -800,6 +800,70 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
     }
 
 
+def _overrun_forensics(
+    res: RunResult, all_calls: list[tuple[dict[str, Any], np.ndarray]], delays: np.ndarray
+) -> dict[str, Any]:
+    """Where the time of each call over the bound that the run queue does not explain went.
+
+    Per call the engine records its own on-CPU time, the on-CPU time of all its threads, its
+    time in the cyclic GC, host-wide steal time and major page faults; the canary adds host
+    stalls. The likely cause is the first of these that covers the unexplained part: steal (the
+    hypervisor ran another guest), gc (the engine's own collector held the GIL), page faults,
+    another thread of the engine on the CPU (held the GIL), a host stall the canary saw, or
+    unknown. A cause here is evidence, not proof; the invariant itself subtracts only run-queue wait.
+    """
+    rows: list[dict[str, Any]] = []
+    off = 0
+    for e, c in all_calls:
+        cols = e["call_columns"]
+        n = len(c)
+        d = delays[off : off + n]
+        off += n
+
+        def col(name: str, c: np.ndarray = c, cols: list[str] = cols) -> np.ndarray:
+            return c[:, cols.index(name)] if name in cols else np.full(len(c), np.nan)
+
+        wait, budget = col("wait_ms"), col("budget_ms")
+        rest = wait - budget - d
+        for i in np.nonzero((wait - budget > SLACK_MS) & (rest > SLACK_MS))[0]:
+            t0, w = float(col("t0")[i]), float(wait[i]) / 1000.0
+            # the canary's stalls are [due, due + late]: the part of them inside the call
+            stall = max((min(t0 + w, due + late) - max(t0, due) for due, late in res.host_stalls), default=0.0)
+            r = {
+                "engine": e["spec"]["index"],
+                "t_s": round(t0 - res.t_start, 3),
+                "wait_ms": round(float(wait[i]), 2),
+                "unexplained_ms": round(float(rest[i]), 2),
+                "run_queue_ms": round(float(d[i]), 2),
+                "statuses": {k: int(col(k)[i]) for k in ("ok", "none", "expired", "overloaded") if col(k)[i] > 0},
+                "cpu_ms": round(float(col("cpu_ms")[i]), 2),
+                "other_threads_cpu_ms": round(float(col("proc_cpu_ms")[i] - col("cpu_ms")[i]), 2),
+                "gc_ms": round(float(col("gc_ms")[i]), 2),
+                "steal_ms": round(float(col("steal_ms")[i]), 2),
+                "majflt": float(col("majflt")[i]),
+                "canary_stall_ms": round(stall * 1000.0, 2),
+            }
+            need = float(rest[i])
+            cause = "unknown"
+            for name, v in (
+                ("steal", r["steal_ms"]),
+                ("gc", r["gc_ms"]),
+                ("page faults", 1e9 if r["majflt"] > 0 else 0.0),
+                ("another engine thread held the GIL", r["other_threads_cpu_ms"]),
+                ("host stall (canary)", r["canary_stall_ms"]),
+            ):
+                if np.isfinite(v) and v >= need - SLACK_MS:
+                    cause = name
+                    break
+            r["likely_cause"] = cause
+            rows.append(r)
+    by: dict[str, int] = {}
+    for r in rows:
+        by[r["likely_cause"]] = by.get(r["likely_cause"], 0) + 1
+    rows.sort(key=lambda r: -r["unexplained_ms"])
+    return {"by_cause": by, "calls": rows[:50]}
+
+
 def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> dict[str, Any]:
     inv: dict[str, dict[str, Any]] = {}
     all_calls = [(e, _calls(e)) for e in res.engines]
@@ -830,6 +894,7 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
         else:
             unexplained += 1
             worst_unexplained = max(worst_unexplained, float(over[i] - delays[i]))
+    forensics = _overrun_forensics(res, all_calls, delays)
     inv["wait_within_budget"] = {
         "ok": bool(len(waits) > 0 and unexplained == 0),
         "calls": len(waits),
@@ -842,6 +907,8 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
         "host_stall_max_ms": round(max((x[1] for x in stalls), default=0.0) * 1000, 2),
         "max_run_queue_wait_ms": round(float(delays.max()), 3) if len(delays) else None,
         "rule": "wait - (run-queue wait of the engine process's threads during the call) <= budget + 5 ms",
+        "unexplained_by_likely_cause": forensics["by_cause"],
+        "unexplained_calls": forensics["calls"],
     }
 
     def total(name: str) -> int:
@@ -1117,6 +1184,9 @@ def summary_text(report: dict[str, Any]) -> str:
                 f"  drafting back {what}: {len(steps)} measured ({len(ms) - len(steps)} excluded), "
                 f"steps without drafts max {max(steps)}, median {float(np.median(steps)):.0f}"
             )
+    w = report["invariants"]["wait_within_budget"]
+    if w.get("unexplained_by_likely_cause"):
+        lines.append(f"  over budget + 5 ms, not run-queue wait, by likely cause: {w['unexplained_by_likely_cause']}")
     if report["chaos"]["errors"]:
         lines.append(f"  chaos errors: {report['chaos']['errors'][:3]}")
     lines.append("  invariants:")

@@ -26,6 +26,7 @@ import array
 import gc
 import json
 import os
+import resource
 import time
 import traceback
 import zlib
@@ -54,6 +55,12 @@ CALL_COLUMNS = (
     "epoch_idx",
     "run_delay_ms",  # time the calling thread sat runnable but not running during the call (host CPU)
     "proc_run_delay_ms",  # the same summed over all threads of the process (e.g. the client's I/O thread)
+    # Forensics for calls over budget (where the rest of the time went):
+    "cpu_ms",  # on-CPU time of the calling thread during the call
+    "proc_cpu_ms",  # on-CPU time of every thread of the process (a GIL holder shows up here)
+    "gc_ms",  # time this process spent in the cyclic garbage collector (holds the GIL)
+    "steal_ms",  # host-wide steal time (the hypervisor ran another guest), summed over vCPUs
+    "majflt",  # major page faults of the process (blocked on I/O)
 )
 
 
@@ -134,13 +141,61 @@ SESSION_COLUMNS = (
 )
 
 
-def _run_delay_ns() -> int:
-    """Run-queue wait of the calling thread so far (ns; /proc/thread-self/schedstat), 0 if unknown."""
+_gc_ns = 0  # total time in the cyclic GC, kept by _gc_callback
+_gc_started = 0
+
+
+def _gc_callback(phase: str, info: dict[str, int]) -> None:
+    global _gc_ns, _gc_started
+    if phase == "start":
+        _gc_started = time.perf_counter_ns()
+    elif _gc_started:
+        _gc_ns += time.perf_counter_ns() - _gc_started
+        _gc_started = 0
+
+
+_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _steal_ms() -> float:
+    """Host-wide steal time so far (ms, summed over vCPUs, clock-tick resolution), 0 if unknown."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            return int(f.readline().split()[8]) * _TICK_MS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _thread_sched_ns() -> tuple[int, int]:
+    """(on-CPU, run-queue wait) of the calling thread so far, in ns (/proc/thread-self/schedstat)."""
     try:
         with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1])
+            v = f.read().split()
+            return int(v[0]), int(v[1])
     except (OSError, ValueError, IndexError):
-        return 0
+        return 0, 0
+
+
+def _proc_sched_ns() -> tuple[int, int]:
+    """(on-CPU, run-queue wait) summed over every thread of this process so far, in ns."""
+    cpu = wait = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    v = f.read().split()
+                    cpu += int(v[0])
+                    wait += int(v[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    except OSError:
+        pass
+    return cpu, wait
+
+
+def _run_delay_ns() -> int:
+    """Run-queue wait of the calling thread so far (ns), 0 if unknown."""
+    return _thread_sched_ns()[1]
 
 
 def _proc_run_delay_ns() -> int:
@@ -148,17 +203,7 @@ def _proc_run_delay_ns() -> int:
 
     A thread preempted while it holds the GIL keeps the caller waiting without the caller itself
     being on the run queue; this sum sees that wait too."""
-    total = 0
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
-                    total += int(f.read().split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    except OSError:
-        return 0
-    return total
+    return _proc_sched_ns()[1]
 
 
 def _bf16_taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
@@ -216,6 +261,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
         fit = min(limits.max_rows_per_step, limits.max_message_bytes // row_bytes) // 2
         long_rows = min(spec.long_prefill_rows, fit)
         gc.freeze()  # imports and setup out of the collector's way: fewer, shorter pauses in the calls
+        gc.callbacks.append(_gc_callback)
         if ready is not None:
             ready.set()
         if go is not None and not go.wait(spec.connect_timeout_s + 120.0):
@@ -257,11 +303,13 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 parts.append(taps)
                 wants.append(kk)
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
-            rd0, pd0 = _run_delay_ns(), _proc_run_delay_ns()
+            (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
+            gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             t0 = time.monotonic()
             replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
-            rd1, pd1 = _run_delay_ns(), _proc_run_delay_ns()
+            (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
+            gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             epoch = client.epoch or ""
             if epoch not in epoch_idx:
                 epoch_idx[epoch] = len(epoch_idx)
@@ -271,6 +319,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             rec["rows"] = sum(r.rows for r in reqs)
             rec["run_delay_ms"] = (rd1 - rd0) / 1e6
             rec["proc_run_delay_ms"] = (pd1 - pd0) / 1e6
+            rec.update(cpu_ms=(tc1 - tc0) / 1e6, proc_cpu_ms=(pc1 - pc0) / 1e6, gc_ms=(gc1 - gc0) / 1e6)
+            rec.update(steal_ms=st1 - st0, majflt=mf1 - mf0)
             rec["epoch_idx"] = epoch_idx[epoch]
             finished = []
             for s, req, taps, rep in zip(active, reqs, parts, replies, strict=True):
