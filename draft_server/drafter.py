@@ -81,5 +81,9 @@ class Drafter(ABC):
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Draft ``k`` tokens after each anchor, batched over sessions."""
 
+    def cuda_device(self) -> object | None:
+        """The torch CUDA device this drafter computes on, or None (CPU, checksum)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release device resources."""

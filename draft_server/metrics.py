@@ -115,6 +115,22 @@ class ServerMetrics:
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason)
 
+    def watch_gpu(self, device: object) -> None:
+        """GPU memory gauges, read at scrape time from PyTorch's caching allocator.
+
+        allocated: bytes held by live tensors (model, KV pages, the batch in flight): growth here
+        is a leak. reserved: allocated plus the allocator's cache, which grows as it meets new
+        batch shapes and levels off; nvidia-smi shows reserved plus the CUDA context."""
+        import torch
+
+        r = self.registry
+        Gauge("draft_server_gpu_memory_allocated_bytes", "GPU bytes held by live tensors", registry=r).set_function(
+            lambda: torch.cuda.memory_allocated(device)
+        )
+        Gauge(
+            "draft_server_gpu_memory_reserved_bytes", "GPU bytes reserved by the caching allocator", registry=r
+        ).set_function(lambda: torch.cuda.memory_reserved(device))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

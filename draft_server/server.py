@@ -102,6 +102,8 @@ class DraftServer:
         self.metrics.healthy.set(1)
         self.metrics.max_sessions.set(cfg.max_sessions)
         self.metrics.max_queue_rows.set(cfg.max_queue_rows)
+        if (gpu := drafter.cuda_device()) is not None:
+            self.metrics.watch_gpu(gpu)
         self.engine = Engine(
             drafter,
             self.metrics,

@@ -263,7 +263,8 @@ class Sampler(threading.Thread):
     def __init__(self, server: Any, metrics_port: int, period_s: float) -> None:
         super().__init__(name="soak-sampler", daemon=True)
         self.server, self.metrics_port, self.period_s = server, metrics_port, period_s
-        self.samples: list[list[Any]] = []  # [t, incarnation, rss_mib, gpu_mib, sessions, queue_rows]
+        # [t, incarnation, rss_mib, gpu_mib (nvidia-smi), sessions, queue_rows, gpu_allocated_mib, gpu_reserved_mib]
+        self.samples: list[list[Any]] = []
         self.last_metrics: dict[int, dict[str, float]] = {}  # per incarnation, the last scrape
         self.stop_evt = threading.Event()
 
@@ -282,12 +283,15 @@ class Sampler(threading.Thread):
                 if g is not None:
                     gpu = g.get(pid, 0.0)
             m = scrape(self.metrics_port) if self.metrics_port > 0 else None
-            sessions = queue = None
+            sessions = queue = alloc = reserved = None
             if m is not None:
                 self.last_metrics[inc] = m
                 sessions = m.get("draft_server_sessions")
                 queue = m.get("draft_server_queue_rows")
-            self.samples.append([t, inc, rss, gpu, sessions, queue])
+                if "draft_server_gpu_memory_allocated_bytes" in m:
+                    alloc = m["draft_server_gpu_memory_allocated_bytes"] / 2**20
+                    reserved = m["draft_server_gpu_memory_reserved_bytes"] / 2**20
+            self.samples.append([t, inc, rss, gpu, sessions, queue, alloc, reserved])
 
 
 def run_canary(stop: Any, path: str, period_s: float = 0.002, threshold_s: float = 0.003) -> None:
@@ -734,8 +738,8 @@ def _memory(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
         rows = [s for s in samples if s[1] == i and s[0] >= start + args.mem_warmup_s]
         out: dict[str, Any] = {"incarnation": i, "samples": len(rows), "checked": False}
         w = max(2, args.mem_window)
-        for key, col in (("rss", 2), ("gpu", 3)):
-            vals = [s[col] for s in rows if s[col] is not None]
+        for key, col in (("rss", 2), ("gpu", 3), ("gpu_allocated", 6), ("gpu_reserved", 7)):
+            vals = [s[col] for s in rows if len(s) > col and s[col] is not None]
             if len(vals) >= 2 * w:
                 base, last = float(np.median(vals[:w])), float(np.median(vals[-w:]))
                 out[f"{key}_base_mib"] = round(base, 2)
@@ -933,12 +937,15 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
     mem = _memory(args, res)
     rss_g = [i["rss_growth_mib"] for i in mem["incarnations"] if "rss_growth_mib" in i]
     gpu_g = [i["gpu_growth_mib"] for i in mem["incarnations"] if "gpu_growth_mib" in i]
+    alloc_g = [i["gpu_allocated_growth_mib"] for i in mem["incarnations"] if "gpu_allocated_growth_mib" in i]
     inv["memory_flat"] = {
-        "ok": all(g <= args.rss_tolerance_mib for g in rss_g) and all(g <= args.gpu_tolerance_mib for g in gpu_g),
+        "ok": all(g <= args.rss_tolerance_mib for g in rss_g)
+        and all(g <= args.gpu_tolerance_mib for g in gpu_g + alloc_g),
         "checked": mem["checked"],
         "max_rss_growth_mib": max(rss_g, default=None),
         "rss_tolerance_mib": args.rss_tolerance_mib,
         "max_gpu_growth_mib": max(gpu_g, default=None),
+        "max_gpu_allocated_growth_mib": max(alloc_g, default=None),
         "gpu_tolerance_mib": args.gpu_tolerance_mib,
     }
     refd = _reference(args, res, ref)
@@ -1150,8 +1157,9 @@ def make_plots(args: argparse.Namespace, res: RunResult, out_dir: str, prefix: s
 
         fig, ax = plt.subplots(figsize=(9, 2.8))
         ax.plot(st, [np.nan if x[2] is None else x[2] for x in s], lw=1, label="server RSS MiB")
-        if any(x[3] is not None for x in s):
-            ax.plot(st, [np.nan if x[3] is None else x[3] for x in s], lw=1, label="server GPU MiB")
+        for col, label in ((3, "server GPU MiB (nvidia-smi)"), (6, "GPU allocated by tensors MiB")):
+            if any(len(x) > col and x[col] is not None for x in s):
+                ax.plot(st, [np.nan if len(x) <= col or x[col] is None else x[col] for x in s], lw=1, label=label)
         shade(ax)
         ax.set(xlabel="s", ylabel="MiB", title="server memory (per process; restarts reset it)")
         ax.legend(fontsize=7, loc="upper right")

@@ -78,6 +78,10 @@ class DSparkDrafter(Drafter):
         )
         self.sampler = Sampler(model, sts_temperatures)
 
+    def cuda_device(self) -> object | None:
+        dev = torch.device(self.model.device)
+        return dev if dev.type == "cuda" else None
+
     # -- KV accounting (Drafter interface) --------------------------------------------------
     def capacity_tokens(self) -> int:
         return self.cache.capacity_tokens()
