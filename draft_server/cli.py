@@ -30,6 +30,13 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"draft-server: cannot load the drafter: {e}", file=sys.stderr)
         return 2
+    if cfg.drafter != "checksum":  # a model: its first steps after a (re)start must not miss their budgets
+        from draft_server.engine import warm_up
+
+        w = warm_up(drafter, cfg.max_batch_sessions, cfg.prefill_chunk_rows)
+        logging.getLogger("draft_server").info(
+            "warm-up: batches up to %d sessions and one prefill chunk in %.2f s", w["largest_batch"], w["seconds"]
+        )
     server = DraftServer(cfg, drafter)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -608,6 +608,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
             try:
                 with open(spec.out_path) as f:
                     engines_out.append(json.load(f))
+                engines_out[-1]["late_stacks"] = _late_stacks(spec.out_path + ".stacks")
             except (OSError, ValueError) as e:
                 engines_out.append({"spec": asdict(spec), "error": f"no result file: {e}", "calls": [], "sessions": []})
     finally:
@@ -762,12 +763,14 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
     windows = _touching_windows(res, args.budget_ms / 1000.0 + 0.05)
     untouched = touched = mism = checked = compared = differ = 0
     examples: list[str] = []
-    ref_crc: dict[tuple[int, int], tuple[int, int]] = {}
+    ref_crc: dict[tuple[int, int], tuple[int, int, list[int]]] = {}
+    same_tokens = total_tokens = 0
+    min_agree: float | None = None
     if ref is not None:
         for eng in ref.engines:
             for s in _sessions(eng):
                 if s["finished"] and s["all_ok"]:
-                    ref_crc[(eng["spec"]["index"], s["number"])] = (s["steps"], s["draft_crc"])
+                    ref_crc[(eng["spec"]["index"], s["number"])] = (s["steps"], s["draft_crc"], s.get("tokens") or [])
     prefix_mism = 0
     for eng in res.engines:
         idx = eng["spec"]["index"]
@@ -787,6 +790,12 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
                 r = ref_crc.get((idx, s["number"]))
                 if r is not None and r[0] == s["steps"]:
                     compared += 1
+                    mine = s.get("tokens") or []
+                    if len(mine) == len(r[2]) and mine:
+                        same = sum(a == b for a, b in zip(mine, r[2], strict=True))
+                        same_tokens += same
+                        total_tokens += len(mine)
+                        min_agree = min(same / len(mine), 1.0 if min_agree is None else min_agree)
                     if r[1] != s["draft_crc"]:
                         differ += 1
                         if len(examples) < 5:
@@ -800,8 +809,38 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
         "untouched_sessions_mismatched": mism,
         "reference_sessions_compared": compared,
         "reference_sessions_differing": differ,
+        "reference_token_agreement": round(same_tokens / total_tokens, 5) if total_tokens else None,
+        "reference_min_session_agreement": None if min_agree is None else round(min_agree, 5),
+        "reference_min_agreement": args.reference_min_agreement,
         "examples": examples,
     }
+
+
+def _late_stacks(path: str, frames: int = 4) -> list[tuple[float, str]]:
+    """The stack dumps an engine wrote for its calls still waiting at budget + 5 ms, per call t0.
+
+    Each dump is cut to the innermost ``frames`` frames per thread, leaving out the import
+    machinery's and threading's own frames; "Current thread" is the one that held the GIL then."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    out: list[tuple[float, str]] = []
+    block: list[str] = []
+    kept = 0
+    for line in text.splitlines():
+        if line.startswith("@@ call t0="):
+            t0 = float(line.split()[2].split("=", 1)[1])
+            out.append((t0, "\n".join(block)))
+            block, kept = [], 0
+        elif line.startswith(("Thread 0x", "Current thread 0x")):
+            block.append(line.split(" (most recent")[0] + ":")
+            kept = 0
+        elif line.startswith("  File ") and kept < frames and "<frozen " not in line and "/threading.py" not in line:
+            block.append(line.replace("  File ", "  ", 1))
+            kept += 1
+    return out
 
 
 def _overrun_forensics(
@@ -827,12 +866,13 @@ def _overrun_forensics(
         def col(name: str, c: np.ndarray = c, cols: list[str] = cols) -> np.ndarray:
             return c[:, cols.index(name)] if name in cols else np.full(len(c), np.nan)
 
+        stacks = {float(t): text for t, text in e.get("late_stacks") or []}
         wait, budget = col("wait_ms"), col("budget_ms")
         rest = wait - budget - d
         for i in np.nonzero((wait - budget > SLACK_MS) & (rest > SLACK_MS))[0]:
             t0, w = float(col("t0")[i]), float(wait[i]) / 1000.0
-            # the canary's stalls are [due, due + late]: the part of them inside the call
-            stall = max((min(t0 + w, due + late) - max(t0, due) for due, late in res.host_stalls), default=0.0)
+            # the canary's stalls are [due, due + late]: the longest part of one inside the call
+            stall = max([0.0, *(min(t0 + w, due + late) - max(t0, due) for due, late in res.host_stalls)])
             r = {
                 "engine": e["spec"]["index"],
                 "t_s": round(t0 - res.t_start, 3),
@@ -847,6 +887,8 @@ def _overrun_forensics(
                 "majflt": float(col("majflt")[i]),
                 "canary_stall_ms": round(stall * 1000.0, 2),
             }
+            if (st := stacks.get(t0)) is not None:
+                r["stacks_at_budget_plus_5ms"] = st
             need = float(rest[i])
             cause = "unknown"
             for name, v in (
@@ -953,7 +995,12 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
     if args.drafter == "checksum":
         ref_ok = ref_ok and refd["untouched_entries_checked"] > 0
     if ref is not None:
-        ref_ok = ref_ok and refd["reference_sessions_differing"] == 0 and refd["reference_sessions_compared"] > 0
+        ref_ok = ref_ok and refd["reference_sessions_compared"] > 0
+        if args.reference_min_agreement >= 1.0:  # exact: every compared session drafted the same tokens
+            ref_ok = ref_ok and refd["reference_sessions_differing"] == 0
+        else:  # a drafter whose numerics depend on the batch (bf16 on a GPU): token agreement floor
+            agree = refd["reference_min_session_agreement"]
+            ref_ok = ref_ok and agree is not None and agree >= args.reference_min_agreement
     inv["untouched_equal_reference"] = {"ok": ref_ok, **refd}
     errs = {}
     for i, m in res.last_metrics.items():
@@ -1239,6 +1286,13 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="run a second fault-free pass and compare drafts (default: on for models, off for checksum)",
+    )
+    g.add_argument(
+        "--reference-min-agreement",
+        type=float,
+        default=1.0,
+        help="1.0: untouched sessions must draft exactly what the reference pass drafted. Below 1: the share "
+        "of each one's draft tokens that must agree, for drafters that are not batch-invariant (bf16 on a GPU)",
     )
     s = ap.add_argument_group("server (started and supervised by the soak)")
     s.add_argument("--drafter", default="checksum", choices=["checksum", "dspark"])

@@ -23,6 +23,7 @@ go to one JSON file that the soak parent reads.
 from __future__ import annotations
 
 import array
+import faulthandler
 import gc
 import json
 import os
@@ -107,6 +108,7 @@ class _Session:
     epochs: set[str] = field(default_factory=set)
     long_prefill: bool = False
     k0_then_draft: int = 0  # k=0 steps followed by a checked drafting step
+    tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
 
     def summary(self, finished: bool) -> list[Any]:
         return [
@@ -122,6 +124,7 @@ class _Session:
             int(finished),
             int(self.long_prefill),
             self.k0_then_draft,
+            self.tokens.tolist() if self.tokens is not None else [],
         ]
 
 
@@ -138,6 +141,7 @@ SESSION_COLUMNS = (
     "finished",
     "long_prefill",
     "k0_then_draft",
+    "tokens",
 )
 
 
@@ -248,6 +252,11 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
         )
     )
     calls = array.array("d")  # flat, len(CALL_COLUMNS) per call: no GC-tracked object per call
+    # A call still waiting at budget + 5 ms gets every thread's Python stack dumped (faulthandler's
+    # watchdog thread needs no GIL; "Current thread" is the GIL holder), followed by a marker line
+    # that names the call. The soak attaches these stacks to the calls it cannot explain.
+    stacks = open(spec.out_path + ".stacks", "wb", buffering=0)
+    late_s = (spec.budget_ms + 5.0) / 1000.0
     sessions_out: list[list[Any]] = []
     epochs: list[tuple[float, str]] = []
     try:
@@ -279,6 +288,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 rng = np.random.default_rng([spec.seed, spec.index, started])
                 lo, hi = spec.decode_steps
                 s = _Session(started, f"e{spec.index}-s{started}", rng, int(rng.integers(lo, hi + 1)))
+                if not spec.checksum:
+                    s.tokens = array.array("i")
                 active.append(s)
                 started += 1
                 arrivals += 1
@@ -305,9 +316,13 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
             (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
             gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            faulthandler.dump_traceback_later(late_s, file=stacks)
             t0 = time.monotonic()
             replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
+            faulthandler.cancel_dump_traceback_later()
+            if t1 - t0 > late_s:
+                stacks.write(f"@@ call t0={t0!r} wait_ms={(t1 - t0) * 1000.0:.3f}\n".encode())
             (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
             gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             epoch = client.epoch or ""
@@ -343,6 +358,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 if rep.tokens:
                     rec["drafted"] += 1
                     s.draft_crc = zlib.crc32(np.asarray(rep.tokens, np.int64).tobytes(), s.draft_crc)
+                    if s.tokens is not None:
+                        s.tokens.extend(rep.tokens)
                 valid = (
                     len(rep.tokens) == req.k and all(0 <= t < vocab for t in rep.tokens)
                     if st == Status.OK
@@ -381,6 +398,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             k: v for k, v in client.stats().items() if isinstance(v, int | float | str | bool) or v is None
         }
     finally:
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
         client.close()
         n = len(CALL_COLUMNS)
         out["calls"] = [calls[i : i + n].tolist() for i in range(0, len(calls), n)]

@@ -852,3 +852,26 @@ def test_curve_encryption(clients) -> None:
 def test_importing_the_client_pulls_in_neither_torch_nor_the_server() -> None:
     code = "import sys, target_client; bad = {'torch', 'draft_server'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_large_step_imports_nothing_on_the_hot_path() -> None:
+    """pyzmq's first zero-copy frame imports zmq.utils.garbage and starts a thread (GIL held for
+    ms inside a step); the client pays that in its constructor. Fresh interpreter: nothing that
+    an earlier test imported hides the import."""
+    code = """
+import sys, numpy as np
+from tests.client_fake_server import CONTRACT, FakeServer
+from target_client import ClientConfig, DraftClient, StepRequest
+srv = FakeServer()
+c = DraftClient(ClientConfig(endpoint=srv.endpoint, budget_ms=5000.0))
+c.connect(wait=True)
+rows = 65536 // (CONTRACT.tap_width * 2) + 8  # one tap frame above zmq.COPY_THRESHOLD: sent without a copy
+before = set(sys.modules)
+out = c.step([StepRequest("a", 0, rows, 5, 4)], np.zeros((rows, CONTRACT.tap_width), np.uint16))
+new = sorted(set(sys.modules) - before)
+c.close()
+srv.stop()
+assert out[0].tokens, out
+assert not new, new
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
