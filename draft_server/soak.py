@@ -816,7 +816,7 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
     }
 
 
-def _late_stacks(path: str, frames: int = 4) -> list[tuple[float, str]]:
+def _late_stacks(path: str, frames: int = 6) -> list[tuple[float, str]]:
     """The stack dumps an engine wrote for its calls still waiting at budget + 5 ms, per call t0.
 
     Each dump is cut to the innermost ``frames`` frames per thread, leaving out the import

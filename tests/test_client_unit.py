@@ -855,9 +855,9 @@ def test_importing_the_client_pulls_in_neither_torch_nor_the_server() -> None:
 
 
 def test_a_large_step_imports_nothing_on_the_hot_path() -> None:
-    """pyzmq's first zero-copy frame imports zmq.utils.garbage and starts a thread (GIL held for
-    ms inside a step); the client pays that in its constructor. Fresh interpreter: nothing that
-    an earlier test imported hides the import."""
+    """No import on the step path: pyzmq's first zero-copy frame imports zmq.utils.garbage and
+    starts a thread, np.percentile's first call imports numpy.ma (each held the GIL for 13-22 ms
+    inside a step on the H200). Fresh interpreter: nothing an earlier test imported hides one."""
     code = """
 import sys, numpy as np
 from tests.client_fake_server import CONTRACT, FakeServer
@@ -868,6 +868,8 @@ c.connect(wait=True)
 rows = 65536 // (CONTRACT.tap_width * 2) + 8  # one tap frame above zmq.COPY_THRESHOLD: sent without a copy
 before = set(sys.modules)
 out = c.step([StepRequest("a", 0, rows, 5, 4)], np.zeros((rows, CONTRACT.tap_width), np.uint16))
+for i in range(40):  # enough round trips for the adaptive budget's percentile
+    c.step([StepRequest("a", rows + i, 1, 5, 4)], np.zeros((1, CONTRACT.tap_width), np.uint16))
 new = sorted(set(sys.modules) - before)
 c.close()
 srv.stop()
