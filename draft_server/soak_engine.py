@@ -110,8 +110,11 @@ class _Session:
     k0_then_draft: int = 0  # k=0 steps followed by a checked drafting step
     tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
 
-    def summary(self, finished: bool) -> list[Any]:
-        return [
+    def summary(self, finished: bool) -> tuple[Any, ...]:
+        # a tuple of numbers (and a tuple of tokens): the collector stops tracking it, so a
+        # 30-minute run's 70,000 summaries add nothing to the engine's full collections (one of
+        # those took 57 ms inside a step before)
+        return (
             self.number,
             self.steps,
             int(self.all_ok),
@@ -124,8 +127,8 @@ class _Session:
             int(finished),
             int(self.long_prefill),
             self.k0_then_draft,
-            self.tokens.tolist() if self.tokens is not None else [],
-        ]
+            tuple(self.tokens) if self.tokens is not None else (),
+        )
 
 
 SESSION_COLUMNS = (
@@ -220,7 +223,7 @@ def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None) 
     """Process entry: connect, set ``ready``, wait for ``go``, run until ``stop`` is set or
     max_steps, write the JSON (multiprocessing Events; the start barrier keeps one engine's
     imports from competing with another's first steps)."""
-    out: dict[str, Any] = {"spec": asdict(spec), "error": None}
+    out: dict[str, Any] = {"spec": asdict(spec), "error": None, "cpus": os.cpu_count()}
     try:
         _run(spec, stop, out, ready, go)
     except BaseException:  # reported by the parent as a broken engine
@@ -257,7 +260,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
     # that names the call. The soak attaches these stacks to the calls it cannot explain.
     stacks = open(spec.out_path + ".stacks", "wb", buffering=0)
     late_s = (spec.budget_ms + 5.0) / 1000.0
-    sessions_out: list[list[Any]] = []
+    sessions_out: list[tuple[Any, ...]] = []
     epochs: list[tuple[float, str]] = []
     try:
         welcome = client.connect(wait=True)
