@@ -729,9 +729,19 @@ def _resume(args: argparse.Namespace, res: RunResult, kind: str = "kill") -> lis
                 reason = "an injected slow server iteration meanwhile"
             elif _overlaps(ready, t_back, others):
                 reason = "another chaos event meanwhile"
-            elif any(w - late <= t_back and ready <= w and late >= 0.010 for w, late in res.host_stalls):
+            elif any(due <= t_back and due + late >= ready and late >= 0.010 for due, late in res.host_stalls):
                 reason = "the host stalled a process for >= 10 ms meanwhile (canary)"
-            row["engines"].append({"engine": idx, "steps": n, "seconds": round(t_back - ready, 4), "excluded": reason})
+            entry: dict[str, Any] = {"engine": idx, "steps": n, "seconds": round(t_back - ready, 4), "excluded": reason}
+            if n:  # the steps without drafts: when they started, how long they waited, what they got
+                entry["steps_without_drafts"] = [
+                    {
+                        "t_ms": round((c[t0c] - ready) * 1000.0, 1),
+                        "wait_ms": round(float(c[waitc]), 1),
+                        **{k: int(c[_col(eng, k)]) for k in ("ok", "none", "expired", "overloaded") if c[_col(eng, k)]},
+                    }
+                    for c in after[: min(n, 8)]
+                ]
+            row["engines"].append(entry)
         out.append(row)
     return out
 
