@@ -1452,12 +1452,19 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(work, exist_ok=True)
         try:
             if args.from_raw:  # analyse a kept run again (report and plots only)
+                kept = os.path.join(args.from_raw, "run.json")
+                if os.path.exists(kept):  # when, where and from which commit the run was made
+                    with open(kept) as f:
+                        run = json.load(f)
+                    machine, started = run["machine"], run["started_utc"]
                 res = _load_result(os.path.join(args.from_raw, "result-1.json"))
                 ref_path = os.path.join(args.from_raw, "result-0.json")
                 ref = _load_result(ref_path) if os.path.exists(ref_path) else None
             else:
                 with open(os.path.join(work, "argv.json"), "w") as f:
                     json.dump(argv, f)
+                with open(os.path.join(work, "run.json"), "w") as f:
+                    json.dump({"machine": machine, "started_utc": started}, f)
                 res = run_pass(args, work, chaos=True)
                 _save_result(res, os.path.join(work, "result-1.json"))
                 ref = None

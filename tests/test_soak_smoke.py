@@ -94,15 +94,18 @@ def test_soak_smoke_all_chaos_modes(tmp_path):
     report = json.loads(report_path.read_text())
     failed = {k: v for k, v in report["invariants"].items() if not v["ok"]}
     wait = report["invariants"]["wait_within_budget"]
-    # draft-soak itself is strict (any call over budget + 5 ms net of run-queue wait fails the run).
-    # On the 2-core CI VM, sharing its cores with this very suite, a call can still overrun by a few
-    # ms that schedstat does not attribute (e.g. a preempted zmq I/O thread); the smoke tolerates at
-    # most 0.2% such calls, none over 20 ms. A real stall (a lock-up, a blocking wait) is hundreds
+    # draft-soak itself is strict (any call over budget + 5 ms net of run-queue wait and steal fails
+    # the run). On the 2-core CI VM, sharing its cores with this very suite, a call can still overrun
+    # by a few ms that neither attributes (e.g. a full GC of the engine's heap); the smoke tolerates
+    # at most 0.2% such calls, none over 20 ms. A real stall (a lock-up, a blocking wait) is hundreds
     # of ms on many calls and still fails here.
+    unexplained = (
+        wait["calls_over"] - wait["calls_over_explained_by_run_queue_wait"] - wait["calls_over_explained_by_steal"]
+    )
+    assert len(wait["unexplained_calls"]) == min(unexplained, 50)  # each with its forensics
+    assert all(c["likely_cause"] for c in wait["unexplained_calls"])
     jitter = (
-        not wait["ok"]
-        and wait["calls_over"] - wait["calls_over_explained_by_run_queue_wait"] <= max(1, wait["calls"] // 500)
-        and wait["worst_unexplained_over_ms"] <= 20.0
+        not wait["ok"] and unexplained <= max(1, wait["calls"] // 500) and wait["worst_unexplained_over_ms"] <= 20.0
     )
     if jitter:
         failed.pop("wait_within_budget")
