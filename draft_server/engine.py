@@ -488,22 +488,18 @@ def warm_up(drafter: Drafter, max_batch_sessions: int, prefill_chunk_rows: int) 
 
     t0 = time.perf_counter()
     rows, k = 4, c.block_size
-    keys: list[int] = []
+    keys: list[int] = []  # negative: never a real session's handle
     largest = 0
+    top = max(1, max_batch_sessions)
     try:
-        n = 1
-        while n <= max(1, max_batch_sessions):
+        for n in sorted({min(1 << i, top) for i in range(top.bit_length() + 1)}):  # 1, 2, 4, ..., top
             while len(keys) < n and drafter.reserve(-(len(keys) + 1), 0, rows + k + 1):
                 keys.append(-(len(keys) + 1))
             if len(keys) < n:
                 break  # the KV cache holds no more warm-up sessions
-            batch = keys[:n]
-            drafter.ingest([IngestItem(key, 0, 0, taps(rows)) for key in batch])
-            drafter.draft([DraftItem(key, 0, rows, 0, k, Sampling()) for key in batch])
+            drafter.ingest([IngestItem(key, 0, 0, taps(rows)) for key in keys[:n]])
+            drafter.draft([DraftItem(key, 0, rows, 0, k, Sampling()) for key in keys[:n]])
             largest = n
-            n = n * 2 if n < max_batch_sessions else max_batch_sessions + 1
-            if n > max_batch_sessions and largest < max_batch_sessions:
-                n = max_batch_sessions
         chunk = max(1, prefill_chunk_rows)
         key = -(len(keys) + 1)
         if drafter.reserve(key, 0, chunk + k + 1):
