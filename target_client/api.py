@@ -54,7 +54,7 @@ class ClientConfig:
     # that it missed its budget again (draft-soak, K3 on an H200), and drafting never came back.
     resend_ratio: float = 1.0
     breaker_failures: int = 5  # consecutive misses that open the breaker
-    breaker_backoff_ms: float = 500.0  # ping period while open
+    breaker_backoff_ms: float = 500.0  # ping period while open; after failed trials 50 ms doubling up to this
     # While open, a step() also sends a probe Ping when none went out for this long (0: off), and
     # while steps keep coming (within 250 ms) probes repeat at this period instead of the backoff,
     # so a server that is back (restart, SIGCONT) is noticed within one engine step.

@@ -90,6 +90,11 @@ _COMMANDS_PER_ITERATION = 256
 # While the breaker is open and a step came within this long, probes go out every
 # breaker_step_probe_ms instead of every breaker_backoff_ms (a lost probe is retried at once).
 _ACTIVE_S = 0.25
+# After a failed half-open trial the next probe waits this long, doubling with every further
+# failed trial up to breaker_backoff_ms. A server catching up on a backlog (after SIGCONT: every
+# row that queued during the pause) is answering again tens of ms later; a flat 500 ms backoff
+# cost about 17 engine steps without drafts there (draft-soak).
+_TRIAL_BACKOFF_FIRST_MS = 50.0
 _RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
 _APPLIED = (Status.OK, Status.EXPIRED)
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
@@ -208,8 +213,10 @@ class DraftClient:
         self._last_step_at = -math.inf  # when a caller last stepped (the engine is active)
         # Fast probing (breaker_step_probe_ms) finds a server that was unreachable or restarted. A
         # server that answers pings but still misses steps (alive but slow) gets the backoff instead:
-        # after a failed half-open trial only breaker_backoff_ms probes, as without fast probing.
+        # after a failed half-open trial only slow probes (from 50 ms, doubling to breaker_backoff_ms).
         self._fast_probe = True
+        self._slow_probe_ms = cfg.breaker_backoff_ms  # the probe period when not fast probing
+        self._trial_backoff_ms = min(_TRIAL_BACKOFF_FIRST_MS, cfg.breaker_backoff_ms)  # after a failed trial
         self._trial = False  # the breaker was closed by a pong and no step has succeeded since
         # A server that just (re)started may miss its very first steps (cold caches, lazy CUDA
         # init, every session new at once): until a step succeeds, a pong-closed breaker then
@@ -868,7 +875,7 @@ class DraftClient:
         if self._probe_due:
             cid = next(self._ids)
             self._probe_due = False
-            period = self.cfg.breaker_backoff_ms
+            period = self._slow_probe_ms
             if self._fast_probe and self.cfg.breaker_step_probe_ms and now - self._last_step_at < _ACTIVE_S:
                 period = min(period, self.cfg.breaker_step_probe_ms)  # an active engine: probe fast
             self._next_probe_at = now + period / 1000.0
@@ -998,6 +1005,7 @@ class DraftClient:
         self._misses = 0
         self._trial = False
         self._fast_probe = True
+        self._trial_backoff_ms = min(_TRIAL_BACKOFF_FIRST_MS, self.cfg.breaker_backoff_ms)
         self._restart_grace = False
         if self._breaker:  # a call that was in flight when the breaker opened came back in time
             self._close_breaker(trial=False)
@@ -1182,18 +1190,22 @@ class DraftClient:
             self._breaker = True
             # a failed half-open trial: the server is slow, back off (unless it has just restarted)
             self._fast_probe = not self._trial or self._restart_grace
+            self._slow_probe_ms = self.cfg.breaker_backoff_ms
             if self._trial:
                 self._restart_grace = False  # used up: a restarted server that stays slow gets the backoff
+                if not self._fast_probe:  # the backoff starts short and doubles with each failed trial
+                    self._slow_probe_ms = self._trial_backoff_ms
+                    self._trial_backoff_ms = min(2.0 * self._trial_backoff_ms, self.cfg.breaker_backoff_ms)
             self._trial = False
             self._probe_due = False
-            self._next_probe_at = now + self.cfg.breaker_backoff_ms / 1000.0
+            self._next_probe_at = now + self._slow_probe_ms / 1000.0
             self._m.breaker_opens.inc()
             self._count("breaker_opens")
             log.warning(
                 "draft client %s: %d consecutive misses, breaker open (probing every %.0f ms)",
                 self.cfg.name,
                 self._misses,
-                self.cfg.breaker_backoff_ms,
+                self._slow_probe_ms,
             )
             self._set_gate()
 

@@ -13,6 +13,7 @@ itself wakes threads late (it is an OS scheduling margin, not a client allowance
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
 import threading
@@ -538,23 +539,31 @@ def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, cli
 
 def test_a_server_that_answers_pings_but_misses_steps_gets_the_backoff(server, clients) -> None:
     # Fast probing must not turn an alive-but-slow server into a trial step every other step:
-    # once a half-open trial fails after a pong, probes fall back to breaker_backoff_ms.
+    # once a half-open trial fails after a pong, the next probe waits 50 ms, then 100, 200, ...
+    # up to breaker_backoff_ms (a server catching up after SIGCONT is back within tens of ms).
     server.policy = lambda step, n: "drop"  # pings answered, steps never
-    client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=60_000.0))
+    client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=1000.0))
     client.connect()
     row = taps_for(1, 0)
     timed_step(client, [req("z", 0, 1)], row, MISS_BUDGET)
     assert until(lambda: client.breaker_open)
     assert timed_step(client, [req("z", 1, 1)], row)[0].tokens == []  # open: a fast probe ...
     assert until(lambda: not client.breaker_open)  # ... answered: half-open
-    assert timed_step(client, [req("z", 2, 1)], row, MISS_BUDGET)[0].tokens == []  # the trial fails
-    assert until(lambda: client.breaker_open)
-    pings, steps = server.count("ping"), len(server.steps())
-    for i in range(20):
-        assert timed_step(client, [req("z", 3 + i, 1)], row)[0].tokens == []
+    first = len(server.steps())
+    i = 2
+    deadline = time.monotonic() + 20.0
+    while len(server.steps()) < first + 5 and time.monotonic() < deadline:  # keep stepping: trials
+        assert timed_step(client, [req("z", i, 1)], row, MISS_BUDGET)[0].tokens == []
+        i += 1
         time.sleep(0.005)
-    assert server.count("ping") == pings and len(server.steps()) == steps  # no probe, no trial step
-    assert client.stats()["breaker_opens"] == 2
+    trials = [r.at for r in server.steps()[first:]]
+    assert len(trials) >= 5, f"{len(trials)} trial steps"
+    gaps = [b - a for a, b in itertools.pairwise(trials)]
+    # each failed trial waits at least its backoff before the next probe: 50, 100, 200, 400 ms ...
+    for gap, backoff in zip(gaps, (0.05, 0.1, 0.2, 0.4), strict=False):
+        assert gap >= backoff * 0.95, (gaps, backoff)
+    assert gaps[0] < 0.6, gaps  # ... not the whole 1 s breaker_backoff_ms after the first one
+    assert client.stats()["breaker_opens"] >= 5
 
 
 def test_resent_rows_per_step_are_bounded_by_its_new_rows(server, clients) -> None:
