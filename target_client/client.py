@@ -793,7 +793,9 @@ class DraftClient:
             frame = call.taps  # the common case: the caller's array goes out as it is
         else:
             frame = np.concatenate(parts, axis=0)  # resend or hold-back: one copy
-        budget_wire = (call.deadline - now) * 1000.0 - cfg.reply_margin_ms
+        # a fresh clock: ``now`` was read before this command was drained and may predate the
+        # caller's own start, which would tell the server more time than the caller has
+        budget_wire = (call.deadline - time.monotonic()) * 1000.0 - cfg.reply_margin_ms
         budget_wire = min(max(budget_wire, 0.1), self._welcome.limits.max_budget_ms)
         msg = Step(
             call_id=cid,
