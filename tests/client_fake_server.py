@@ -125,14 +125,6 @@ class FakeServer:
     def count(self, kind: str) -> int:
         return sum(1 for r in list(self.received) if r.kind == kind)
 
-    def wait_for(self, pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if pred():
-                return True
-            time.sleep(0.002)
-        return pred()
-
     def forget_sessions(self) -> None:
         self.sessions.clear()
 

@@ -63,6 +63,16 @@ def assert_on_time(call, budget_ms: float, what: str = "step"):
     return out
 
 
+def wait_for(pred, timeout: float = 10.0) -> bool:
+    """Poll ``pred`` every 5 ms until it holds (True) or ``timeout`` seconds pass (its last value)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.005)
+    return pred()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ from draft_server.chaos_proxy import ChaosProxy, ProxyConfig
 from draft_server.chaos_rogue import flood as flood_rogue
 from draft_server.chaos_rogue import fuzz_messages, malformed_burst, oversized, vanish
 from protocol import Pong, Status, StepEntry, StepResult
-from tests.conftest import CHECKSUM_CONTRACT, RawPeer, SessionMirror, free_port, random_taps
+from tests.conftest import CHECKSUM_CONTRACT, RawPeer, SessionMirror, free_port, random_taps, wait_for
 
 W = CHECKSUM_CONTRACT.tap_width
 
@@ -32,15 +32,6 @@ def proxy(server) -> Iterator[ChaosProxy]:
     yield p
     p.stop()
     t.join(5)
-
-
-def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def test_proxy_keeps_client_identities_and_forwards_replies(server, proxy):

@@ -22,6 +22,7 @@ from tests.conftest import (
     CHECKSUM_CONTRACT,
     assert_on_time,
     random_taps,
+    wait_for,
 )
 
 OK_BUDGET = 500.0  # a real server in a subprocess on a shared 2-core machine
@@ -34,15 +35,6 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 def timed_step(client: DraftClient, reqs, taps, budget_ms: float | None = None) -> list[DraftReply]:
     budget = budget_ms if budget_ms is not None else client.budget_ms
     return assert_on_time(lambda: client.step(reqs, taps, budget_ms), budget)
-
-
-def until(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.005)
-    return pred()
 
 
 def make_client(endpoint: str, name: str, **kw) -> DraftClient:
@@ -163,12 +155,12 @@ def test_paused_server_costs_a_budget_per_step_then_resend_restores_the_exact_co
         try:
             for _ in range(3):
                 assert step(2, MISS_BUDGET).tokens == []
-            assert until(lambda: client.stats()["breaker_state"] == "open")
+            assert wait_for(lambda: client.stats()["breaker_state"] == "open")
             for _ in range(2):
                 assert step(1, 1000.0).tokens == []  # breaker open: at once, rows buffered
         finally:
             server.resume()
-        assert until(lambda: client.stats()["breaker_state"] == "closed")
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed")
         # the next step resends every unacknowledged row; the server's context is exactly all rows
         out = step(1)
         assert out.tokens, client.stats()
@@ -191,7 +183,7 @@ def test_server_restart_new_epoch_sessions_restart_at_the_gap(server) -> None:
         ctx.add(0, taps)
         assert out[0].tokens == ctx.drafts(7, 3)
         server.restart()  # SIGKILL, then a new process (new epoch) on the same port
-        assert until(lambda: (p := client.ping(200.0)) is not None and p.epoch == server.epoch, timeout=30.0)
+        assert wait_for(lambda: (p := client.ping(200.0)) is not None and p.epoch == server.epoch, timeout=30.0)
         assert client.epoch == server.epoch != first_epoch
         taps = random_taps(rng, 2)
         out = timed_step(client, [StepRequest("s", 4, 2, anchor=9, k=5)], taps)

@@ -37,7 +37,7 @@ from target_client import (
 from tests.client_fake_server import CONTRACT, FakeServer, fake_drafts
 
 WIDTH = CONTRACT.tap_width
-from tests.conftest import SLACK_MS, assert_on_time, run_queue_ms  # noqa: E402
+from tests.conftest import SLACK_MS, assert_on_time, run_queue_ms, wait_for  # noqa: E402
 
 OK_BUDGET = 250.0  # for calls that must be answered
 MISS_BUDGET = 25.0  # for calls the server drops on purpose
@@ -78,15 +78,6 @@ async def timed_astep(client: DraftClient, reqs, taps, budget_ms: float | None =
     assert took - host <= budget + SLACK_MS, f"astep took {took:.2f} ms ({host:.2f} queued), budget {budget:.1f} ms"
     assert len(out) == len(reqs)
     return out
-
-
-def until(pred, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.002)
-    return pred()
 
 
 @pytest.fixture
@@ -228,7 +219,7 @@ def test_late_reply_is_dropped_and_never_returned_to_a_later_call(server, client
     r2 = req("s", 2, 1, anchor=12)
     out2 = timed_step(client, [r2], taps_for(1, 2))
     assert out2[0].tokens == expected(r2) and out2[0].tokens != expected(r1)
-    assert until(lambda: client.stats()["late_replies_dropped"] == 1)
+    assert wait_for(lambda: client.stats()["late_replies_dropped"] == 1)
     r3 = req("s", 3, 1, anchor=13)
     assert timed_step(client, [r3], taps_for(1, 3))[0].tokens == expected(r3)
     st = client.stats()
@@ -240,7 +231,7 @@ def test_late_reply_still_acknowledges_rows(server, clients) -> None:
     client = clients(cfg(server.endpoint))
     client.connect()
     assert timed_step(client, [req("s", 0, 3)], taps_for(3, 1), MISS_BUDGET)[0].tokens == []
-    assert until(lambda: client.stats()["late_replies_dropped"] == 1)
+    assert wait_for(lambda: client.stats()["late_replies_dropped"] == 1)
     r2 = req("s", 3, 1)
     assert timed_step(client, [r2], taps_for(1, 2))[0].tokens == expected(r2)
     assert [(e.pos, e.rows) for e in server.steps()[1].msg.entries] == [(3, 1)]  # nothing resent
@@ -375,7 +366,7 @@ def test_a_dead_io_thread_turns_drafting_off_without_raising(server, clients, mo
 
     monkeypatch.setattr(client, "_timers", boom)
     client.ping(50.0)  # wakes the I/O thread, which now dies
-    assert until(lambda: not client._thread.is_alive())
+    assert wait_for(lambda: not client._thread.is_alive())
     assert timed_step(client, [req("a", 0, 1)], taps_for(1, 0))[0].tokens == []
     assert client.stats()["gate"] == "closed" and client.ping(10.0) is None
     client.free(["a"])  # no effect, no raise
@@ -415,8 +406,8 @@ def test_contract_id_change_drops_drafts_and_reverifies(server, clients) -> None
     server.contract_id = "another-id"  # same contract fields, new id: accepted after a new Hello
     out = timed_step(client, [req("a", 0, 1)], taps_for(1, 0))
     assert out[0].tokens == []
-    assert until(lambda: server.count("hello") > hellos and client.stats()["contract_id"] == "another-id")
-    assert until(lambda: client.stats()["gate"] == "open_for_steps")
+    assert wait_for(lambda: server.count("hello") > hellos and client.stats()["contract_id"] == "another-id")
+    assert wait_for(lambda: client.stats()["gate"] == "open_for_steps")
     r = req("a", 1, 1)
     assert timed_step(client, [r], taps_for(1, 1))[0].tokens == expected(r)
 
@@ -425,7 +416,7 @@ def test_contract_id_change_drops_drafts_and_reverifies(server, clients) -> None
     server.contract_id = None
     out = timed_step(client, [req("a", 2, 1)], taps_for(1, 2))
     assert out[0].tokens == []
-    assert until(lambda: client.stats()["refused"] is not None)
+    assert wait_for(lambda: client.stats()["refused"] is not None)
     assert "vocab_size" in client.stats()["refused"]
     steps_before = len(server.steps())
     for i in range(3):
@@ -436,7 +427,7 @@ def test_contract_id_change_drops_drafts_and_reverifies(server, clients) -> None
 
     # the right model comes back: the periodic Hello finds it and steps flow again
     server.contract = CONTRACT
-    assert until(lambda: client.stats()["gate"] == "open_for_steps")
+    assert wait_for(lambda: client.stats()["gate"] == "open_for_steps")
     r = req("a", 6, 1)
     assert timed_step(client, [r], taps_for(1, 6))[0].tokens == expected(r)
 
@@ -472,8 +463,8 @@ def test_breaker_opens_after_misses_and_a_pong_closes_it(server, clients) -> Non
     taps = [taps_for(1, i) for i in range(6)]
     for i in range(3):
         assert timed_step(client, [req("a", i, 1)], taps[i], MISS_BUDGET)[0].tokens == []
-    assert until(lambda: client.stats()["breaker_state"] == "open")
-    assert until(lambda: server.count("ping") >= 2)  # probing every backoff
+    assert wait_for(lambda: client.stats()["breaker_state"] == "open")
+    assert wait_for(lambda: server.count("ping") >= 2)  # probing every backoff
     sent = len(server.steps())
     for i in range(3, 5):  # open: immediate empty answers, nothing sent, rows buffered
         assert timed_step(client, [req("a", i, 1)], taps[i], budget_ms=1000.0)[0].tokens == []
@@ -483,7 +474,7 @@ def test_breaker_opens_after_misses_and_a_pong_closes_it(server, clients) -> Non
     assert len(server.steps()) == sent == 3
     server.policy = lambda step, n: "ok"
     server.answer_pings = True
-    assert until(lambda: client.stats()["breaker_state"] == "closed")
+    assert wait_for(lambda: client.stats()["breaker_state"] == "closed")
     r = req("a", 5, 1)
     assert timed_step(client, [r], taps[5])[0].tokens == expected(r)
     step = server.steps()[-1]
@@ -505,13 +496,13 @@ def test_a_step_against_an_open_breaker_probes_at_once(server, clients, step_pro
     taps = [taps_for(1, i) for i in range(4)]
     for i in range(2):
         timed_step(client, [req("p", i, 1)], taps[i], MISS_BUDGET)
-    assert until(lambda: client.breaker_open)
+    assert wait_for(lambda: client.breaker_open)
     server.policy = lambda step, n: "ok"
     server.answer_pings = True  # the server is back
     pings = server.count("ping")
     assert timed_step(client, [req("p", 2, 1)], taps[2])[0].tokens == []  # open: fallback, and a probe
     if step_probe_ms:
-        assert until(lambda: client.stats()["breaker_state"] == "closed")
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed")
         assert server.count("ping") == pings + 1
         r = req("p", 3, 1)
         assert timed_step(client, [r], taps[3])[0].tokens == expected(r)  # drafting on the next step
@@ -529,11 +520,11 @@ def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, cli
     client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=60_000.0))
     client.connect()
     timed_step(client, [req("q", 0, 1)], taps_for(1, 0), MISS_BUDGET)
-    assert until(lambda: client.breaker_open)
+    assert wait_for(lambda: client.breaker_open)
     pings = server.count("ping")
     assert timed_step(client, [req("q", 1, 1)], taps_for(1, 1))[0].tokens == []  # open: at once, one probe
     # no further step: the probes that follow within the 250 ms activity window come from the timer
-    assert until(lambda: server.count("ping") >= pings + 4, timeout=0.24)
+    assert wait_for(lambda: server.count("ping") >= pings + 4, timeout=0.24)
     assert client.stats()["probes_sent"] >= 4
 
 
@@ -546,9 +537,9 @@ def test_a_server_that_answers_pings_but_misses_steps_gets_the_backoff(server, c
     client.connect()
     row = taps_for(1, 0)
     timed_step(client, [req("z", 0, 1)], row, MISS_BUDGET)
-    assert until(lambda: client.breaker_open)
+    assert wait_for(lambda: client.breaker_open)
     assert timed_step(client, [req("z", 1, 1)], row)[0].tokens == []  # open: a fast probe ...
-    assert until(lambda: not client.breaker_open)  # ... answered: half-open
+    assert wait_for(lambda: not client.breaker_open)  # ... answered: half-open
     first = len(server.steps())
     i = 2
     deadline = time.monotonic() + 20.0
@@ -600,11 +591,11 @@ def test_a_restarted_server_may_miss_its_first_step_without_a_backoff(clients) -
     srv.stop()
     for i in range(1, 4):
         timed_step(client, [req("g", i, 1)], row, MISS_BUDGET)
-    assert until(lambda: client.breaker_open)
+    assert wait_for(lambda: client.breaker_open)
     srv = FakeServer(port=port, epoch="epoch-2")
     srv.policy = lambda step, n: "drop" if n == 0 else "ok"  # the restarted server misses its first step
     try:
-        assert until(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)  # a fast probe's pong
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)  # a fast probe's pong
         assert timed_step(client, [req("g", 4, 1)], row, MISS_BUDGET)[0].tokens == []  # the cold first step
         assert not client.breaker_open  # one miss is forgiven after a restart
         r = req("g", 5, 1)
@@ -613,7 +604,7 @@ def test_a_restarted_server_may_miss_its_first_step_without_a_backoff(clients) -
         srv.policy = lambda step, n: "drop"
         for i in range(6, 8):
             timed_step(client, [req("g", i, 1)], row, MISS_BUDGET)
-        assert until(lambda: client.breaker_open)
+        assert wait_for(lambda: client.breaker_open)
     finally:
         srv.stop()
 
@@ -630,7 +621,7 @@ def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients
     client.connect()
     for i in range(2):
         timed_step(client, [req("x", i, 1)], taps_for(1, i), MISS_BUDGET)
-    assert until(lambda: client.breaker_open)
+    assert wait_for(lambda: client.breaker_open)
     stop = threading.Event()
     errors: list[str] = []
     row = taps_for(1, 0)
@@ -649,9 +640,9 @@ def test_probes_keep_running_while_callers_flood_an_open_breaker(server, clients
         t.start()
     try:
         pings = server.count("ping")
-        assert until(lambda: server.count("ping") >= pings + 3)  # probing goes on under the flood
+        assert wait_for(lambda: server.count("ping") >= pings + 3)  # probing goes on under the flood
         server.answer_pings = True
-        assert until(lambda: client.stats()["breaker_state"] == "closed" or client.stats()["breaker_opens"] > 1)
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed" or client.stats()["breaker_opens"] > 1)
     finally:
         stop.set()
         for t in threads:
@@ -675,7 +666,7 @@ def test_server_absent_engine_still_runs_then_server_appears(clients) -> None:
     assert client.ping(20.0) is None
     srv = FakeServer(port=free_port)
     try:
-        assert until(lambda: client.welcome is not None, timeout=10.0)
+        assert wait_for(lambda: client.welcome is not None, timeout=10.0)
         r = req("a", 5, 1)
         assert timed_step(client, [r], taps_for(1, 5))[0].tokens == expected(r)
         assert [(e.pos, e.rows) for e in srv.steps()[0].msg.entries] == [(0, 6)]  # rows buffered while down
@@ -693,10 +684,10 @@ def test_server_dies_and_restarts_with_a_new_epoch(clients) -> None:
     srv.stop()
     for i in range(1, 6):
         assert timed_step(client, [req("a", i, 1)], taps_for(1, i), MISS_BUDGET)[0].tokens == []
-    assert until(lambda: client.stats()["breaker_state"] == "open")
+    assert wait_for(lambda: client.stats()["breaker_state"] == "open")
     srv = FakeServer(port=port, epoch="epoch-2")
     try:
-        assert until(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)
         r = req("a", 6, 1)
         assert timed_step(client, [r], taps_for(1, 6))[0].tokens == expected(r)
         st = client.stats()
@@ -720,7 +711,7 @@ def test_restart_keeps_only_the_newest_rows_for_resend(clients) -> None:
         assert timed_step(client, [req("a", i, 1)], taps[i], MISS_BUDGET)[0].tokens == []
     srv = FakeServer(port=port, epoch="epoch-2")
     try:
-        assert until(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)
+        assert wait_for(lambda: client.stats()["breaker_state"] == "closed", timeout=10.0)
         r = req("a", 6, 1)
         assert timed_step(client, [r], taps[6])[0].tokens == expected(r)
         step = srv.steps()[-1]
@@ -780,7 +771,7 @@ def test_close_is_bounded_and_releases_a_waiting_caller(server, clients) -> None
     result: list = []
     t = threading.Thread(target=lambda: result.append(client.step([req("a", 0, 1)], taps_for(1, 0))))
     t.start()
-    assert until(lambda: len(server.steps()) == 1)
+    assert wait_for(lambda: len(server.steps()) == 1)
     client.close()
     t.join(5)
     assert not t.is_alive() and result[0][0].tokens == []  # released long before its 5 s budget
@@ -797,7 +788,7 @@ def test_free_sends_free_and_drops_client_state(server, clients) -> None:
     client.connect()
     timed_step(client, [req("a", 0, 3)], taps_for(3, 0), MISS_BUDGET)
     client.free(["a", "zz"])
-    assert until(lambda: server.count("free") == 1)
+    assert wait_for(lambda: server.count("free") == 1)
     free = next(r for r in server.received if r.kind == "free")
     assert isinstance(free.msg, Free) and free.msg.sessions == ("a", "zz")
     r = req("a", 3, 1)

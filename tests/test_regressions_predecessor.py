@@ -20,21 +20,12 @@ import pytest
 from draft_server.chaos_proxy import ChaosProxy, ProxyConfig
 from protocol import Error, ErrorCode, Free, Ping, Pong, Status, Step, StepEntry, StepResult
 from target_client import ClientConfig, DraftClient, StepRequest
-from tests.conftest import RawPeer, SessionMirror, free_port, random_taps
+from tests.conftest import RawPeer, SessionMirror, free_port, random_taps, wait_for
 
 K = 4
 from tests.conftest import assert_on_time  # noqa: E402
 
 ROOMY_MS = 2000.0  # for calls that must be answered, on a loaded machine
-
-
-def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
 
 
 def client_for(endpoint: str, budget_ms: float = ROOMY_MS, **kw) -> DraftClient:

@@ -17,7 +17,7 @@ import pytest
 from draft_server.soak_engine import _proc_run_delay_ns, _run_delay_ns
 from protocol import Status
 from target_client import ClientConfig, DraftClient, StepRequest
-from tests.conftest import CHECKSUM_CONTRACT, SessionMirror, random_taps
+from tests.conftest import CHECKSUM_CONTRACT, SessionMirror, random_taps, wait_for
 
 K = 4
 SLACK_MS = 5.0
@@ -34,15 +34,6 @@ def assert_within_budget(e: Engine, budget: float) -> None:
     for w, d in over:
         assert w - d <= budget + SLACK_MS, f"{e.name}: a call waited {w:.1f} ms ({d:.1f} ms on the run queue)"
     assert len(over) <= max(1, len(e.waits) // 50), f"{e.name}: {len(over)} of {len(e.waits)} calls over budget"
-
-
-def wait_for(pred, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 class Engine:
