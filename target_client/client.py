@@ -216,7 +216,8 @@ class DraftClient:
         # after a failed half-open trial only slow probes (from 50 ms, doubling to breaker_backoff_ms).
         self._fast_probe = True
         self._slow_probe_ms = cfg.breaker_backoff_ms  # the probe period when not fast probing
-        self._trial_backoff_ms = min(_TRIAL_BACKOFF_FIRST_MS, cfg.breaker_backoff_ms)  # after a failed trial
+        self._trial_backoff_first_ms = min(_TRIAL_BACKOFF_FIRST_MS, cfg.breaker_backoff_ms)
+        self._trial_backoff_ms = self._trial_backoff_first_ms  # after the next failed trial
         self._trial = False  # the breaker was closed by a pong and no step has succeeded since
         # A server that just (re)started may miss its very first steps (cold caches, lazy CUDA
         # init, every session new at once): until a step succeeds, a pong-closed breaker then
@@ -1007,7 +1008,7 @@ class DraftClient:
         self._misses = 0
         self._trial = False
         self._fast_probe = True
-        self._trial_backoff_ms = min(_TRIAL_BACKOFF_FIRST_MS, self.cfg.breaker_backoff_ms)
+        self._trial_backoff_ms = self._trial_backoff_first_ms
         self._restart_grace = False
         if self._breaker:  # a call that was in flight when the breaker opened came back in time
             self._close_breaker(trial=False)
