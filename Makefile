@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: $(STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m draft_server.demo
+	VLLM_CPU_KVCACHE_SPACE=1 $(PY) -m draft_tools.demo
 
 test: $(STAMP)
 	$(PY) -m ruff check .

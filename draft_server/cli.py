@@ -8,47 +8,25 @@ model is loaded and checked before the socket binds, so a bad checkpoint fails w
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import sys
-import threading
 
-from draft_server.config import add_flags, from_args
+from draft_server.config import ServerConfig, add_flags, from_args
+
+
+def parse_serve_config(args: argparse.Namespace) -> ServerConfig | None:
+    """The validated config, or None after printing one line (exit code 2 for the caller)."""
+    try:
+        return from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"draft-server: config error: {e}", file=sys.stderr)
+        return None
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from draft_server.server import DraftServer, build_drafter
+    from draft_server.app import serve
 
-    try:
-        cfg = from_args(args)
-    except (ValueError, OSError) as e:
-        print(f"draft-server: config error: {e}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        drafter = build_drafter(cfg)
-    except (ValueError, OSError) as e:
-        print(f"draft-server: cannot load the drafter: {e}", file=sys.stderr)
-        return 2
-    if cfg.drafter != "checksum":  # a model: its first steps after a (re)start must not miss their budgets
-        from draft_server.engine import warm_up
-
-        w = warm_up(drafter, cfg.max_batch_sessions, cfg.prefill_chunk_rows)
-        logging.getLogger("draft_server").info(
-            "warm-up: batches up to %d sessions and one prefill chunk in %.2f s", w["largest_batch"], w["seconds"]
-        )
-    server = DraftServer(cfg, drafter)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
-    # one parseable line for supervisors and tests
-    port = server.http.port if server.http else -1
-    print(f"READY endpoint={server.endpoint} metrics_port={port} epoch={server.epoch}", flush=True)
-    while not stop.wait(0.5):
-        pass
-    server.stop()
-    return 0
+    cfg = parse_serve_config(args)
+    return 2 if cfg is None else serve(cfg)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -65,6 +43,17 @@ def _make_tiny(argv: list[str]) -> int:
     return tiny_main(argv)
 
 
+def serve_parser(prog: str = "draft-server serve") -> argparse.ArgumentParser:
+    serve = argparse.ArgumentParser(prog=prog, description="Run the draft server.")
+    _serve_flags(serve)
+    return serve
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file with server settings (flags override it)")
+    add_flags(parser)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny"]:
@@ -72,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="draft-server", description="DSpark draft server over ZeroMQ")
     sub = parser.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="run the draft server", description="Run the draft server.")
-    serve.add_argument("--config", help="TOML file with server settings (flags override it)")
-    add_flags(serve)
+    _serve_flags(serve)
     serve.set_defaults(func=_serve)
     sub.add_parser("make-tiny", help="write a tiny random DSpark checkpoint (see make-tiny --help)")
     keygen = sub.add_parser("keygen", help="create a CurveZMQ key pair (NAME.key, NAME.key_secret)")

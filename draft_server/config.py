@@ -31,8 +31,6 @@ class ServerConfig:
     dtype: str = _f("auto", "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     kv_budget_mib: int = _f(0, "memory for the draft KV cache in MiB; 0 sizes it from free device memory")
     checksum_delay_ms: float = _f(0.0, "checksum drafter only: sleep this long in every draft batch (fault tests)")
-    chaos_delay_p: float = _f(0.0, "fault injection (draft-soak): fraction of engine iterations delayed; 0 = off")
-    chaos_delay_ms: float = _f(0.0, "fault injection (draft-soak): how long a delayed engine iteration sleeps first")
     # --- limits and admission
     max_sessions: int = _f(1024, "live sessions at most; beyond it idle sessions are evicted LRU, else 'overloaded'")
     max_queue_rows: int = _f(65536, "rows waiting for ingest at most; entries beyond it are answered 'overloaded'")
@@ -86,8 +84,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.batch_window_ms < 0 or self.checksum_delay_ms < 0:
             raise ValueError("batch_window_ms and checksum_delay_ms must be >= 0")
-        if not 0.0 <= self.chaos_delay_p <= 1.0 or self.chaos_delay_ms < 0:
-            raise ValueError("chaos_delay_p must be in [0, 1] and chaos_delay_ms >= 0")
         if self.prefill_chunk_rows > self.max_batch_rows:
             raise ValueError("prefill_chunk_rows must be <= max_batch_rows")
         if self.drafter not in ("dspark", "checksum"):

@@ -17,35 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from protocol import ErrorCode, Status
+from protocol.telemetry import LATENCY_BUCKETS
 
 MESSAGE_KINDS = ("hello", "step", "free", "ping")
 EVICTION_REASONS = ("free", "ttl", "lru", "error")
 
-LATENCY_BUCKETS = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.00075,
-    0.001,
-    0.0015,
-    0.002,
-    0.003,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    10.0,
-)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 

@@ -1,8 +1,8 @@
 """The wire contract between target engines and the draft server.
 
-Owns message structs (``messages``), the zero-copy frame codec (``codec``) and Step
-validation (``validate``). Imports numpy and msgspec only: both sides import it, and the
-client side lives inside the target engine's process.
+Owns message structs (``messages``), the zero-copy frame codec (``codec``), Step validation
+(``validate``) and the histogram layouts both sides export (``telemetry``). Imports numpy and
+msgspec only: both sides import it, and the client side lives inside the target engine's process.
 """
 
 from protocol.codec import ProtocolError, decode_any, decode_reply, decode_request, encode, spec_for, tensor

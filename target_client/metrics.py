@@ -14,29 +14,7 @@ from typing import Any
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from protocol import Status
-
-# Sub-millisecond resolution at the bottom: a healthy loopback step is 0.2-2 ms.
-STEP_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.00075,
-    0.001,
-    0.0015,
-    0.002,
-    0.003,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-)
+from protocol.telemetry import LATENCY_BUCKETS
 
 OUTCOMES = ("ok", "timeout", "breaker_open", "not_ready", "error", "overloaded", "closed")
 ENTRY_STATUSES = (*(s.name.lower() for s in Status), "skipped")
@@ -50,13 +28,13 @@ class ClientMetrics:
         self.step_duration = Histogram(
             "draft_client_step_duration_seconds",
             "Time step()/astep() blocked the caller, whatever the outcome",
-            buckets=STEP_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             **kw,
         )
         self.rtt = Histogram(
             "draft_client_rtt_seconds",
             "Send to reply of Step messages as the I/O thread sees it (late replies included)",
-            buckets=STEP_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             **kw,
         )
         self.steps = Counter("draft_client_steps", "step() calls by outcome", ["outcome"], **kw)

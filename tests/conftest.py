@@ -8,24 +8,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
+from draft_tools.common import free_port, scrape
 from protocol import DType, ModelContract, Step, StepEntry, decode_reply, encode, spec_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The checksum drafter's default contract (draft_server.checksum.ChecksumDrafter).
+# The checksum drafter's default contract (draft_server.drafters.checksum.ChecksumDrafter).
 CHECKSUM_CONTRACT = ModelContract(
     model_name="checksum",
     tap_layer_ids=(1, 3),
@@ -47,7 +45,7 @@ def run_queue_ms() -> float:
     (or a preempted thread held the GIL): the host's doing, not the client's. Budget checks
     take it out.
     """
-    from draft_server.soak_engine import _proc_run_delay_ns, _run_delay_ns
+    from draft_tools.soak.engine import _proc_run_delay_ns, _run_delay_ns
 
     return max(_run_delay_ns(), _proc_run_delay_ns()) / 1e6
 
@@ -71,12 +69,6 @@ def wait_for(pred, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.005)
     return pred()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProc:
@@ -154,17 +146,6 @@ class ServerProc:
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.metrics_port)
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of /metrics, keyed `name{label="v",...}` (labels sorted), parsed by prometheus_client."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 @pytest.fixture
@@ -253,7 +234,7 @@ class SessionMirror:
             self.rows[pos + i] = row.tobytes()
 
     def expect(self, anchor: int, k: int) -> list[int]:
-        from draft_server.checksum import expected_drafts
+        from draft_server.drafters.checksum import expected_drafts
 
         pos = self.start + len(self.rows)
         return expected_drafts(self.rows, self.start, pos, anchor, k, self.vocab)

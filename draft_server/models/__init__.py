@@ -1,13 +1,24 @@
 """DSpark draft models for the draft server (PyTorch; CPU for tests, CUDA for real).
 
-Files: ``config`` (config.json parsing, flags, contract, expected tensor shapes), ``weights``
-(safetensors checkpoints, validation, target head), ``kv_cache`` (paged draft KV),
-``ops`` (norm, RoPE, attention), ``model`` (shared backbone), ``qwen3`` (GQA attention),
-``k3_mla`` (MLA attention), ``sampling`` (Markov / confidence heads, seeded sampling),
-``backend`` (``DSparkDrafter``, ``load_drafter``), ``tiny`` (``make_tiny``).
+``config`` (config.json, flags, contract, tensor shapes), ``weights`` (safetensors, validation,
+target head), ``loader`` (checkpoint / random preset -> ``DSparkDrafter``), ``presets``
+(full-size random configs), ``tiny`` (``make_tiny`` test checkpoints), ``drafter`` (the
+``Drafter`` adapter), ``staging`` (taps to the device), ``model`` (the shared backbone),
+``layers/`` (``ops``, ``mla`` for K3, ``gqa`` for Qwen3), ``kv_cache`` (paged draft KV),
+``sampling`` (Markov and confidence heads, seeded sampling).
 """
 
-from draft_server.models.backend import DSparkDrafter, load_drafter
 from draft_server.models.config import CheckpointError, DSparkConfig, load_config, parse_config
+from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.loader import load_drafter
+from draft_server.models.presets import load_preset
 
-__all__ = ["CheckpointError", "DSparkConfig", "DSparkDrafter", "load_config", "load_drafter", "parse_config"]
+__all__ = [
+    "CheckpointError",
+    "DSparkConfig",
+    "DSparkDrafter",
+    "load_config",
+    "load_drafter",
+    "load_preset",
+    "parse_config",
+]

@@ -28,7 +28,6 @@ import torch
 class _Session:
     first_lp: int = 0  # logical page number of pages[0]
     pages: list[int] = field(default_factory=list)
-    last_use: int = 0
 
 
 class PagedKVCache:
@@ -50,7 +49,6 @@ class PagedKVCache:
         self._flat = self.data.view(num_layers, num_pages * page_size, *token_shape)
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._sessions: dict[int, _Session] = {}
-        self._tick = 0
 
     @staticmethod
     def bytes_per_token(num_layers: int, token_shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -62,16 +60,6 @@ class PagedKVCache:
 
     def used_tokens(self) -> int:
         return (self.num_pages - len(self._free)) * self.page_size
-
-    def touch(self, key: int) -> None:
-        self._tick += 1
-        s = self._sessions.get(key)
-        if s is not None:
-            s.last_use = self._tick
-
-    def lru_keys(self) -> list[int]:
-        """Sessions, least recently used first (the eviction order for the scheduler)."""
-        return sorted(self._sessions, key=lambda k: self._sessions[k].last_use)
 
     def held_tokens(self, key: int) -> int:
         s = self._sessions.get(key)
@@ -91,7 +79,6 @@ class PagedKVCache:
         s.pages = [keep[lp] if lp in keep else self._free.pop() for lp in range(lo, hi)]
         s.first_lp = lo
         self._sessions[key] = s
-        self.touch(key)
         return True
 
     def release(self, key: int) -> None:

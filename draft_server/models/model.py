@@ -14,15 +14,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import K3, DSparkConfig
-from draft_server.models.kv_cache import PagedKVCache
-from draft_server.models.ops import Rope, acc_dtype, rms_norm, swiglu
+from draft_server.models.layers.ops import Rope, acc_dtype, rms_norm, swiglu
 
 
 class DSparkModel:
-    """Base: subclasses implement ``context_kv``, ``attention`` and set ``token_shape``."""
+    """Base: subclasses implement ``context_kv``, ``attention`` and set ``token_shape`` and ``layout``."""
 
     token_shape: tuple[int, ...]
+    layout: TokenLayout
 
     def __init__(self, cfg: DSparkConfig, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
         self.cfg, self.w, self.device, self.dtype = cfg, w, device, dtype
@@ -47,10 +48,8 @@ class DSparkModel:
         """Fused context projection into every layer's cache rows: [L, R, *token_shape]."""
         raise NotImplementedError
 
-    def attention(
-        self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Layer i attention of block rows u [N, B, H] over ctx [N, S, ...] + the block itself."""
+    def attention(self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Layer i attention of block rows u [N, B, H] over their context and the block itself."""
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------
@@ -58,7 +57,7 @@ class DSparkModel:
         """Taps [R, n_taps * target_hidden] (compute dtype) -> fused context c [R, H]."""
         return rms_norm(F.linear(taps, self.ctx_proj), self.ctx_norm, self.eps)
 
-    def _block_mask(self, ctx_mask: torch.Tensor, B: int) -> torch.Tensor:
+    def block_mask(self, ctx_mask: torch.Tensor, B: int) -> torch.Tensor:
         """[N, B, S + B]: context visibility per session, then the block (full or causal)."""
         blk = self.mask_cache.get(B)
         if blk is None:
@@ -68,22 +67,14 @@ class DSparkModel:
         n, s = ctx_mask.shape
         return torch.cat([ctx_mask[:, None, :].expand(n, B, s), blk.expand(n, B, B)], dim=-1)
 
-    def block(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: PagedKVCache,
-        table: torch.Tensor,
-        ctx_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """Block rows ids/positions [N, B] over each session's cached context -> final-normed z [N, B, H]."""
+    def block(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Block rows ids/positions [N, B] over their sessions' context -> final-normed z [N, B, H]."""
         w, eps = self.w, self.eps
-        mask = self._block_mask(ctx_mask, ids.shape[1])
         h = F.embedding(ids, self.embed)
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
             u = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-            h = h + self.attention(i, u, positions, cache.gather(i, table), mask)
+            h = h + self.attention(i, u, positions, ctx)
             u = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
             h = h + swiglu(u, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
         return rms_norm(h, self.final_norm, eps)

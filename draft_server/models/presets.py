@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from draft_server.models.backend import DSparkDrafter
-from draft_server.models.config import K3, expected_shapes, parse_config
-from draft_server.models.k3_mla import K3DSpark
-from draft_server.models.qwen3 import Qwen3DSpark
+from draft_server.models.config import expected_shapes, parse_config
+from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.loader import build_model, resolve_device, resolve_dtype
 from draft_server.models.tiny import K3_CONFIG, QWEN3_CONFIG
 
 K3_FULL = {
@@ -85,11 +84,12 @@ def random_drafter(
             w[name] = t.div_(shape[-1] ** 0.5) if name != "embed_tokens.weight" else t
         if name.startswith("confidence_head"):
             w[name] = w[name].float()
-    model = (K3DSpark if cfg.variant == K3 else Qwen3DSpark)(cfg, w, dev, dtype)
-    return DSparkDrafter(model, kv_budget_bytes=kv_bytes)
+    return DSparkDrafter(build_model(cfg, w, dev, dtype), kv_budget_bytes=kv_bytes)
 
 
-def load_preset(name: str, device: str, dtype: torch.dtype, kv_budget_bytes: int | None) -> DSparkDrafter:
+def load_preset(name: str, device: str, dtype: str, kv_budget_bytes: int | None) -> DSparkDrafter:
+    """``random:NAME``: a full-size drafter of a preset config with seeded random weights."""
     if name not in PRESETS:
         raise ValueError(f"unknown random preset {name!r} (have {sorted(PRESETS)})")
-    return random_drafter(PRESETS[name], torch.device(device), kv_budget_bytes, dtype)
+    dev = resolve_device(device)
+    return random_drafter(PRESETS[name], dev, kv_budget_bytes, resolve_dtype(dtype, dev))

@@ -1,0 +1,90 @@
+"""The interface between the scheduler and a model backend.
+
+The scheduler owns sessions, positions, batching and deadlines; a ``Drafter`` owns the
+model, its KV cache and the math. Sessions reach the drafter as small integer keys (the
+drafter never sees client identities). Positional semantics are resolved by the scheduler
+before the drafter is called: ``IngestItem.start`` is the session's context start after the
+ingest, so a gap restart is simply a new ``start``.
+
+Call order inside one engine iteration: ``reserve`` (per session, may fail -> overloaded),
+``ingest`` (all sessions' new rows at once), ``draft`` (all sessions wanting drafts at once).
+All calls come from the engine thread only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol import ModelContract, Sampling
+
+
+@dataclass(slots=True)
+class IngestItem:
+    key: int
+    start: int  # context start of the session after this ingest
+    pos: int  # absolute position of taps[0]; context becomes [start, pos + len(taps))
+    taps: np.ndarray  # [rows, tap_width], wire storage dtype (uint16 bit patterns for bf16)
+
+
+@dataclass(slots=True)
+class DraftItem:
+    key: int
+    start: int  # context is [start, pos)
+    pos: int  # position of the anchor token
+    anchor: int
+    k: int
+    sampling: Sampling
+
+
+@dataclass(slots=True)
+class DraftOut:
+    tokens: list[int]
+    confidence: list[float] = field(default_factory=list)  # per draft, when served
+    probs: np.ndarray | None = None  # [k, n] float32 top-n draft probabilities
+    prob_ids: np.ndarray | None = None  # [k, n] int32 their token ids
+
+
+class Drafter(ABC):
+    """A model backend. Implementations: ChecksumDrafter (tests), the DSpark models."""
+
+    contract: ModelContract
+    scratch_rows: int = 0  # KV rows past a session's context that drafting writes (its block)
+
+    @abstractmethod
+    def capacity_tokens(self) -> int:
+        """Total context tokens the KV cache can hold across all sessions."""
+
+    @abstractmethod
+    def used_tokens(self) -> int:
+        """Context tokens currently held."""
+
+    @abstractmethod
+    def reserve(self, key: int, start: int, end: int) -> bool:
+        """Make the session hold KV room for positions [start, end) and nothing outside it.
+
+        ``end`` includes ``scratch_rows`` past the context when the session drafts. Returns False, changing
+        nothing, when the room is not there; the scheduler then evicts or answers overloaded.
+        """
+
+    @abstractmethod
+    def release(self, key: int) -> None:
+        """Forget the session and free its KV (unknown keys are a no-op)."""
+
+    @abstractmethod
+    def ingest(self, items: Sequence[IngestItem]) -> None:
+        """Write context rows for several sessions (each already reserved)."""
+
+    @abstractmethod
+    def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
+        """Draft ``k`` tokens after each anchor, batched over sessions."""
+
+    def cuda_device(self) -> object | None:
+        """The torch CUDA device this drafter computes on, or None (CPU, checksum)."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release device resources."""

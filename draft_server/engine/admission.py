@@ -1,0 +1,66 @@
+"""Admission: what the server takes on, and the one place that answers ``overloaded``.
+
+Owns the queued-row counter (rows admitted by the I/O thread and not yet ingested: the only
+state both threads touch, under a lock), the retry hint, and KV room for a session (the
+drafter's reservation, evicting idle sessions least recently used first until it fits).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from draft_server.drafters import Drafter
+from draft_server.engine.sessions import Session, SessionTable
+from draft_server.metrics import ServerMetrics
+from protocol import EntryResult, Status
+
+
+class Admission:
+    def __init__(
+        self, drafter: Drafter, sessions: SessionTable, metrics: ServerMetrics, max_queue_rows: int, max_batch_rows: int
+    ) -> None:
+        self.drafter = drafter
+        self.sessions = sessions
+        self.metrics = metrics
+        self.max_queue_rows = max_queue_rows
+        self.max_batch_rows = max_batch_rows
+        self._lock = threading.Lock()
+        self._queued_rows = 0
+        self.iter_ewma_s = 0.001  # recent engine iteration time (the engine updates it)
+
+    # -- queued rows (I/O thread admits, engine thread retires) ------------------------------
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    def try_admit_rows(self, rows: int) -> bool:
+        with self._lock:
+            if self._queued_rows + rows > self.max_queue_rows:
+                return False
+            self._queued_rows += rows
+        return True
+
+    def retire_rows(self, rows: int) -> None:
+        """Rows that left the queue: ingested, or dropped with their entry."""
+        with self._lock:
+            self._queued_rows -= rows
+        self.metrics.queue_rows.set(self._queued_rows)
+
+    # -- replies -----------------------------------------------------------------------------
+    def retry_hint_ms(self) -> float:
+        """How long until the current queue has likely drained."""
+        iters = self._queued_rows / max(1, self.max_batch_rows) + 1
+        return round(max(1.0, iters * self.iter_ewma_s * 1000.0), 3)
+
+    def overloaded(self, why: str) -> EntryResult:
+        return EntryResult(Status.OVERLOADED, retry_after_ms=self.retry_hint_ms(), message=why)
+
+    # -- KV room (engine thread) -------------------------------------------------------------
+    def reserve(self, s: Session, start: int, end: int) -> bool:
+        """Make ``s`` hold KV for [start, end), evicting idle sessions LRU-first if needed."""
+        if self.drafter.reserve(s.handle, start, end):
+            return True
+        while self.sessions.evict_idle(protect=s):
+            if self.drafter.reserve(s.handle, start, end):
+                return True
+        return False

@@ -1,0 +1,332 @@
+"""The engine thread: continuous batching over every client's queued work, and the drafter calls.
+
+The I/O thread hands over admitted work with ``submit`` / ``submit_free`` and never waits;
+the engine hands finished replies back through ``send_reply`` (a callback that only queues).
+One engine iteration:
+
+1. take everything that arrived (new work, frees), bind each entry to its session;
+2. expire drafting work whose budget cannot be met any more (rows are kept);
+3. decode batch: the head entry of every session whose rows fit a chunk — ingest all of their
+   rows in one ``drafter.ingest``, draft all that want drafts in one ``drafter.draft``;
+4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
+
+Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
+restarts the session at pos. Sessions are keyed by (client identity, session id).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from draft_server.drafters import Drafter, DraftItem, IngestItem
+from draft_server.engine.admission import Admission
+from draft_server.engine.sessions import Session, SessionTable
+from draft_server.engine.types import Call, Work
+from draft_server.metrics import ServerMetrics
+from protocol import EntryResult, Status, StepResult, Timing
+
+log = logging.getLogger("draft_server.engine")
+
+
+class Engine:
+    def __init__(
+        self,
+        drafter: Drafter,
+        metrics: ServerMetrics,
+        send_reply: Callable[[bytes, StepResult], None],
+        epoch: str,
+        contract_id: str,
+        *,
+        max_sessions: int,
+        max_queue_rows: int,
+        max_batch_rows: int,
+        max_batch_sessions: int,
+        prefill_chunk_rows: int,
+        batch_window_ms: float,
+        session_ttl_s: float,
+    ) -> None:
+        self.drafter = drafter
+        self.metrics = metrics
+        self.send_reply = send_reply
+        self.epoch = epoch
+        self.contract_id = contract_id
+        self.max_batch_rows = max_batch_rows
+        self.max_batch_sessions = max_batch_sessions
+        self.chunk = prefill_chunk_rows
+        self.window_s = batch_window_ms / 1000.0
+        self.ttl_s = session_ttl_s
+        self.sessions = SessionTable(drafter, metrics, max_sessions, session_ttl_s)
+        self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
+
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
+        self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
+        self.busy_since: float | None = None  # set while the drafter runs (watchdog)
+        self._last_sweep = time.monotonic()
+
+    # ------------------------------------------------------------------ I/O-thread side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, works: list[Work]) -> None:
+        self._inbox.append(("work", works))
+        self._wake.set()
+
+    def submit_free(self, ident: bytes, sessions: tuple[str, ...]) -> None:
+        self._inbox.append(("free", (ident, sessions)))
+        self._wake.set()
+
+    def reply_now(self, call: Call) -> None:
+        """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
+        self._reply(call)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self._drain_inbox()
+                if self.window_s and self._has_decode_work():
+                    time.sleep(self.window_s)
+                    self._drain_inbox()
+                did = self._iteration()
+                self._sweep()
+            except Exception:  # the loop must survive anything a batch does
+                log.exception("engine iteration failed")
+                self.metrics.engine_errors.inc()
+                did = True
+            if not did:
+                self._wake.wait(timeout=0.05)
+        self._fail_all_pending("server shutting down")
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "work":
+                for w in payload:  # type: ignore[attr-defined]
+                    self._enqueue(w)
+            else:
+                ident, sids = payload  # type: ignore[misc]
+                for sid in sids:
+                    s = self.sessions.get((ident, sid))
+                    if s is not None:
+                        self._release(s, "free")
+
+    def _enqueue(self, w: Work) -> None:
+        s = self.sessions.open((w.call.ident, w.sid))
+        if s is None:
+            self._resolve(w, self.admission.overloaded("session capacity reached"), rows_done=True)
+            return
+        s.pending.append(w)
+
+    def _has_decode_work(self) -> bool:
+        return any(s.pending and s.pending[0].rows <= self.chunk for s in self.sessions)
+
+    def _iteration(self) -> bool:
+        now = time.monotonic()
+        self._expire(now)
+        decode: list[tuple[Session, Work]] = []
+        rows = 0
+        prefill: Session | None = None
+        for s in self.sessions:
+            if not s.pending:
+                continue
+            w = s.pending[0]
+            if w.rows > self.chunk:
+                if prefill is None or w.call.recv_t < prefill.pending[0].call.recv_t:
+                    prefill = s
+                continue
+            if len(decode) >= self.max_batch_sessions or rows + w.rows > self.max_batch_rows - self.chunk:
+                continue
+            decode.append((s, w))
+            rows += w.rows
+        if not decode and prefill is None:
+            return False
+        t0 = time.monotonic()
+        self.busy_since = t0
+        try:
+            if decode:
+                self._decode_batch(decode, t0)
+            if prefill is not None:
+                self._prefill_chunk(prefill, t0)
+        finally:
+            self.busy_since = None
+        dt = time.monotonic() - t0
+        self.admission.iter_ewma_s = 0.8 * self.admission.iter_ewma_s + 0.2 * dt
+        self.metrics.iteration.observe(dt)
+        return True
+
+    def _expire(self, now: float) -> None:
+        early = False
+        for s in self.sessions:
+            for w in s.pending:
+                if w.k and now + self._draft_ewma_s > w.call.deadline:
+                    early = early or now <= w.call.deadline
+                    self._resolve(w, EntryResult(Status.EXPIRED, end=w.end, message="budget passed before drafting"))
+                    w.k = 0
+        if early:
+            # Work refused on the estimate alone never drafts, so the estimate could never come down
+            # again: one stall (SIGSTOP, a GPU hiccup inside draft()) would expire everything forever.
+            # Halve it instead, so drafting is tried again within a few iterations.
+            self._draft_ewma_s *= 0.5
+
+    def _place(self, s: Session, w: Work, rows: int) -> bool:
+        """Positional semantics for ``rows`` rows at w.pos: reserve KV and set the session's [start, end).
+
+        False (session unchanged) when the KV cache has no room even after evicting idle sessions.
+        """
+        pos = w.pos
+        start = s.start if s.known and s.start <= pos <= s.end else pos  # append/overwrite, else restart here
+        end = pos + rows
+        if not self.admission.reserve(s, start, end + (self.drafter.scratch_rows if w.k else 0)):
+            return False
+        s.start, s.end, s.known = start, end, True
+        return True
+
+    def _kv_full(self, s: Session, w: Work) -> None:
+        """The head entry of ``s`` found no KV room: answer it overloaded, its rows dropped."""
+        s.pending.popleft()
+        self._resolve(w, self.admission.overloaded("draft KV cache full"), rows_done=True)
+
+    def _drafter_failed(self, s: Session, w: Work, e: Exception) -> None:
+        s.pending.popleft()
+        self._resolve(w, EntryResult(Status.INTERNAL, message=f"drafter error: {type(e).__name__}"), rows_done=True)
+        self._release(s, "error")
+
+    def _decode_batch(self, batch: list[tuple[Session, Work]], t0: float) -> None:
+        ingest: list[IngestItem] = []
+        drafts: list[tuple[Session, Work]] = []
+        placed: list[tuple[Session, Work]] = []
+        for s, w in batch:
+            if not self._place(s, w, w.rows):
+                self._kv_full(s, w)
+                continue
+            if w.rows:
+                ingest.append(IngestItem(s.handle, s.start, w.pos, w.taps))  # type: ignore[arg-type]
+            placed.append((s, w))
+            if w.k:
+                drafts.append((s, w))
+            self.metrics.queue_wait.observe(t0 - w.call.recv_t)
+            w.call.queue_s = max(w.call.queue_s, t0 - w.call.recv_t)
+        n_rows = sum(len(i.taps) for i in ingest)
+        try:
+            if ingest:
+                self.drafter.ingest(ingest)
+            outs = []
+            if drafts:
+                td = time.monotonic()
+                outs = self.drafter.draft(
+                    [DraftItem(s.handle, s.start, s.end, w.anchor, w.k, w.sampling) for s, w in drafts]
+                )
+                self._draft_ewma_s = 0.8 * self._draft_ewma_s + 0.2 * (time.monotonic() - td)
+        except Exception as e:
+            log.exception("drafter failed on a batch of %d sessions", len(placed))
+            self.metrics.engine_errors.inc()
+            for s, w in placed:
+                self._drafter_failed(s, w, e)
+            return
+        dt = time.monotonic() - t0
+        self.metrics.rows_ingested.inc(n_rows)
+        self.metrics.batch_rows.observe(n_rows)
+        self.metrics.batch_sessions.observe(len(drafts))
+        for call in {id(w.call): w.call for _, w in placed}.values():
+            call.compute_s += dt  # once per call: its entries shared this batch
+        for s, w in placed:
+            s.pending.popleft()
+            self.admission.retire_rows(w.rows)
+            w.taps = None
+        for (_s, w), out in zip(drafts, outs, strict=True):
+            conf = tuple(out.confidence) if out.confidence else ()
+            self.metrics.drafted_tokens.inc(len(out.tokens))
+            self._resolve(w, EntryResult(Status.OK, drafts=tuple(out.tokens), end=w.end, confidence=conf))
+
+    def _prefill_chunk(self, s: Session, t0: float) -> None:
+        w = s.pending[0]
+        assert w.taps is not None
+        n = min(self.chunk, w.rows)
+        if not self._place(s, w, n):
+            self._kv_full(s, w)
+            return
+        try:
+            self.drafter.ingest([IngestItem(s.handle, s.start, w.pos, w.taps[:n])])
+        except Exception as e:
+            log.exception("drafter failed on a prefill chunk")
+            self.metrics.engine_errors.inc()
+            self._drafter_failed(s, w, e)
+            return
+        self.metrics.prefill_chunks.inc()
+        self.metrics.rows_ingested.inc(n)
+        self.admission.retire_rows(n)
+        w.taps = w.taps[n:]
+        w.pos += n
+        w.call.compute_s += time.monotonic() - t0
+        if not len(w.taps):
+            w.taps = None
+            if not w.k:  # k>0 stays at the head with no rows left: drafted in the next decode batch
+                s.pending.popleft()
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _resolve(self, w: Work, result: EntryResult, rows_done: bool = False) -> None:
+        """Give entry w its result (once). rows_done: its rows will not be ingested."""
+        call = w.call
+        if rows_done and w.taps is not None:
+            self.admission.retire_rows(len(w.taps))
+            w.taps = None
+        if call.results[w.idx] is not None:
+            return
+        call.results[w.idx] = result
+        self.metrics.entries.labels(result.status.name.lower()).inc()
+        call.remaining -= 1
+        if call.remaining == 0:
+            self._reply(call)
+
+    def _reply(self, call: Call) -> None:
+        now = time.monotonic()
+        res = StepResult(
+            call_id=call.call_id,
+            epoch=self.epoch,
+            contract_id=self.contract_id,
+            results=tuple(call.results),  # type: ignore[arg-type]
+            timing=Timing(
+                queue_ms=round(call.queue_s * 1000, 4),
+                compute_ms=round(call.compute_s * 1000, 4),
+                server_ms=round((now - call.recv_t) * 1000, 4),
+            ),
+        )
+        self.metrics.step_latency.observe(now - call.recv_t)
+        self.send_reply(call.ident, res)
+
+    def _release(self, s: Session, reason: str) -> None:
+        for w in self.sessions.release(s, reason):
+            self._resolve(w, EntryResult(Status.EXPIRED, message=f"session released ({reason})"), rows_done=True)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep < min(1.0, self.ttl_s / 4):
+            return
+        self._last_sweep = now
+        self.sessions.expire_idle(now)
+        self.metrics.kv_used.set(self.drafter.used_tokens())
+
+    def _fail_all_pending(self, why: str) -> None:
+        for s in list(self.sessions):
+            for w in list(s.pending):
+                self._resolve(w, EntryResult(Status.INTERNAL, message=why), rows_done=True)
+            s.pending.clear()

@@ -1,0 +1,1 @@
+"""The socket side of the server: the ROUTER loop (``router``)."""

@@ -1,0 +1,266 @@
+"""The ROUTER socket and its I/O thread: the only owner of the socket.
+
+Decodes and validates each message, answers what needs no model (Hello, Ping, malformed input,
+per-entry rejections) at once, and hands admitted entries to the engine without waiting.
+Replies come back from any thread through an outbox and a wake-up pipe registered in the same
+poller, so neither the I/O thread nor the engine ever waits on the other's work.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from draft_server.config import ServerConfig
+from draft_server.engine import Call, Engine, Work
+from draft_server.metrics import ServerMetrics
+from protocol import (
+    PROTOCOL_VERSION,
+    EntryResult,
+    Error,
+    ErrorCode,
+    Free,
+    Hello,
+    ModelContract,
+    Ping,
+    Pong,
+    ProtocolError,
+    ServerLimits,
+    Status,
+    Step,
+    Welcome,
+    decode_request,
+    encode,
+    validate_step,
+)
+from protocol.codec import check_version
+
+log = logging.getLogger("draft_server.io")
+
+
+class Router:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        engine: Engine,
+        metrics: ServerMetrics,
+        *,
+        epoch: str,
+        contract: ModelContract,
+        limits: ServerLimits,
+        healthy: Callable[[], bool],
+    ) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.metrics = metrics
+        self.epoch = epoch
+        self.contract = contract
+        self.contract_id = contract.fingerprint()
+        self.limits = limits
+        self._healthy = healthy
+        self._ctx = zmq.Context()
+        self._auth: ThreadAuthenticator | None = None
+        self._sock = self._make_socket()
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._outbox: deque[tuple[bytes, object]] = deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._running = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
+
+    def _make_socket(self) -> zmq.Socket:
+        cfg = self.cfg
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_mib << 20)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, and is counted
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        if cfg.curve_secret_key_file:
+            public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
+            if secret is None:
+                raise ValueError(f"{cfg.curve_secret_key_file} holds no secret key")
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=cfg.curve_allow_dir or zmq.auth.CURVE_ALLOW_ANY)
+            sock.curve_server = True
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+        sock.bind(cfg.bind)
+        return sock
+
+    # ------------------------------------------------------------------ lifecycle (any thread)
+
+    def start(self) -> None:
+        self._running.set()
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._running.clear()
+        os.write(self._wake_w, b"\0")
+        self._thread.join(5.0)
+        self._sock.close(linger=0)
+        if self._auth:
+            self._auth.stop()
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def queue_reply(self, ident: bytes, msg: object) -> None:
+        """Any thread: queue a reply for the I/O thread (never blocks)."""
+        self._outbox.append((ident, msg))
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # pipe already full of wake-ups: the I/O thread is about to drain
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while self._running.is_set():
+            try:
+                events = dict(poller.poll(100))
+                if self._sock in events:
+                    for _ in range(256):  # bounded so replies keep flowing under a flood
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_message(frames)
+                if self._wake_r in events:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                self._flush_outbox()
+            except zmq.ContextTerminated:
+                return
+            except Exception:  # never let one message end the I/O thread
+                log.exception("I/O loop error")
+                self.metrics.io_errors.inc()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            ident, msg = self._outbox.popleft()
+            self._send(ident, msg)
+
+    def _send(self, ident: bytes, msg: object) -> None:
+        try:
+            self._sock.send_multipart([ident, *encode(msg)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
+        except (zmq.Again, zmq.ZMQError):
+            self.metrics.replies_dropped.inc()
+
+    def _on_message(self, frames: list[zmq.Frame]) -> None:
+        recv_t = time.monotonic()
+        if len(frames) < 2:
+            self.metrics.dropped_messages.inc()
+            return
+        ident = frames[0].bytes
+        header = frames[1].buffer
+        payloads = [f.buffer for f in frames[2:]]
+        try:
+            msg = decode_request(header)
+        except ProtocolError as e:
+            if e.call_id < 0:
+                self.metrics.dropped_messages.inc()  # nothing to answer to
+                return
+            self._error(ident, e)
+            return
+        kind = type(msg).__name__.lower()
+        self.metrics.messages.labels(kind).inc()
+        try:
+            if isinstance(msg, Step):
+                self._on_step(ident, msg, payloads, recv_t)
+            elif isinstance(msg, Hello):
+                self._on_hello(ident, msg, payloads)
+            elif isinstance(msg, Ping):
+                self._send(ident, self._pong(msg.call_id))
+            elif isinstance(msg, Free):
+                if payloads:
+                    raise ProtocolError(ErrorCode.BAD_FRAMES, "free carries no payload frames")
+                self.engine.submit_free(ident, msg.sessions)
+        except ProtocolError as e:
+            self._error(ident, e)
+
+    def _error(self, ident: bytes, e: ProtocolError) -> None:
+        self.metrics.bad_messages.labels(e.code.name.lower()).inc()
+        self._send(ident, Error(call_id=e.call_id, code=e.code, message=e.message, epoch=self.epoch))
+
+    def _pong(self, call_id: int) -> Pong:
+        return Pong(
+            call_id=call_id,
+            epoch=self.epoch,
+            contract_id=self.contract_id,
+            healthy=self._healthy(),
+            live_sessions=len(self.engine.sessions),
+            queue_rows=self.engine.admission.queued_rows,
+        )
+
+    def _on_hello(self, ident: bytes, msg: Hello, payloads: list) -> None:
+        check_version(msg.protocol_version, msg.call_id)
+        if payloads:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, "hello carries no payload frames", msg.call_id)
+        if msg.expect is not None:
+            diff = msg.expect.mismatches(self.contract)
+            if diff:
+                raise ProtocolError(
+                    ErrorCode.CONTRACT_MISMATCH,
+                    f"server serves {self.contract.model_name}; differing fields: " + "; ".join(diff),
+                    msg.call_id,
+                )
+        self._send(
+            ident,
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                call_id=msg.call_id,
+                epoch=self.epoch,
+                contract=self.contract,
+                contract_id=self.contract_id,
+                limits=self.limits,
+            ),
+        )
+
+    def _on_step(self, ident: bytes, step: Step, payloads: list, recv_t: float) -> None:
+        taps, errors = validate_step(step, payloads, self.contract, self.limits)
+        call = Call(ident, step.call_id, recv_t, recv_t + step.budget_ms / 1000.0, [None] * len(step.entries))
+        admission = self.engine.admission
+        works: list[Work] = []
+        row = 0
+        for i, (e, err) in enumerate(zip(step.entries, errors, strict=True)):
+            rows = taps[row : row + e.rows] if (taps is not None and e.rows) else None
+            row += e.rows
+            if err is not None:
+                self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
+                continue
+            if not admission.try_admit_rows(e.rows):
+                self._set(call, i, admission.overloaded("queue full"))
+                continue
+            end = e.pos + e.rows
+            if e.k == 0:  # ingest only: acknowledged now, applied in order before the session's next entry
+                self._set(call, i, EntryResult(Status.OK, end=end))
+                if rows is None:
+                    continue
+            else:
+                call.remaining += 1
+            works.append(Work(call, i, e.session, e.pos, rows, e.anchor, e.k, e.sampling, end))
+        answered_here = call.remaining == 0  # read before the engine may own `call`
+        if works:
+            self.engine.submit(works)  # the engine owns `call` from here on
+        if answered_here:
+            self.engine.reply_now(call)
+
+    def _set(self, call: Call, i: int, result: EntryResult) -> None:
+        call.results[i] = result
+        self.metrics.entries.labels(result.status.name.lower()).inc()

@@ -1,0 +1,66 @@
+"""How block rows reach their context: the attention back ends a forward pass is given.
+
+A layer's attention (``layers/mla.py``, ``layers/gqa.py``) computes its queries ``q`` [N, B, H, D]
+and the block's own cache tokens ``blk`` [N, B, *token_shape], then asks the context
+``ctx.attend(layer, q, blk)`` for the attention output in value space [N, B, H, Dv]. What the
+context is decides the cost, never the math:
+
+- ``DenseContext``: every session's context tokens as a dense tensor per layer plus an explicit
+  visibility mask over [context ; block] (the eager reference, and training, where many
+  anchors of one sequence attend with a block-diagonal mask).
+
+``TokenLayout`` says how a cached token splits into keys and values: MLA (one latent, keys =
+the whole 576-wide row, values = its first ``kv_lora`` dims, all heads share it) or GQA (K and V
+per kv head, ``group`` query heads per kv head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from draft_server.models.layers.ops import block_attention
+
+
+class AttentionContext(Protocol):
+    """Where a layer's block rows find their context."""
+
+    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    mla: bool
+    value_dims: int  # MLA: kv_lora (the value part of the latent); GQA: head_dim
+    group: int = 1  # GQA: query heads per kv head
+
+    def attend_dense(self, q: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [N, B, H, D] over tokens [N, S, *token_shape] with mask [N, B, S] -> [N, B, H, Dv]."""
+        N, B, H, _ = q.shape
+        if self.mla:
+            qq = q.permute(0, 2, 1, 3).unsqueeze(1)  # [N, 1, H, B, 576]: all heads share one latent stream
+            lat = tokens.unsqueeze(1)
+            o = block_attention(qq, lat, lat[..., : self.value_dims], mask, scale)  # [N, 1, H, B, Dv]
+            return o[:, 0].permute(0, 2, 1, 3)
+        nkv = H // self.group
+        keys = tokens[:, :, 0].transpose(1, 2)  # [N, nkv, S, hd]
+        vals = tokens[:, :, 1].transpose(1, 2)
+        qg = q.reshape(N, B, nkv, self.group, -1).permute(0, 2, 3, 1, 4)  # [N, nkv, g, B, hd]
+        o = block_attention(qg, keys, vals, mask, scale)  # [N, nkv, g, B, hd]
+        return o.permute(0, 3, 1, 2, 4).reshape(N, B, H, -1)
+
+
+class DenseContext:
+    """Context tokens per layer (``ctx(layer)`` -> [N, S, *token_shape]) and mask [N, B, S + B]."""
+
+    def __init__(
+        self, ctx: Callable[[int], torch.Tensor], mask: torch.Tensor, layout: TokenLayout, scale: float
+    ) -> None:
+        self.ctx, self.mask, self.layout, self.scale = ctx, mask, layout, scale
+
+    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+        tokens = torch.cat([self.ctx(layer), blk.to(q.dtype)], dim=1)
+        return self.layout.attend_dense(q, tokens, self.mask, self.scale)

@@ -1,0 +1,163 @@
+"""``DSparkDrafter``: the DSpark model as a ``Drafter`` backend.
+
+Owns the glue between the scheduler's calls and the model: batched ingest into the paged cache,
+batched block forward + sequential stage, and the KV budget. ``draft_debug`` returns the
+per-step logits as well (the numerics tests compare them with the float64 reference).
+
+Context for a draft is exactly [DraftItem.start, DraftItem.pos): positions outside it are
+masked, so stale rows of a gap restart or a rejected block can never leak in.
+
+CUDA: runs eagerly today. Shapes are bucket-friendly for graphs later: B is fixed, the gathered
+context width is page-granular (pad the page table to a bucket), N can be padded with dummy
+sessions (their block rows always see themselves, so no row is fully masked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from draft_server.drafters.base import Drafter, DraftItem, DraftOut, IngestItem
+from draft_server.models.attention import DenseContext
+from draft_server.models.config import CheckpointError, DSparkConfig
+from draft_server.models.kv_cache import PagedKVCache
+from draft_server.models.model import DSparkModel
+from draft_server.models.sampling import Sampler
+from draft_server.models.staging import taps_to_tensor
+
+INGEST_CHUNK_ROWS = 4096
+DEFAULT_CPU_KV_BYTES = 256 << 20
+
+
+class DSparkDrafter(Drafter):
+    def __init__(
+        self,
+        model: DSparkModel,
+        kv_budget_bytes: int | None = None,
+        page_size: int = 16,
+        sts_temperatures: list[float] | None = None,
+    ) -> None:
+        self.model = model
+        self.cfg: DSparkConfig = model.cfg
+        self.contract = self.cfg.contract()
+        self.scratch_rows = self.cfg.block_size
+        per_tok = PagedKVCache.bytes_per_token(self.cfg.num_layers, model.token_shape, model.dtype)
+        if kv_budget_bytes is None:
+            kv_budget_bytes = _default_budget(model.device)
+        num_pages = kv_budget_bytes // (per_tok * page_size)
+        if num_pages < 1:
+            raise CheckpointError(f"kv_budget_bytes {kv_budget_bytes} is below one page ({per_tok * page_size} bytes)")
+        self.cache = PagedKVCache(
+            self.cfg.num_layers, model.token_shape, int(num_pages), page_size, model.dtype, model.device
+        )
+        self.sampler = Sampler(model, sts_temperatures)
+
+    def cuda_device(self) -> object | None:
+        dev = torch.device(self.model.device)
+        return dev if dev.type == "cuda" else None
+
+    # -- KV accounting (Drafter interface) --------------------------------------------------
+    def capacity_tokens(self) -> int:
+        return self.cache.capacity_tokens()
+
+    def used_tokens(self) -> int:
+        return self.cache.used_tokens()
+
+    def reserve(self, key: int, start: int, end: int) -> bool:
+        return self.cache.reserve(key, start, end)
+
+    def release(self, key: int) -> None:
+        self.cache.release(key)
+
+    # -- compute -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def ingest(self, items: Sequence[IngestItem]) -> None:
+        pending = [it for it in items if len(it.taps)]
+        while pending:  # a key repeated within one call is applied in order, one pass per repeat
+            batch: list[IngestItem] = []
+            rest: list[IngestItem] = []
+            seen: set[int] = set()
+            for it in pending:
+                (rest if it.key in seen else batch).append(it)
+                seen.add(it.key)
+            self._ingest_once(batch)
+            pending = rest
+
+    def _ingest_once(self, items: list[IngestItem]) -> None:
+        m = self.model
+        pos = np.concatenate([np.arange(it.pos, it.pos + len(it.taps), dtype=np.int64) for it in items])
+        slots = np.concatenate(
+            [self.cache.slots(it.key, np.arange(it.pos, it.pos + len(it.taps), dtype=np.int64)) for it in items]
+        )
+        width = self.contract.tap_width
+        for it in items:
+            if it.taps.ndim != 2 or it.taps.shape[1] != width:
+                raise ValueError(f"session {it.key}: taps of shape {it.taps.shape}, expected [rows, {width}]")
+        taps = taps_to_tensor([it.taps for it in items], m.device, m.dtype)
+        pos_t = torch.from_numpy(pos).to(m.device)
+        slots_t = torch.from_numpy(slots).to(m.device)
+        for a in range(0, len(pos), INGEST_CHUNK_ROWS):
+            b = a + INGEST_CHUNK_ROWS
+            c = m.context(taps[a:b])
+            self.cache.write(slots_t[a:b], m.context_kv(c, pos_t[a:b]))
+
+    @torch.inference_mode()
+    def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
+        return self._draft(items, want_logits=False)[0]
+
+    @torch.inference_mode()
+    def draft_debug(self, items: Sequence[DraftItem]) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
+        """Like ``draft``, plus each session's per-step logits [k, draft_vocab] (acc dtype, on the CPU)."""
+        return self._draft(items, want_logits=True)
+
+    def _draft(self, items: Sequence[DraftItem], want_logits: bool) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
+        outs = [DraftOut(tokens=[]) for _ in items]
+        logits: list[torch.Tensor | None] = [None] * len(items)
+        act = [n for n, it in enumerate(items) if it.k > 0]
+        if not act:
+            return outs, logits
+        m, cfg, B = self.model, self.cfg, self.cfg.block_size
+        its = [items[n] for n in act]
+        for it in its:
+            if it.k > B:
+                raise ValueError(f"session {it.key}: k={it.k} exceeds block_size {B}")
+        table, ctx_mask = self.cache.gather_plan([(it.key, it.start, it.pos) for it in its])
+        ids = torch.full((len(its), B), cfg.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = torch.tensor([it.anchor for it in its])
+        positions = torch.tensor([it.pos for it in its], dtype=torch.int64)[:, None] + torch.arange(B)
+        ctx = DenseContext(
+            lambda layer: self.cache.gather(layer, table), m.block_mask(ctx_mask, B), m.layout, cfg.softmax_scale
+        )
+        z = m.block(ids.to(m.device), positions.to(m.device), ctx)
+        ks = [it.k for it in its]
+        res = self.sampler.run(
+            z, ids[:, 0].to(m.device), [it.pos for it in its], ks, [it.sampling for it in its], want_logits
+        )
+        tokens = res.tokens.cpu().tolist()
+        conf = res.confidence.cpu().tolist() if res.confidence is not None else None
+        for r, n in enumerate(act):
+            k = ks[r]
+            out = outs[n]
+            out.tokens = tokens[r][:k]
+            if conf is not None:
+                out.confidence = conf[r][:k]
+            if res.probs[r] is not None:
+                out.probs, out.prob_ids = res.probs[r]
+            if res.logits is not None:
+                logits[n] = res.logits[r, :k].cpu()
+        return outs, logits
+
+    def close(self) -> None:
+        del self.cache
+        self.model = None  # type: ignore[assignment]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _default_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.8)
+    return DEFAULT_CPU_KV_BYTES

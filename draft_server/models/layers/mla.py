@@ -1,0 +1,70 @@
+"""Kimi-K3 DSpark attention: MLA with q-LoRA, absorbed ``kv_b_proj``, interleaved RoPE.
+
+A token caches one 576-wide latent per layer: ``[kv_a_layernorm(c~) (512); RoPE(k~) (64)]`` with
+``[c~; k~] = kv_a_proj_with_mqa(x)`` (x = fused context for context rows, the normed hidden
+state for block rows). Context latents of all layers come from one stacked GEMM (vLLM's
+``context_kv_proj``). Queries: ``q_b_proj(q_a_layernorm(q_a_proj(u)))`` split into
+128 nope + 64 rope dims per head. Attention runs in latent space: the nope query is absorbed
+through W_UK (the K half of ``kv_b_proj``), scores are ``[q_lat; q_pe] . latent``, the output
+latent goes through W_UV (the V half) and ``o_proj``. Nothing divides hidden_size by heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draft_server.models.attention import AttentionContext, TokenLayout
+from draft_server.models.config import DSparkConfig
+from draft_server.models.layers.ops import rms_norm
+from draft_server.models.model import DSparkModel
+
+
+class K3DSpark(DSparkModel):
+    def __init__(self, cfg: DSparkConfig, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        super().__init__(cfg, w, device, dtype)
+        self.lat = cfg.kv_lora_rank
+        self.token_shape = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+        self.layout = TokenLayout(mla=True, value_dims=cfg.kv_lora_rank)
+        L = range(cfg.num_layers)
+        sa = "layers.{}.self_attn."
+        self.kv_a_all = torch.cat([w[sa.format(i) + "kv_a_proj_with_mqa.weight"] for i in L])  # [L*576, H]
+        self.kv_a_norm = torch.stack([w[sa.format(i) + "kv_a_layernorm.weight"] for i in L])  # [L, 512]
+        nope, vd = cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.w_uk, self.w_uv = [], []
+        for i in L:
+            kv_b = w[sa.format(i) + "kv_b_proj.weight"].view(cfg.num_heads, nope + vd, cfg.kv_lora_rank)
+            self.w_uk.append(kv_b[:, :nope])  # [heads, nope, 512]
+            self.w_uv.append(kv_b[:, nope:])  # [heads, v, 512]
+
+    def _latent(self, kv: torch.Tensor, norm_w: torch.Tensor, positions: torch.Tensor, bshape: int) -> torch.Tensor:
+        """kv [..., 576] raw kv_a output -> cached latent; cos/sin broadcast over ``bshape`` dims."""
+        c = rms_norm(kv[..., : self.lat], norm_w, self.eps)
+        cos, sin = self.rope.cos_sin(positions, self.acc)
+        for _ in range(bshape):
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        return torch.cat([c, self.rope.apply(kv[..., self.lat :], cos, sin)], dim=-1)
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        R, L = c.shape[0], self.cfg.num_layers
+        kv = F.linear(c, self.kv_a_all).view(R, L, -1)
+        return self._latent(kv, self.kv_a_norm, positions, 1).transpose(0, 1)  # [L, R, 576]
+
+    def attention(self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
+        N, B, _ = u.shape
+        nh, nope = cfg.num_heads, cfg.qk_nope_head_dim
+        q = F.linear(
+            rms_norm(F.linear(u, w[p + "q_a_proj.weight"]), w[p + "q_a_layernorm.weight"], self.eps),
+            w[p + "q_b_proj.weight"],
+        )
+        q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)
+        cos, sin = self.rope.cos_sin(positions, self.acc)
+        q_pe = self.rope.apply(q[..., nope:], cos[:, :, None], sin[:, :, None])
+        q_lat = torch.einsum("nbhd,hdc->nbhc", q[..., :nope], self.w_uk[i])
+        blk = self._latent(
+            F.linear(u, w[p + "kv_a_proj_with_mqa.weight"]), w[p + "kv_a_layernorm.weight"], positions, 0
+        )
+        o = ctx.attend(i, torch.cat([q_lat, q_pe], dim=-1), blk)  # [N, B, nh, 512]
+        o = torch.einsum("nbhc,hvc->nbhv", o, self.w_uv[i]).reshape(N, B, nh * cfg.v_head_dim)
+        return F.linear(o, w[p + "o_proj.weight"])

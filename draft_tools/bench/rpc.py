@@ -1,0 +1,191 @@
+"""Loopback round trip of a Step: the product path against the bare ZeroMQ floor.
+
+For 1, 4, 16, 64 sessions and two payloads — "empty" (no rows, k drafts wanted) and "k3"
+(3 committed rows x 5 taps x 7168 BF16 per session, as Kimi-K3 DSpark sends) — measure in the
+same run:
+
+* floor: a bare DEALER -> ROUTER echo of the same bytes (another process), no protocol;
+* product: DraftClient.step() against a draft server process (checksum drafter with a K3-sized
+  contract), reporting the client's wait, the server's own receive-to-reply time and the
+  drafter's compute time; overhead = wait - compute.
+
+Writes JSON (machine, command, numbers) and prints a short table.
+Usage: draft-bench [--iters 300] [--out bench/results/rpc_loopback.json]   (or python -m draft_tools.bench.rpc)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+
+from draft_tools.common import free_port
+from protocol import DType, ModelContract
+
+K3 = ModelContract(
+    model_name="checksum-k3",
+    tap_layer_ids=(3, 24, 48, 72, 90),
+    target_hidden_size=7168,
+    vocab_size=163840,
+    block_size=7,
+    mask_token_id=163837,
+    tap_dtype=DType.BF16,
+)
+SESSIONS = (1, 4, 16, 64)
+ROWS = {"empty": 0, "k3": 3}
+
+
+def serve_checksum(endpoint: str) -> None:
+    from draft_server.app import DraftServer
+    from draft_server.config import ServerConfig
+    from draft_server.drafters.checksum import ChecksumDrafter
+
+    srv = DraftServer(ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum"), ChecksumDrafter(K3))
+    srv.start()
+    print("READY", flush=True)
+    sys.stdin.read()  # until the parent closes stdin
+    srv.stop()
+
+
+def serve_echo(endpoint: str) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    s.bind(endpoint)
+    print("READY", flush=True)
+    while True:
+        frames = s.recv_multipart(copy=False)
+        s.send_multipart([frames[0], frames[1]], copy=False)  # header only back, like a reply
+
+
+def spawn(mode: str, endpoint: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draft_tools.bench.rpc", f"--{mode}", endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stdout.readline().startswith("READY")
+    return p
+
+
+def pct(xs: list[float], q: float) -> float:
+    return round(float(np.percentile(np.asarray(xs), q)), 4)
+
+
+def bench_floor(endpoint: str, n: int, rows: int, iters: int) -> dict:
+    from protocol import Step, StepEntry, encode, spec_for
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    taps = np.ones((n * rows, K3.tap_width), np.uint16) if rows else None
+    entries = tuple(StepEntry(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n))
+    waits = []
+    for it in range(iters + 20):
+        msg = Step(it, 1000.0, entries, spec_for(taps, DType.BF16, 0) if taps is not None else None)
+        frames = encode(msg, [taps] if taps is not None else [])
+        t = time.perf_counter()
+        s.send_multipart(frames, copy=False)
+        s.recv_multipart()
+        if it >= 20:
+            waits.append((time.perf_counter() - t) * 1000)
+    s.close()
+    return {"p50_ms": pct(waits, 50), "p99_ms": pct(waits, 99)}
+
+
+def bench_product(endpoint: str, n: int, rows: int, iters: int) -> dict:
+    from target_client import ClientConfig, DraftClient, StepRequest
+
+    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench"))
+    client.connect(wait=True)
+    taps = np.ones((n * rows, K3.tap_width), np.uint16) if rows else None
+    # every step overwrites positions [0, rows): context stays small, so compute stays flat
+    reqs = [StepRequest(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n)]
+    waits, server, compute = [], [], []
+    for it in range(iters + 20):
+        t = time.perf_counter()
+        replies = client.step(reqs, taps)
+        wait = (time.perf_counter() - t) * 1000
+        assert all(len(r.tokens) == K3.block_size for r in replies), "bench step failed"
+        timing = client.last_timing
+        if it >= 20:
+            waits.append(wait)
+            server.append(timing.server_ms)
+            compute.append(timing.compute_ms)
+    client.free([r.session for r in reqs])
+    client.close()
+    over = [w - c for w, c in zip(waits, compute, strict=True)]
+    return {
+        "wait_p50_ms": pct(waits, 50),
+        "wait_p99_ms": pct(waits, 99),
+        "server_p50_ms": pct(server, 50),
+        "compute_p50_ms": pct(compute, 50),
+        "overhead_p50_ms": pct(over, 50),
+        "overhead_p99_ms": pct(over, 99),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--out", default="bench/results/rpc_loopback.json")
+    ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument("--echo", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve:
+        serve_checksum(args.serve)
+        return 0
+    if args.echo:
+        serve_echo(args.echo)
+        return 0
+    ep_srv, ep_echo = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    srv, echo = spawn("serve", ep_srv), spawn("echo", ep_echo)
+    results = []
+    try:
+        for payload, rows in ROWS.items():
+            for n in SESSIONS:
+                floor = bench_floor(ep_echo, n, rows, args.iters)
+                prod = bench_product(ep_srv, n, rows, args.iters)
+                mb = n * rows * K3.tap_width * 2 / 1e6
+                results.append(
+                    {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "floor": floor, "product": prod}
+                )
+                print(
+                    f"{payload:5s} B={n:3d} {mb:6.2f} MB  floor p50 {floor['p50_ms']:7.3f} ms | "
+                    f"client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | "
+                    f"compute {prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
+                    flush=True,
+                )
+    finally:
+        for p in (srv, echo):
+            p.kill()
+    out = {
+        "benchmark": "rpc_loopback",
+        "command": "python -m draft_tools.bench.rpc " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "processor": platform.processor(),
+            "loadavg_1m_at_end": os.getloadavg()[0],
+        },
+        "iters": args.iters,
+        "transport": "tcp loopback",
+        "results": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""``SlowDrafter``: wraps any drafter and sleeps before a random fraction of its draft batches.
+
+Simulates a slow GPU step (a hiccup, a long kernel) inside the engine: deadlines keep
+running, the watchdog sees the engine busy, and every other part of the server is the real
+one. Each injected sleep prints one ``chaos delay`` line that draft-soak's supervisor reads.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+
+from draft_server.drafters import Drafter, DraftItem, DraftOut, IngestItem
+
+
+class SlowDrafter(Drafter):
+    def __init__(self, inner: Drafter, p: float, delay_s: float, seed: int | None = None) -> None:
+        if not 0.0 <= p <= 1.0 or delay_s < 0:
+            raise ValueError("the slow fraction must be in [0, 1] and the delay >= 0")
+        self.inner = inner
+        self.contract = inner.contract
+        self.scratch_rows = inner.scratch_rows
+        self.p = p
+        self.delay_s = delay_s
+        self._rng = random.Random(seed)
+
+    def _maybe_sleep(self) -> None:
+        if self.p and self._rng.random() < self.p:
+            print(f"chaos delay: this batch sleeps {self.delay_s * 1000.0:.1f} ms first", flush=True)
+            time.sleep(self.delay_s)
+
+    def capacity_tokens(self) -> int:
+        return self.inner.capacity_tokens()
+
+    def used_tokens(self) -> int:
+        return self.inner.used_tokens()
+
+    def reserve(self, key: int, start: int, end: int) -> bool:
+        return self.inner.reserve(key, start, end)
+
+    def release(self, key: int) -> None:
+        self.inner.release(key)
+
+    def ingest(self, items: Sequence[IngestItem]) -> None:
+        self.inner.ingest(items)
+
+    def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
+        self._maybe_sleep()
+        return self.inner.draft(items)
+
+    def cuda_device(self) -> object | None:
+        return self.inner.cuda_device()
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,68 @@
+"""Small helpers every tool shares: a free loopback port, a /metrics scrape, a served subprocess."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, timeout: float = 5.0) -> dict[str, float]:
+    """Every sample of /metrics keyed as Prometheus writes it: ``name{label="v",...}`` (labels sorted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def label_values(metrics: dict[str, float], name: str, label: str) -> dict[str, float]:
+    """{label value: sample} of one labelled family in a ``scrape`` result."""
+    prefix, key = name + "{", f'{label}="'
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if k.startswith(prefix) and key in k:
+            out[k.split(key, 1)[1].split('"', 1)[0]] = v
+    return out
+
+
+def start_server(extra: list[str], module: str = "draft_server") -> tuple[subprocess.Popen, str, int]:
+    """``python -m MODULE serve`` on free loopback ports; waits for its READY line (120 s at most)."""
+    port, mport = free_port(), free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", module, "serve", "--bind", endpoint, "--metrics-port", str(mport)]
+    cmd += ["--log-level", "WARNING", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("READY"):
+            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
+            return proc, endpoint, mport
+        print("  server:", line.rstrip())
+    proc.kill()
+    raise SystemExit("draft server did not start")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()

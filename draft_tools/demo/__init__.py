@@ -1,0 +1,1 @@
+"""`make demo`: remote drafts inside vLLM (``part_vllm``), then many engines against one server (``part_load``)."""

@@ -1,0 +1,151 @@
+"""The vLLM half of `make demo`: remote DSpark drafts inside a real vLLM engine (CPU).
+
+Starts `draft-server serve` on the shipped tiny trained drafter (draft_tools/tiny_pair/assets),
+runs vLLM with the `custom_class` proposer on a handful of prompts, then runs the same prompts
+without speculation, and prints: the generated text, vLLM's own speculative-decoding counters
+(drafts, draft tokens, accepted tokens, mean acceptance length), the client's RPC wait
+percentiles, and whether the greedy outputs are identical. Each vLLM engine runs in its own
+subprocess (`--worker`), so both start from a clean state and shut down completely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+from draft_tools.common import scrape, start_server, stop_server
+from draft_tools.tiny_pair.pair import ASSET_DIR as ASSETS
+
+PROPOSER = "target_client.vllm.proposer.RemoteDSparkProposer"
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n\ndef main(argv",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(items)):\n",
+    'def read_config(path):\n    """Read',
+    "try:\n    import json\nexcept ImportError:\n",
+]
+
+
+def _drafter_stats(worker: Any) -> dict[str, Any]:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return drafter.stats() if drafter is not None and hasattr(drafter, "stats") else {}
+
+
+def worker(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside a subprocess: one vLLM engine, the prompts, the numbers."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process core: the proposer's stats are reachable
+    from vllm import LLM, SamplingParams
+
+    kw: dict[str, Any] = dict(
+        model=cfg["target"], dtype="float32", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=False
+    )
+    if cfg.get("k"):
+        kw["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": cfg["k"]}
+    llm = LLM(**kw)
+    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
+    outs = llm.generate(cfg["prompts"], params, use_tqdm=False)
+    llm.llm_engine.step()  # the step that tells the proposer the last requests finished (frees them)
+    res: dict[str, Any] = {
+        "texts": [o.outputs[0].text for o in outs],
+        "ids": [list(o.outputs[0].token_ids) for o in outs],
+    }
+    counters: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            counters[m.name] = getattr(m, "value", None) if hasattr(m, "value") else list(getattr(m, "values", []))
+    res["spec"] = counters
+    if cfg.get("k"):
+        res["drafter"] = llm.collective_rpc(_drafter_stats)[0]
+    return res
+
+
+def _run_worker(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "draft_tools.demo.part_vllm", "--worker", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    for line in out.stdout.splitlines():
+        if line.startswith("@@"):
+            return json.loads(line[2:])
+    raise SystemExit(f"vLLM worker failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+
+
+def run(k: int = 4, max_tokens: int = 48, server_endpoint: str | None = None) -> bool:
+    """The demo proper; returns True when the outputs with and without drafts are identical."""
+    draft, target = ASSETS / "draft", ASSETS / "target"
+    if not (draft / "config.json").exists() or not (target / "config.json").exists():
+        raise SystemExit(f"the tiny trained pair is missing under {ASSETS}")
+    print(f"== starting draft server on the shipped tiny DSpark drafter ({draft.relative_to(ASSETS.parents[2])})")
+    proc, endpoint, mport = start_server(
+        ["--model", str(draft), "--target-model", str(target), "--device", "cpu", "--dtype", "float32"]
+    )
+    env = {**os.environ, "DRAFT_SERVER_ENDPOINT": endpoint, "DRAFT_BUDGET_MS": "200", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    try:
+        cfg = {"target": str(target), "prompts": PROMPTS, "max_tokens": max_tokens}
+        print(f"== vLLM (CPU) with remote DSpark drafts, k={k}, {len(PROMPTS)} prompts, greedy")
+        spec = _run_worker({**cfg, "k": k}, env)
+        print("== vLLM (CPU) without speculation, same prompts")
+        plain = _run_worker(cfg, env)
+        for p, t in zip(PROMPTS, spec["texts"], strict=True):
+            print("-" * 72)
+            print(textwrap.indent(p + t, "  | "))
+        print("-" * 72)
+        sd = spec["spec"]
+        drafts = sd.get("vllm:spec_decode_num_drafts", 0) or 0
+        dtoks = sd.get("vllm:spec_decode_num_draft_tokens", 0) or 0
+        acc = sd.get("vllm:spec_decode_num_accepted_tokens", 0) or 0
+        per_pos = sd.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+        print("== vLLM speculative decoding counters")
+        print(
+            f"   drafts {int(drafts)}, draft tokens {int(dtoks)}, accepted {int(acc)}, "
+            f"acceptance rate {acc / max(dtoks, 1):.3f}, mean acceptance length {1 + acc / max(drafts, 1):.3f}"
+        )
+        if per_pos:
+            print("   accepted per position " + ", ".join(f"{v / max(drafts, 1):.2f}" for v in per_pos))
+        d = spec.get("drafter", {})
+        c = d.get("client", {})
+        print("== draft client RPC (per engine step)")
+        print(
+            f"   steps {d.get('steps')}, wait p50 {d.get('rpc_ms_p50') or 0:.2f} ms, "
+            f"p90 {d.get('rpc_ms_p90') or 0:.2f} ms, p99 {d.get('rpc_ms_p99') or 0:.2f} ms, "
+            f"max {d.get('rpc_ms_max') or 0:.2f} ms; "
+            f"timeouts {c.get('timeouts')}, fallbacks {c.get('fallbacks')}"
+        )
+        same = spec["ids"] == plain["ids"]
+        print(f"== greedy outputs identical with and without remote drafts: {'YES' if same else 'NO'}")
+        met = scrape(mport)
+        print(
+            f"   server: live sessions {int(met['draft_server_sessions'])}, "
+            f"drafted tokens {int(met['draft_server_drafted_tokens_total'])}"
+        )
+        return same
+    finally:
+        stop_server(proc)
+        print("== draft server stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--k", type=int, default=4, help="drafts per step")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args(argv)
+    if args.worker:
+        res = worker(json.loads(args.worker))
+        sys.stdout.write("@@" + json.dumps(res) + "\n")
+        return 0
+    return 0 if run(args.k, args.max_tokens) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

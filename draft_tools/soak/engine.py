@@ -1,0 +1,412 @@
+"""One synthetic target engine of draft-soak, run as its own process with its own DraftClient.
+
+Owns ``EngineSpec`` and ``engine_main``. The engine holds up to ``sessions`` concurrent
+sessions; new ones arrive as others finish (at most ``arrivals_per_step`` per step, so arrivals
+are staggered). A session prefills (a short prompt, or now and then a long one sent as an
+ingest-only k=0 step), then decodes: every step commits 1..k+1 rows (anchor plus accepted
+drafts), with now and then a k=0 step in between, and finishes with a Free. Between steps the
+engine sleeps ``step_ms`` (its own verify forward).
+
+Determinism: every random choice of a session (length, prompt, taps, anchors, acceptance,
+k=0 steps) comes from that session's own generator seeded by (seed, engine, session number),
+and sessions arrive in a fixed order, so the same seed gives the same sessions, rows and
+anchors whatever the server answered. That makes a fault-free reference possible: with the
+checksum drafter the engine computes the exact expected drafts of every entry from the rows it
+sent (``checksum.drafts_from_digests``, context [0, pos)); with a real model the soak runs a
+second fault-free pass and compares each session's draft hash.
+
+Every call is recorded (start, wait, statuses, drafts counts, invalid drafts) and every
+session summarised (all OK?, drafts checked / mismatched, draft hash, lifetime); the records
+go to one JSON file that the soak parent reads.
+"""
+
+from __future__ import annotations
+
+import array
+import faulthandler
+import gc
+import json
+import os
+import resource
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Columns of a call record (kept as lists for a compact JSON file).
+CALL_COLUMNS = (
+    "t0",  # time.monotonic() at the call (system-wide clock, comparable across processes)
+    "wait_ms",
+    "budget_ms",
+    "entries",
+    "rows",  # rows sent by the engine in this call (resends not included)
+    "want",  # entries with k > 0
+    "drafted",  # entries that got drafts
+    "ok",
+    "none",  # no answer (timeout, breaker open, unreachable)
+    "expired",
+    "overloaded",
+    "bad_entry",
+    "internal",
+    "bad_drafts",  # replies with drafts of the wrong count or outside the vocabulary
+    "mismatch",  # checksum drafter: OK drafts that differ from the fault-free expectation
+    "epoch_idx",
+    "run_delay_ms",  # time the calling thread sat runnable but not running during the call (host CPU)
+    "proc_run_delay_ms",  # the same summed over all threads of the process (e.g. the client's I/O thread)
+    # Forensics for calls over budget (where the rest of the time went):
+    "cpu_ms",  # on-CPU time of the calling thread during the call
+    "proc_cpu_ms",  # on-CPU time of every thread of the process (a GIL holder shows up here)
+    "gc_ms",  # time this process spent in the cyclic garbage collector (holds the GIL)
+    "steal_ms",  # host-wide steal time (the hypervisor ran another guest), summed over vCPUs
+    "majflt",  # major page faults of the process (blocked on I/O)
+)
+
+
+@dataclass
+class EngineSpec:
+    index: int
+    endpoint: str
+    out_path: str
+    seed: int = 0
+    sessions: int = 16  # concurrent sessions
+    budget_ms: float = 20.0
+    step_ms: float = 25.0  # the target's own step time between calls
+    k: int = 4
+    decode_steps: tuple[int, int] = (20, 60)
+    prefill_rows: tuple[int, int] = (16, 128)
+    long_prefill_p: float = 0.03
+    long_prefill_rows: int = 2048
+    k0_p: float = 0.03  # chance that a decode step is ingest-only (k=0)
+    accept_p: float = 0.6
+    arrivals_per_step: int = 2
+    checksum: bool = True  # the server runs the checksum drafter: check drafts in process
+    max_steps: int = 0  # stop after this many steps (0: run until told to stop)
+    reconnect_ivl_ms: int = 10
+    breaker_backoff_ms: float = 500.0
+    connect_timeout_s: float = 60.0
+
+
+@dataclass
+class _Session:
+    number: int
+    sid: str
+    rng: np.random.Generator
+    steps_left: int
+    end: int = 0
+    k_prev: int = 0
+    digest_total: int = 0
+    steps: int = 0
+    all_ok: bool = True
+    checked: int = 0
+    mismatched: int = 0
+    draft_crc: int = 0
+    first_t0: float = 0.0
+    last_t1: float = 0.0
+    epochs: set[str] = field(default_factory=set)
+    long_prefill: bool = False
+    k0_then_draft: int = 0  # k=0 steps followed by a checked drafting step
+    tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
+
+    def summary(self, finished: bool) -> tuple[Any, ...]:
+        # a tuple of numbers (and a tuple of tokens): the collector stops tracking it, so a
+        # 30-minute run's 70,000 summaries add nothing to the engine's full collections (one of
+        # those took 57 ms inside a step before)
+        return (
+            self.number,
+            self.steps,
+            int(self.all_ok),
+            self.checked,
+            self.mismatched,
+            self.draft_crc,
+            self.first_t0,
+            self.last_t1,
+            len(self.epochs),
+            int(finished),
+            int(self.long_prefill),
+            self.k0_then_draft,
+            tuple(self.tokens) if self.tokens is not None else (),
+        )
+
+
+SESSION_COLUMNS = (
+    "number",
+    "steps",
+    "all_ok",
+    "checked",
+    "mismatched",
+    "draft_crc",
+    "first_t0",
+    "last_t1",
+    "epochs",
+    "finished",
+    "long_prefill",
+    "k0_then_draft",
+    "tokens",
+)
+
+
+_gc_ns = 0  # total time in the cyclic GC, kept by _gc_callback
+_gc_started = 0
+
+
+def _gc_callback(phase: str, info: dict[str, int]) -> None:
+    global _gc_ns, _gc_started
+    if phase == "start":
+        _gc_started = time.perf_counter_ns()
+    elif _gc_started:
+        _gc_ns += time.perf_counter_ns() - _gc_started
+        _gc_started = 0
+
+
+_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _steal_ms() -> float:
+    """Host-wide steal time so far (ms, summed over vCPUs, clock-tick resolution), 0 if unknown."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            return int(f.readline().split()[8]) * _TICK_MS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _thread_sched_ns() -> tuple[int, int]:
+    """(on-CPU, run-queue wait) of the calling thread so far, in ns (/proc/thread-self/schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            v = f.read().split()
+            return int(v[0]), int(v[1])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def _proc_sched_ns() -> tuple[int, int]:
+    """(on-CPU, run-queue wait) summed over every thread of this process so far, in ns."""
+    cpu = wait = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+                    v = f.read().split()
+                    cpu += int(v[0])
+                    wait += int(v[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    except OSError:
+        pass
+    return cpu, wait
+
+
+def _run_delay_ns() -> int:
+    """Run-queue wait of the calling thread so far (ns), 0 if unknown."""
+    return _thread_sched_ns()[1]
+
+
+def _proc_run_delay_ns() -> int:
+    """Run-queue wait summed over every thread of this process so far (ns), 0 if unknown.
+
+    A thread preempted while it holds the GIL keeps the caller waiting without the caller itself
+    being on the run queue; this sum sees that wait too."""
+    return _proc_sched_ns()[1]
+
+
+def _bf16_taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
+    """Rows of bf16 bit patterns of N(0, 1) values (finite, like real hidden states)."""
+    x = rng.standard_normal((rows, width), dtype=np.float32)
+    return (x.view(np.uint32) >> 16).astype(np.uint16)
+
+
+def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None) -> None:
+    """Process entry: connect, set ``ready``, wait for ``go``, run until ``stop`` is set or
+    max_steps, write the JSON (multiprocessing Events; the start barrier keeps one engine's
+    imports from competing with another's first steps)."""
+    out: dict[str, Any] = {"spec": asdict(spec), "error": None, "cpus": os.cpu_count()}
+    try:
+        _run(spec, stop, out, ready, go)
+    except BaseException:  # reported by the parent as a broken engine
+        out["error"] = traceback.format_exc()
+    tmp = spec.out_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, spec.out_path)
+
+
+def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from draft_server.drafters.checksum import drafts_from_digests, row_digest
+    from protocol import Status
+    from target_client import ClientConfig, DraftClient, StepRequest
+
+    client = DraftClient(
+        ClientConfig(
+            endpoint=spec.endpoint,
+            budget_ms=spec.budget_ms,
+            name=f"soak-e{spec.index}",
+            routing_id=f"soak-e{spec.index}".encode(),
+            reconnect_ivl_ms=spec.reconnect_ivl_ms,
+            reconnect_ivl_max_ms=max(spec.reconnect_ivl_ms, 10),
+            breaker_backoff_ms=spec.breaker_backoff_ms,
+            connect_timeout_s=spec.connect_timeout_s,
+            registry=CollectorRegistry(),
+        )
+    )
+    calls = array.array("d")  # flat, len(CALL_COLUMNS) per call: no GC-tracked object per call
+    # A call still waiting at budget + 5 ms gets every thread's Python stack dumped (faulthandler's
+    # watchdog thread needs no GIL; "Current thread" is the GIL holder), followed by a marker line
+    # that names the call. The soak attaches these stacks to the calls it cannot explain.
+    stacks = open(spec.out_path + ".stacks", "wb", buffering=0)
+    late_s = (spec.budget_ms + 5.0) / 1000.0
+    sessions_out: list[tuple[Any, ...]] = []
+    epochs: list[tuple[float, str]] = []
+    try:
+        welcome = client.connect(wait=True)
+        assert welcome is not None
+        contract = welcome.contract
+        vocab, width, k = contract.vocab_size, contract.tap_width, min(spec.k, contract.block_size)
+        limits = welcome.limits
+        # a long prompt must fit one message with room for the rest of the batch
+        row_bytes = width * contract.tap_dtype.itemsize
+        fit = min(limits.max_rows_per_step, limits.max_message_bytes // row_bytes) // 2
+        long_rows = min(spec.long_prefill_rows, fit)
+        gc.freeze()  # imports and setup out of the collector's way: fewer, shorter pauses in the calls
+        gc.callbacks.append(_gc_callback)
+        if ready is not None:
+            ready.set()
+        if go is not None and not go.wait(spec.connect_timeout_s + 120.0):
+            raise RuntimeError("the soak never gave the start signal")
+        epoch_idx: dict[str, int] = {}
+        active: list[_Session] = []
+        started = 0
+        step_no = 0
+        parent = os.getppid()
+        while not stop.is_set() and (spec.max_steps <= 0 or step_no < spec.max_steps):
+            if step_no % 64 == 0 and os.getppid() != parent:
+                break  # the soak died: stop, never outlive it
+            arrivals = 0
+            while len(active) < spec.sessions and arrivals < spec.arrivals_per_step:
+                rng = np.random.default_rng([spec.seed, spec.index, started])
+                lo, hi = spec.decode_steps
+                s = _Session(started, f"e{spec.index}-s{started}", rng, int(rng.integers(lo, hi + 1)))
+                if not spec.checksum:
+                    s.tokens = array.array("i")
+                active.append(s)
+                started += 1
+                arrivals += 1
+            reqs, parts, wants = [], [], []
+            for s in active:
+                r = s.rng
+                if s.steps == 0:
+                    if r.random() < spec.long_prefill_p:
+                        rows, kk = long_rows, 0  # a long prompt: ingest only, drafts next step
+                        s.long_prefill = True
+                    else:
+                        rows, kk = int(r.integers(spec.prefill_rows[0], spec.prefill_rows[1] + 1)), k
+                else:
+                    accepted = 0
+                    while accepted < s.k_prev and r.random() < spec.accept_p:
+                        accepted += 1
+                    rows = 1 + accepted
+                    kk = 0 if r.random() < spec.k0_p else k
+                anchor = int(r.integers(0, vocab))
+                taps = _bf16_taps(r, rows, width)
+                reqs.append(StepRequest(s.sid, s.end, rows, anchor, kk))
+                parts.append(taps)
+                wants.append(kk)
+            taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
+            (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
+            gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            faulthandler.dump_traceback_later(late_s, file=stacks)
+            t0 = time.monotonic()
+            replies = client.step(reqs, taps_all)
+            t1 = time.monotonic()
+            faulthandler.cancel_dump_traceback_later()
+            if t1 - t0 > late_s:
+                stacks.write(f"@@ call t0={t0!r} wait_ms={(t1 - t0) * 1000.0:.3f}\n".encode())
+            (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
+            gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            epoch = client.epoch or ""
+            if epoch not in epoch_idx:
+                epoch_idx[epoch] = len(epoch_idx)
+                epochs.append((t1, epoch))
+            rec = dict.fromkeys(CALL_COLUMNS, 0)
+            rec.update(t0=t0, wait_ms=(t1 - t0) * 1000.0, budget_ms=spec.budget_ms, entries=len(reqs))
+            rec["rows"] = sum(r.rows for r in reqs)
+            rec["run_delay_ms"] = (rd1 - rd0) / 1e6
+            rec["proc_run_delay_ms"] = (pd1 - pd0) / 1e6
+            rec.update(cpu_ms=(tc1 - tc0) / 1e6, proc_cpu_ms=(pc1 - pc0) / 1e6, gc_ms=(gc1 - gc0) / 1e6)
+            rec.update(steal_ms=st1 - st0, majflt=mf1 - mf0)
+            rec["epoch_idx"] = epoch_idx[epoch]
+            finished = []
+            for s, req, taps, rep in zip(active, reqs, parts, replies, strict=True):
+                if spec.checksum:
+                    for i in range(req.rows):
+                        s.digest_total = (s.digest_total + row_digest(taps[i], req.pos + i)) & ((1 << 64) - 1)
+                s.end += req.rows
+                if s.steps == 0:
+                    s.first_t0 = t0
+                s.last_t1 = t1
+                s.steps += 1
+                s.epochs.add(epoch)
+                st = rep.status
+                key = "none" if st is None else st.name.lower()
+                rec[key] += 1
+                if st != Status.OK:
+                    s.all_ok = False
+                if req.k:
+                    rec["want"] += 1
+                if rep.tokens:
+                    rec["drafted"] += 1
+                    s.draft_crc = zlib.crc32(np.asarray(rep.tokens, np.int64).tobytes(), s.draft_crc)
+                    if s.tokens is not None:
+                        s.tokens.extend(rep.tokens)
+                valid = (
+                    len(rep.tokens) == req.k and all(0 <= t < vocab for t in rep.tokens)
+                    if st == Status.OK
+                    else not rep.tokens
+                )
+                if not valid:
+                    rec["bad_drafts"] += 1
+                if spec.checksum and st == Status.OK and req.k:
+                    want = drafts_from_digests([s.digest_total], 0, s.end, req.anchor, req.k, vocab)
+                    s.checked += 1
+                    if s.k_prev == 0 and s.steps > 1:
+                        s.k0_then_draft += 1
+                    if list(rep.tokens) != want:
+                        s.mismatched += 1
+                        rec["mismatch"] += 1
+                s.k_prev = req.k
+                s.steps_left -= 1
+                if s.steps_left <= 0:
+                    finished.append(s)
+            calls.extend(float(rec[c]) for c in CALL_COLUMNS)
+            if finished:
+                client.free([s.sid for s in finished])
+                for s in finished:
+                    sessions_out.append(s.summary(True))
+                active = [s for s in active if s.steps_left > 0]
+            step_no += 1
+            if spec.step_ms:
+                time.sleep(spec.step_ms / 1000.0)
+        if active:  # a run cut short still frees what it holds
+            client.free([s.sid for s in active])
+            for s in active:
+                sessions_out.append(s.summary(False))
+        time.sleep(0.05)  # let the Free leave before the socket closes (LINGER 0)
+        out["steps"] = step_no
+        out["client_stats"] = {
+            k: v for k, v in client.stats().items() if isinstance(v, int | float | str | bool) or v is None
+        }
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        stacks.close()
+        client.close()
+        n = len(CALL_COLUMNS)
+        out["calls"] = [calls[i : i + n].tolist() for i in range(0, len(calls), n)]
+        out["call_columns"] = list(CALL_COLUMNS)
+        out["sessions"] = sessions_out
+        out["session_columns"] = list(SESSION_COLUMNS)
+        out["epochs"] = epochs

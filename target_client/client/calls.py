@@ -1,0 +1,87 @@
+"""What crosses from the caller threads to the I/O thread, and how a call's outcome is claimed.
+
+Owns the commands callers append to the I/O thread's queue (``StepCall``, ``Connect``,
+``PingCmd``, ``FreeCmd``, ``CloseCmd``), the I/O thread's record of a call in flight
+(``Pending``), a step's outcome (``Outcome``) and the once-only claiming of futures.
+
+Outcome race: a step's future is claimed exactly once, either by the I/O thread
+(``set_running_or_notify_cancel`` before ``set_result``, here) or by the caller (``cancel`` at
+its deadline). A reply whose future was cancelled is late: its drafts are dropped and counted,
+its acknowledgements still update the resend buffers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocol import StepEntry
+from target_client.api import DraftReply
+
+
+@dataclass(slots=True, eq=False)
+class Outcome:
+    replies: list[DraftReply]
+    outcome: str  # one of target_client.metrics.OUTCOMES
+
+
+@dataclass(slots=True, eq=False)
+class StepCall:
+    entries: tuple[StepEntry, ...]
+    taps: np.ndarray | None
+    deadline: float  # time.monotonic() by which the caller stops waiting
+    send: bool  # False: buffer the rows only (breaker open / not ready)
+    future: Future | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Connect:
+    future: Future | None  # None: start the handshake without waiting for it
+
+
+@dataclass(slots=True, eq=False)
+class PingCmd:
+    future: Future
+    deadline: float
+
+
+@dataclass(slots=True, eq=False)
+class FreeCmd:
+    sessions: tuple[str, ...]
+
+
+class CloseCmd:
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class Pending:
+    kind: str  # "step" | "ping" (a caller's) | "probe" (the breaker's) | "hello"
+    call_id: int
+    deadline: float
+    sent_at: float
+    future: Future | None = None
+    sessions: tuple[str, ...] = ()  # per sent entry
+    index: tuple[int, ...] = ()  # request index per sent entry
+    ks: tuple[int, ...] = ()  # k per sent entry
+    local: dict[int, DraftReply] | None = None  # replies of requests held back locally
+    n: int = 0  # requests in the call
+
+
+def set_future(f: Future, value: Any) -> bool:
+    """Claim ``f`` for the I/O thread and set its result; False if the caller claimed it first."""
+    try:
+        if f.set_running_or_notify_cancel():
+            f.set_result(value)
+            return True
+    except RuntimeError:  # already resolved
+        pass
+    return False
+
+
+def resolve(f: Future | None, replies: list[DraftReply], outcome: str) -> bool:
+    """Hand a step's replies to its caller; False if there is none or it gave up already."""
+    return f is not None and set_future(f, Outcome(replies, outcome))

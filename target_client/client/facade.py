@@ -1,0 +1,290 @@
+"""DraftClient: the target engine's thin client of the draft server (the public API only).
+
+Owns what callers see: the constructor, ``connect``, ``step``/``astep``, ``free``, ``ping``,
+``stats``, ``close`` and the read-only properties. Everything else is in the parts:
+
+* ``io_loop.IoLoop``: the one I/O thread that alone touches the ZeroMQ DEALER socket (the vLLM
+  ``core_client`` shape); callers append a command to its queue and wake it through a pipe;
+  replies resolve per-call futures keyed by call id (``calls``: commands, futures, outcomes);
+* ``handshake.Handshake``: Hello/Welcome, the pinned contract, refusals, epochs;
+* ``breaker.Breaker``: when to stop sending and when to probe;
+* ``step_builder``: argument checks (caller side) and Step messages with resend rows merged in
+  (I/O side), over the resend buffers of ``resend``;
+* ``counters.Counters``: metrics and the counts behind ``stats()``.
+
+Callers, from any thread or from asyncio tasks, validate their own arguments locally and never
+hold a lock across network I/O; no zmq socket is shared between threads. Every wait has a
+deadline. ``step()`` blocks at most its budget and never raises for a draft-side fault (server
+down, slow, restarted, overloaded, garbage, another model): it returns empty drafts for the
+requests it could not serve and counts why. ``ValueError`` is raised only for caller bugs,
+checked with ``protocol.validate`` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import CancelledError as FutureCancelled
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+
+from protocol import ModelContract, Pong, ServerLimits, Timing, Welcome
+from target_client.api import (
+    ClientConfig,
+    ConnectTimeoutError,
+    DraftClientError,
+    DraftReply,
+    StepRequest,
+    empty_replies,
+)
+from target_client.client.calls import Connect, FreeCmd, Outcome, PingCmd, StepCall
+from target_client.client.counters import Counters
+from target_client.client.io_loop import IoLoop, random_routing_id
+from target_client.client.step_builder import check_budget, prepare
+
+_RESULT_GRACE_S = 0.002  # a result the I/O thread has claimed is set within microseconds
+
+
+class DraftClient:
+    """Client of one draft server endpoint. Thread-safe and asyncio-safe; see the module docstring.
+
+    The taps array given to ``step``/``astep`` is kept by REFERENCE (no copy) until the server
+    acknowledges its rows (or they fall out of the resend bound, or the session is freed): the
+    caller must not mutate it afterwards. Allocate a fresh array per step.
+    """
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        self.cfg = cfg
+        self.routing_id = cfg.routing_id or random_routing_id()
+        self._counters = Counters(cfg.registry)
+        self._counters.m.budget.set(cfg.budget_ms / 1000.0)
+        self._close_lock = threading.Lock()
+        self._closed = False
+        self._connect_requested = False
+        # Makes the socket (ValueError for a bad endpoint), pays pyzmq's zero-copy set-up, starts the thread.
+        self._io = IoLoop(cfg, self.routing_id, self._counters)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def welcome(self) -> Welcome | None:
+        """The verified Welcome (None before the first handshake)."""
+        return self._io.handshake.welcome
+
+    @property
+    def contract(self) -> ModelContract | None:
+        """The model contract verified at the handshake (None before it)."""
+        w = self._io.handshake.welcome
+        return w.contract if w is not None else None
+
+    @property
+    def limits(self) -> ServerLimits | None:
+        w = self._io.handshake.welcome
+        return w.limits if w is not None else None
+
+    @property
+    def epoch(self) -> str | None:
+        return self._io.handshake.epoch
+
+    @property
+    def advised_k(self) -> int:
+        """The server's latest load-aware k advice (-1: none)."""
+        return self._io.advised_k
+
+    @property
+    def breaker_open(self) -> bool:
+        return self._io.gate == "breaker_open"
+
+    @property
+    def last_timing(self) -> Timing | None:
+        """Server timing of the latest on-time StepResult (None before one)."""
+        return self._io.last_timing
+
+    @property
+    def budget_ms(self) -> float:
+        """The default budget of a step: fixed, or adaptive when configured and warmed up."""
+        a = self._io.budget.ms
+        return a if (self.cfg.adaptive_budget and a is not None) else self.cfg.budget_ms
+
+    # ------------------------------------------------------------------ calls
+
+    def connect(self, wait: bool = True) -> Welcome | None:
+        """Hello/Welcome handshake.
+
+        wait=True: the verified Welcome, or ContractMismatchError (the server serves another
+        contract or protocol version), or ConnectTimeoutError after ``connect_timeout_s`` (the
+        client keeps trying in the background either way). wait=False: None at once; the
+        handshake goes on in the background and steps return empty drafts until it succeeds.
+        """
+        if self._closed or self._io.gate == "closed":
+            raise DraftClientError("client is closed (or its I/O thread failed; see the log)")
+        self._connect_requested = True
+        fut: Future | None = Future() if wait else None
+        self._io.submit(Connect(fut))
+        if fut is None:
+            return None
+        try:
+            return fut.result(timeout=self.cfg.connect_timeout_s)
+        except FutureTimeout:
+            fut.cancel()
+            raise ConnectTimeoutError(
+                f"no Welcome from draft server {self.cfg.endpoint} within {self.cfg.connect_timeout_s} s "
+                "(still trying in the background)"
+            ) from None
+
+    def step(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+    ) -> list[DraftReply]:
+        """Drafts for one engine step: one DraftReply per request, in order, within the budget.
+
+        ``taps``: C-contiguous [sum(rows), contract.tap_width] in the wire storage dtype (uint16
+        bit patterns for bf16), or None when no request has rows. Kept by reference until
+        acknowledged: do not mutate it afterwards.
+        """
+        t0 = time.monotonic()
+        call = self._begin(requests, taps, budget_ms, t0)
+        if not isinstance(call, StepCall):
+            return call  # answered without waiting
+        fut = call.future
+        assert fut is not None
+        self._io.submit(call)
+        try:
+            out: Outcome | None = fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
+        except (FutureTimeout, FutureCancelled):
+            out = None
+        return self._end(t0, call, out)
+
+    async def astep(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+    ) -> list[DraftReply]:
+        """step() for asyncio callers: never blocks the event loop."""
+        t0 = time.monotonic()
+        call = self._begin(requests, taps, budget_ms, t0)
+        if not isinstance(call, StepCall):
+            return call  # answered without waiting
+        fut = call.future
+        assert fut is not None
+        afut = asyncio.wrap_future(fut)
+        self._io.submit(call)
+        try:
+            await asyncio.wait((afut,), timeout=max(0.0, call.deadline - time.monotonic()))
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        return self._end(t0, call, fut.result() if fut.done() and not fut.cancelled() else None)
+
+    def free(self, sessions: Iterable[str]) -> None:
+        """Release sessions on the server (fire-and-forget) and drop their client-side state."""
+        names = tuple(sessions)
+        if not names or self._closed or self._io.gate == "closed":
+            return
+        self._io.submit(FreeCmd(names))
+
+    def ping(self, timeout_ms: float = 100.0) -> Pong | None:
+        """A Pong from the server within ``timeout_ms``, else None."""
+        if not (math.isfinite(timeout_ms) and timeout_ms > 0):
+            raise ValueError(f"timeout_ms must be finite and > 0, got {timeout_ms}")
+        if self._closed or self._io.gate == "closed":
+            return None
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        fut: Future = Future()
+        self._io.submit(PingCmd(fut, deadline))
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (FutureTimeout, FutureCancelled):
+            fut.cancel()
+            return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and state for tests and logs."""
+        d = self._counters.snapshot()
+        io = self._io
+        hs = io.handshake
+        gate = io.gate
+        d.update(
+            breaker_state="open" if gate == "breaker_open" else ("closed" if gate != "closed" else "shut"),
+            gate=gate or "open_for_steps",
+            welcomed=hs.welcome is not None,
+            epoch=hs.epoch,
+            contract_id=hs.contract_id,
+            refused=hs.refused,
+            budget_ms=self.budget_ms,
+            rtt_p99_ms=io.budget.p99_ms,
+            advised_k=io.advised_k,
+            sessions=len(io.sessions),
+            pending=len(io.pending),
+            io_thread_alive=io.thread.is_alive(),
+        )
+        return d
+
+    def close(self) -> None:
+        """Stop the I/O thread and drop the socket (LINGER 0). Idempotent, bounded by close_timeout_s."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._io.stop(self.cfg.close_timeout_s)
+
+    def __enter__(self) -> DraftClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ step(), both flavours
+
+    def _begin(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, t0: float
+    ) -> list[DraftReply] | StepCall:
+        """The part of a step before the wait: the replies when it is answered at once (no
+        requests; gate closed, rows only buffered), else the call to submit, with its future."""
+        budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
+        contract = self._io.handshake.pinned
+        welcome = self._io.handshake.welcome
+        entries, taps = prepare(requests, taps, contract, welcome.limits if welcome is not None else None)
+        n = len(entries)
+        if n == 0:
+            return []
+        deadline = t0 + budget / 1000.0
+        gate = self._call_gate()
+        if gate is not None:
+            if gate != "closed":
+                self._io.submit(StepCall(entries, taps, deadline, send=False))
+            return self._finish(t0, empty_replies(n), gate)
+        return StepCall(entries, taps, deadline, send=True, future=Future())
+
+    def _end(self, t0: float, call: StepCall, out: Outcome | None) -> list[DraftReply]:
+        """The part after the wait: the outcome the I/O thread set, or a timeout."""
+        if out is not None:
+            return self._finish(t0, out.replies, out.outcome)
+        assert call.future is not None
+        return self._finish(t0, *self._give_up(call.future, len(call.entries)))
+
+    def _call_gate(self) -> str | None:
+        if self._closed:
+            return "closed"
+        if not self._connect_requested:
+            self._connect_requested = True
+            self._io.submit(Connect(None))
+        return self._io.gate
+
+    @staticmethod
+    def _give_up(fut: Future, n: int) -> tuple[list[DraftReply], str]:
+        """The deadline passed: claim the call as timed out, unless its result was just claimed."""
+        if fut.cancel():
+            return empty_replies(n), "timeout"
+        try:
+            out = fut.result(timeout=_RESULT_GRACE_S)
+            return out.replies, out.outcome
+        except Exception:
+            return empty_replies(n), "timeout"
+
+    def _finish(self, t0: float, replies: list[DraftReply], outcome: str) -> list[DraftReply]:
+        self._counters.step_done(time.monotonic() - t0, replies, outcome)
+        return replies

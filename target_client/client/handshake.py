@@ -1,0 +1,199 @@
+"""The Hello/Welcome handshake: which server the client talks to and which contract it pinned.
+
+Owns ``Handshake``: the verified Welcome, the pinned contract (``ClientConfig.expect``, else the
+first verified one) and its ``contract_id``, the server's epoch, the refusal (a server serving
+another contract or protocol version: drafting stays off, the Hello is retried every
+``breaker_backoff_ms``), re-verification after a reply names another contract, the Hello retry
+timer and the callers waiting in ``connect()``.
+
+Only the I/O thread writes it; callers read ``welcome``, ``pinned`` and ``epoch`` (single
+attribute reads of immutable values). No socket: the I/O loop sends the Hello this builds,
+recomputes the step gate after each state change and then calls back to release the waiters.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import Future
+
+from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Welcome
+from target_client.api import ClientConfig, ContractMismatchError
+from target_client.client.calls import set_future
+from target_client.client.counters import Counters
+
+log = logging.getLogger("target_client")
+
+_CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
+_HELLO_SEND_RETRY_S = 0.02  # retry of a Hello that could not be sent (no live connection yet)
+
+Refusal = tuple[str, tuple[str, ...]]  # (message, the contract fields that differ)
+
+
+class Handshake:
+    """Handshake, contract and epoch state of one client. See the module docstring."""
+
+    def __init__(self, cfg: ClientConfig, counters: Counters) -> None:
+        self.cfg = cfg
+        self._c = counters
+        self.welcome: Welcome | None = None  # the verified Welcome
+        self.pinned: ModelContract | None = cfg.expect  # the contract taps are validated against
+        self.contract_id: str | None = None  # of the verified contract
+        self.epoch: str | None = None  # the server's latest epoch (changes on a restart)
+        self.refused: str | None = None  # why the server was refused (drafting is off)
+        self.verifying = False  # a reply named another contract: the Hello goes out again
+        self.need_hello = False  # a Hello is wanted (now or when next_hello_at comes)
+        self.hello_due = False  # a Hello should go out as soon as the socket is writable
+        self.next_hello_at = math.inf
+        self.waiters: list[Future] = []  # connect(wait=True) callers
+
+    @property
+    def ready(self) -> bool:
+        """Welcomed, verified and not refused."""
+        return self.welcome is not None and not self.verifying and self.refused is None
+
+    # -- sending the Hello
+
+    def connect(self, future: Future | None) -> None:
+        """A caller asked to connect: answer at once when ready, else (re)send the Hello now."""
+        if self.ready:
+            if future is not None:
+                set_future(future, self.welcome)
+            return
+        if future is not None:
+            self.waiters.append(future)
+        self.need_hello = True  # an explicit connect retries at once, even after a refusal
+        self.hello_due = True
+
+    def hello(self, call_id: int) -> Hello:
+        return Hello(
+            protocol_version=PROTOCOL_VERSION, client_name=self.cfg.name, call_id=call_id, expect=self.cfg.expect
+        )
+
+    def hello_sent(self, now: float, sent: bool) -> float | None:
+        """The due Hello went out (``sent``) or could not; the deadline of its call, or None."""
+        self.hello_due = False
+        if not sent:
+            self.next_hello_at = now + _HELLO_SEND_RETRY_S
+            return None
+        self._c.add("hellos_sent")
+        period = self.cfg.breaker_backoff_ms if self.refused is not None else self.cfg.hello_retry_ms
+        self.next_hello_at = now + period / 1000.0
+        return self.next_hello_at
+
+    def tick(self, now: float) -> None:
+        """Timers: the Hello is due again when its retry period has passed."""
+        if self.need_hello and not self.hello_due and now >= self.next_hello_at:
+            self.hello_due = True
+
+    def wake_at(self) -> float:
+        """When the I/O thread must wake for the next Hello (inf: no timer)."""
+        return self.next_hello_at if (self.need_hello and not self.hello_due) else math.inf
+
+    # -- answers
+
+    def check(self, w: Welcome) -> Refusal | None:
+        """The refusal of a Welcome from a server this client cannot use, or None."""
+        if w.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"draft server {self.cfg.endpoint} speaks protocol_version {w.protocol_version}, "
+                f"this client speaks {PROTOCOL_VERSION}",
+                ("protocol_version",),
+            )
+        if self.pinned is not None:
+            diffs = self.pinned.mismatches(w.contract)
+            if diffs:
+                return (
+                    f"draft server {self.cfg.endpoint} serves a different model contract "
+                    f"(expected != served): {'; '.join(diffs)}",
+                    tuple(d.split(":", 1)[0] for d in diffs),
+                )
+        return None
+
+    def accept(self, w: Welcome) -> bool:
+        """Take a checked Welcome. True when it lifts a refusal (the breaker is reset then)."""
+        first = self.welcome is None
+        self.welcome = w
+        if self.pinned is None:
+            self.pinned = w.contract
+        self.contract_id = w.contract_id
+        self.need_hello = self.hello_due = self.verifying = False
+        lifted = self.refused is not None
+        self.refused = None
+        if first:
+            log.info(
+                "draft client %s: welcomed by %s (model %s, contract %s, epoch %s)",
+                self.cfg.name,
+                self.cfg.endpoint,
+                w.contract.model_name,
+                w.contract_id,
+                w.epoch,
+            )
+        return lifted
+
+    def release_waiters(self) -> None:
+        """Hand the Welcome to the connect() callers (after the gate has opened)."""
+        waiters, self.waiters = self.waiters, []
+        for f in waiters:
+            set_future(f, self.welcome)
+
+    def hello_error(self, err: Error) -> Refusal | None:
+        """The refusal an Error answering a Hello means, or None (e.g. NOT_READY: retry on the timer)."""
+        if err.code not in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.UNSUPPORTED_VERSION):
+            return None
+        named = tuple(f for f in _CONTRACT_FIELDS if f in err.message)
+        if err.code == ErrorCode.UNSUPPORTED_VERSION:
+            named = ("protocol_version",)
+        return f"draft server {self.cfg.endpoint} refused the handshake: {err.message}", named
+
+    def refuse(self, message: str, now: float) -> None:
+        """Turn drafting off for a server this client cannot use; retry the Hello slowly."""
+        if self.refused != message:
+            log.error("draft client %s: %s; drafting stays off (breaker open)", self.cfg.name, message)
+        self.refused = message
+        self.verifying = False
+        self.need_hello = True
+        self.hello_due = False
+        self.next_hello_at = now + self.cfg.breaker_backoff_ms / 1000.0
+        self._c.add("contract_refusals")
+
+    def fail_waiters(self, message: str, fields: tuple[str, ...]) -> None:
+        """Raise ContractMismatchError in the connect() callers (after the gate has closed)."""
+        waiters, self.waiters = self.waiters, []
+        for f in waiters:
+            if f.set_running_or_notify_cancel():
+                f.set_exception(ContractMismatchError(message, fields))
+
+    def contract_differs(self, contract_id: str) -> bool:
+        """A reply names another contract than the verified one."""
+        return self.contract_id is not None and contract_id != self.contract_id
+
+    def contract_changed(self, new_id: str) -> bool:
+        """A reply named another contract (``new_id``; "" for a CONTRACT_MISMATCH error).
+        True when this starts a re-verification (the gate closes until the Welcome)."""
+        self._c.m.contract_changes.inc()
+        self._c.add("contract_changes")
+        if self.verifying:
+            return False
+        log.warning(
+            "draft client %s: server answers with contract_id %r, verified %r; re-verifying",
+            self.cfg.name,
+            new_id,
+            self.contract_id,
+        )
+        self.verifying = True
+        self.need_hello = self.hello_due = True
+        return True
+
+    def note_epoch(self, epoch: str) -> bool:
+        """Record the epoch a message carried. True when it tells of a server restart (the
+        server's sessions are gone: the I/O loop resets its resend buffers and the breaker)."""
+        if not epoch or epoch == self.epoch:
+            return False
+        restarted = self.epoch is not None
+        if restarted:
+            self._c.m.epoch_changes.inc()
+            self._c.add("epoch_changes")
+            log.info("draft client %s: server restarted (epoch %s -> %s)", self.cfg.name, self.epoch, epoch)
+        self.epoch = epoch
+        return restarted

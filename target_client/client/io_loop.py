@@ -1,0 +1,630 @@
+"""The client's I/O thread: the only code that touches the DEALER socket.
+
+Owns ``IoLoop``: the ZeroMQ context and socket (made in the constructor, so a bad endpoint fails
+there), the command deque and the wake pipe callers use to reach the thread, the zmq Poller
+loop, sending (steps, Hellos, pings, probes, frees; never blocking: a send that would block
+fails fast and counts as a miss), receiving and dispatching replies by call id to the pending
+calls, timers (Hello retry, breaker probes, call expiry, idle session sweep) and the shutdown.
+
+All mutable protocol state lives here and is touched by this thread only: the pending-call
+table, the per-session resend buffers (``resend.SessionRows``), the handshake
+(``handshake.Handshake``), the circuit breaker (``breaker.Breaker``) and the RTT window of the
+adaptive budget (``step_builder.AdaptiveBudget``). Callers read immutable snapshots only
+(``gate``, ``handshake.welcome``/``pinned``/``epoch``, ``budget.ms``, ``advised_k``,
+``last_timing``). No lock is ever held across network I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import zmq
+
+from protocol import EntryResult, Error, ErrorCode, Free, Ping, Pong, Status, StepResult, Timing, Welcome
+from protocol.codec import ProtocolError, decode_reply, encode, tensor
+from target_client.api import ClientConfig, DraftClientError, DraftReply, empty_replies
+from target_client.client.breaker import Breaker
+from target_client.client.calls import (
+    CloseCmd,
+    Connect,
+    FreeCmd,
+    Pending,
+    PingCmd,
+    StepCall,
+    resolve,
+    set_future,
+)
+from target_client.client.counters import Counters
+from target_client.client.handshake import Handshake
+from target_client.client.resend import SessionRows, keep_newest
+from target_client.client.step_builder import AdaptiveBudget, merge_rows, room_for_resend, step_frames
+
+log = logging.getLogger("target_client")
+
+_EXPIRED_KEEP = 4096  # timed-out calls remembered so their late replies can still acknowledge rows
+_MAX_RETRY_AFTER_S = 5.0  # cap on a server's retry hint
+_SWEEP_EVERY_S = 5.0
+# The I/O thread expires a step this long after the caller's own deadline, so that at the deadline
+# only the caller wakes (it gives up by itself; the I/O thread's expiry is bookkeeping).
+_EXPIRE_GRACE_S = 0.002
+_FREE_CHUNK = 1024  # sessions per Free message
+_COMMANDS_PER_ITERATION = 256
+_NO_ROOM_LIMIT = 1 << 62  # resend room of a step that is not sent (its rows are only buffered)
+_APPLIED = (Status.OK, Status.EXPIRED)
+
+
+def random_routing_id() -> bytes:
+    return b"dc-" + os.urandom(12)  # never starts with a zero byte (reserved by ZeroMQ)
+
+
+class IoLoop:
+    """The socket-owning thread of one DraftClient and the state only it writes."""
+
+    def __init__(self, cfg: ClientConfig, routing_id: bytes, counters: Counters) -> None:
+        self.cfg = cfg
+        self.routing_id = routing_id
+        self._c = counters
+        self._m = counters.m
+
+        # Snapshots written by this thread, read by callers (single attribute reads).
+        self.gate: str | None = "not_ready"  # None: steps are sent; else the outcome of an immediate return
+        self.advised_k = -1  # the server's latest load-aware k advice
+        self.last_timing: Timing | None = None  # server timing of the latest on-time StepResult
+        self.handshake = Handshake(cfg, counters)
+        self.budget = AdaptiveBudget(cfg, self._m.budget)
+
+        # Written by callers (append), drained by this thread.
+        self._cmds: collections.deque[Any] = collections.deque()
+
+        # This thread's state (touched by no other thread once the thread has started).
+        self.breaker = Breaker(cfg.breaker_failures, cfg.breaker_backoff_ms, cfg.breaker_step_probe_ms)
+        self.sessions: dict[str, SessionRows] = {}
+        self.pending: dict[int, Pending] = {}
+        self._expired: collections.OrderedDict[int, Pending] = collections.OrderedDict()
+        self._ids = itertools.count(1)
+        self._gauge_on = False  # this client counted in draft_client_breaker_open
+        self._ping_queue: list[PingCmd] = []  # caller pings waiting for a live connection
+        self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
+        self._closing = False
+
+        # The socket is made here so a bad endpoint fails in the constructor, then handed to the
+        # I/O thread (thread start is the full memory barrier ZeroMQ asks for when a socket moves).
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._sock = self._make_socket()
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise ValueError(f"cannot connect a DEALER to {cfg.endpoint!r}: {exc}") from exc
+        # A frame above zmq.COPY_THRESHOLD goes out without a copy, and pyzmq's first such frame
+        # imports zmq.utils.garbage and starts its collector thread: measured at 13-16 ms with
+        # the GIL held in the first steps of a K3 soak (the caller could not return at its
+        # deadline). Paid here instead, before any step.
+        zmq.Frame(bytes(zmq.COPY_THRESHOLD + 1), copy=False)
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        os.set_blocking(self._wfd, False)
+        # Guards the write end against stop(): a caller racing close() must never write into a
+        # closed (and possibly reused) descriptor. Held for one non-blocking write only.
+        self._wake_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._run, name=f"draft-client-io-{cfg.name}", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ caller side
+
+    def submit(self, cmd: object) -> None:
+        """Queue a command for this thread and wake it (any thread)."""
+        self._cmds.append(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wfd < 0:
+                return  # closed
+            try:
+                os.write(self._wfd, b"\0")
+            except OSError:
+                pass  # BlockingIOError: the pipe is full, so a wake-up is already pending
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the thread (it drops the socket, LINGER 0) and close the wake pipe; bounded."""
+        self._cmds.append(CloseCmd())
+        self._wake()
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():  # pragma: no cover - would need a wedged libzmq call
+            log.error("draft client %s: I/O thread did not stop within %.1f s", self.cfg.name, timeout_s)
+            return
+        with self._wake_lock:
+            wfd, self._wfd = self._wfd, -1
+        for fd in (self._rfd, wfd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ the loop
+
+    def _make_socket(self) -> zmq.Socket:
+        cfg = self.cfg
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IMMEDIATE, 1)  # queue only towards a live connection; else sends fail fast
+        s.setsockopt(zmq.ROUTING_ID, self.routing_id)  # stable across TCP reconnects: sessions survive
+        s.setsockopt(zmq.RECONNECT_IVL, cfg.reconnect_ivl_ms)
+        s.setsockopt(zmq.RECONNECT_IVL_MAX, cfg.reconnect_ivl_max_ms)
+        s.setsockopt(zmq.MAXMSGSIZE, cfg.max_reply_bytes)
+        s.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+        if cfg.curve_server_key is not None:
+            pub, sec = cfg.curve_public_key, cfg.curve_secret_key
+            if pub is None or sec is None:
+                pub, sec = zmq.curve_keypair()
+            s.curve_serverkey = cfg.curve_server_key
+            s.curve_publickey = pub
+            s.curve_secretkey = sec
+        s.connect(cfg.endpoint)
+        return s
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._rfd, zmq.POLLIN)
+        sock_flags = zmq.POLLIN
+        try:
+            while True:
+                want = zmq.POLLIN | (zmq.POLLOUT if self._out_due() else 0)
+                if want != sock_flags:
+                    poller.modify(self._sock, want)
+                    sock_flags = want
+                events = dict(poller.poll(self._poll_timeout_ms(time.monotonic())))
+                if self._rfd in events:
+                    self._drain_wake()
+                now = time.monotonic()
+                if events.get(self._sock, 0) & zmq.POLLIN:
+                    self._recv_all(now)  # replies first: their acks shape the next resend
+                self._drain_commands(now)
+                if self._closing:
+                    break
+                now = time.monotonic()
+                self._expire(now)
+                self._timers(now)
+                if self._out_due() and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
+                    self._send_due(now)
+        except Exception:
+            log.exception("draft client %s: I/O thread failed; drafting is off for this client", self.cfg.name)
+        finally:
+            self._shutdown()
+
+    def _out_due(self) -> bool:
+        return self.handshake.hello_due or self.breaker.probe_due or bool(self._ping_queue)
+
+    def _poll_timeout_ms(self, now: float) -> int:
+        if self._cmds:
+            return 0  # commands left over from a bounded drain
+        t = min(now + 1.0, self._next_sweep)
+        for p in self.pending.values():
+            t = min(t, p.deadline + (_EXPIRE_GRACE_S if p.kind == "step" else 0.0))
+        for q in self._ping_queue:
+            t = min(t, q.deadline)
+        t = min(t, self.handshake.wake_at(), self.breaker.wake_at())
+        return max(0, math.ceil((t - now) * 1000.0))
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._rfd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain_commands(self, now: float) -> None:
+        # Bounded: callers may keep appending (e.g. fast breaker-open steps); timers, expiry and
+        # replies must still run every iteration. Leftovers make the next poll return at once.
+        cmds = self._cmds
+        for _ in range(min(len(cmds), _COMMANDS_PER_ITERATION)):
+            cmd = cmds.popleft()
+            try:
+                if isinstance(cmd, StepCall):
+                    self._do_step(cmd, now)
+                elif isinstance(cmd, Connect):
+                    self.handshake.connect(cmd.future)
+                elif isinstance(cmd, PingCmd):
+                    self._do_ping(cmd, now)
+                elif isinstance(cmd, FreeCmd):
+                    self._do_free(cmd)
+                elif isinstance(cmd, CloseCmd):
+                    self._closing = True
+                    return
+            except Exception:
+                log.exception("draft client %s: command %s failed", self.cfg.name, type(cmd).__name__)
+                if isinstance(cmd, StepCall):
+                    resolve(cmd.future, empty_replies(len(cmd.entries)), "error")
+
+    # ------------------------------------------------------------------ sending
+
+    def _try_send(self, frames: list[Any]) -> bool:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError:  # EAGAIN: no live connection (IMMEDIATE) or the send queue is full
+            self._c.add("send_failures")
+            return False
+
+    def _do_step(self, call: StepCall, now: float) -> None:
+        cfg = self.cfg
+        hs = self.handshake
+        self.breaker.stepped(now)
+        n = len(call.entries)
+        welcome = hs.welcome
+        send = call.send and self.gate is None and welcome is not None
+        contract = hs.pinned
+        room = _NO_ROOM_LIMIT
+        if send:
+            assert contract is not None and welcome is not None
+            room = room_for_resend(cfg, call, contract, welcome.limits)
+        cid = next(self._ids) if send else None
+        merged = merge_rows(call, self.sessions, now, cid, contract, room, cfg.resend_rows_limit)
+        if merged.skipped:
+            self._c.entries_skipped.inc(merged.skipped)
+        self._c.dropped_rows(merged.dropped)
+        if not send:
+            self.breaker.gated_step(now, hs.need_hello)  # probe now if the breaker is open
+            resolve(call.future, empty_replies(n), self.gate or "not_ready")
+            return
+        if not merged.entries:  # everything held back
+            resolve(call.future, merged.replies(n), "overloaded")
+            return
+        assert contract is not None and cid is not None and welcome is not None
+        frames = step_frames(merged, call, cid, contract, welcome.limits, cfg.reply_margin_ms)
+        if not self._try_send(frames):
+            for sess in merged.sessions:
+                self.sessions[sess].unsent()
+            resolve(call.future, merged.replies(n), "error")
+            self._miss(now)
+            return
+        if merged.resent:
+            self._m.resent_rows.inc(merged.resent)
+            self._c.add("resent_rows", merged.resent)
+        self.pending[cid] = Pending(
+            "step",
+            cid,
+            call.deadline,
+            now,
+            call.future,
+            tuple(merged.sessions),
+            tuple(merged.index),
+            tuple(merged.ks),
+            merged.local,
+            n,
+        )
+
+    def _do_ping(self, cmd: PingCmd, now: float) -> None:
+        if not self._send_ping(cmd, now):
+            self._ping_queue.append(cmd)  # no live connection yet: sent when the socket turns writable
+
+    def _send_ping(self, cmd: PingCmd, now: float) -> bool:
+        cid = next(self._ids)
+        if not self._try_send(encode(Ping(call_id=cid))):
+            return False
+        self.pending[cid] = Pending("ping", cid, cmd.deadline, now, cmd.future)
+        return True
+
+    def _do_free(self, cmd: FreeCmd) -> None:
+        dropped = 0
+        for name in cmd.sessions:
+            s = self.sessions.pop(name, None)
+            if s is not None:
+                dropped += s.rows
+        self._c.dropped_rows(dropped)
+        for i in range(0, len(cmd.sessions), _FREE_CHUNK):
+            if self._try_send(encode(Free(sessions=cmd.sessions[i : i + _FREE_CHUNK]))):
+                self._c.add("frees_sent")
+
+    def _send_due(self, now: float) -> None:
+        hs = self.handshake
+        if hs.hello_due:
+            cid = next(self._ids)
+            deadline = hs.hello_sent(now, self._try_send(encode(hs.hello(cid))))
+            if deadline is not None:
+                self.pending[cid] = Pending("hello", cid, deadline, now)
+        if self._ping_queue:
+            queue, self._ping_queue = self._ping_queue, []
+            for i, cmd in enumerate(queue):
+                if not self._send_ping(cmd, now):
+                    self._ping_queue = queue[i:]
+                    break
+        if self.breaker.probe_due:
+            cid = next(self._ids)
+            deadline = self.breaker.probe_sent(now)
+            if self._try_send(encode(Ping(call_id=cid))):
+                self._c.add("probes_sent")
+                self.pending[cid] = Pending("probe", cid, deadline, now)
+
+    # ------------------------------------------------------------------ timers
+
+    def _timers(self, now: float) -> None:
+        self.handshake.tick(now)
+        self.breaker.tick(now, self.handshake.need_hello)
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_EVERY_S
+            idle = now - self.cfg.session_idle_s
+            for name in [k for k, s in self.sessions.items() if s.last_used < idle]:
+                del self.sessions[name]
+
+    def _expire(self, now: float) -> None:
+        if self._ping_queue:
+            for cmd in self._ping_queue:
+                if cmd.deadline <= now:
+                    set_future(cmd.future, None)
+            self._ping_queue = [c for c in self._ping_queue if c.deadline > now]
+        late = now - _EXPIRE_GRACE_S
+        for cid in [c for c, p in self.pending.items() if p.deadline <= (late if p.kind == "step" else now)]:
+            p = self.pending.pop(cid)
+            if p.kind == "step":
+                if p.future is not None:
+                    p.future.cancel()  # the caller gives up at the same deadline; a later reply is late
+                self._expired[cid] = p
+                while len(self._expired) > _EXPIRED_KEEP:
+                    self._expired.popitem(last=False)
+                self._miss(now)
+            elif p.kind == "ping" and p.future is not None:
+                set_future(p.future, None)
+
+    # ------------------------------------------------------------------ receiving
+
+    def _recv_all(self, now: float) -> None:
+        for _ in range(1024):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_frames(frames, now)
+            except Exception:
+                log.exception("draft client %s: reply handling failed", self.cfg.name)
+                self._c.bad_reply()
+
+    def _on_frames(self, frames: list[zmq.Frame], now: float) -> None:
+        bufs = [f.buffer for f in frames]
+        if len(bufs) > 1 and len(bufs[0]) == 0:  # tolerate a REQ-style empty delimiter
+            bufs = bufs[1:]
+        try:
+            msg = decode_reply(bufs[0])
+        except ProtocolError:
+            self._c.bad_reply()
+            return
+        if isinstance(msg, StepResult):
+            self._on_result(msg, bufs[1:], now)
+        elif isinstance(msg, Pong):
+            self._on_pong(msg, now)
+        elif isinstance(msg, Welcome):
+            self._on_welcome(msg, now)
+        elif isinstance(msg, Error):
+            self._on_error(msg, now)
+
+    def _take_pending(self, call_id: int) -> tuple[Pending | None, bool]:
+        """The call a reply answers and whether it is late (expired already), or (None, False)."""
+        p = self.pending.pop(call_id, None)
+        if p is not None:
+            return p, False
+        p = self._expired.pop(call_id, None)
+        return p, p is not None
+
+    def _on_result(self, msg: StepResult, payloads: list[memoryview], now: float) -> None:
+        p, late = self._take_pending(msg.call_id)
+        if p is None or p.kind != "step":
+            self._c.bad_reply()  # a call we never made, or one long forgotten
+            return
+        self._m.rtt.observe(now - p.sent_at)
+        self.budget.add(now - p.sent_at)
+        if self.handshake.contract_differs(msg.contract_id):
+            self._note_epoch(msg.epoch)
+            self._contract_changed(msg.contract_id)
+            self._failed_step(p, now, late)
+            return
+        if len(msg.results) != len(p.sessions):
+            self._note_epoch(msg.epoch)
+            self._c.bad_reply()
+            self._failed_step(p, now, late)
+            return
+        for name, r in zip(p.sessions, msg.results, strict=True):
+            s = self.sessions.get(name)
+            if s is None:
+                continue
+            if r.status in _APPLIED:
+                s.ack(p.call_id, r.end)
+            elif r.status == Status.OVERLOADED and r.retry_after_ms > 0:
+                s.retry_at = now + min(r.retry_after_ms / 1000.0, _MAX_RETRY_AFTER_S)
+        self._note_epoch(msg.epoch)  # after the acks: this reply's own acks stand
+        self.last_timing = msg.timing  # set before the future resolves, so a lone caller sees its own
+        if late or not resolve(p.future, self._replies(p, msg.results, payloads), "ok"):
+            self._late(p, now, late)
+            return
+        if self.breaker.success():  # a call in flight when the breaker opened came back in time
+            self._breaker_closed()
+        self.advised_k = msg.advised_k
+        for r in msg.results:
+            self._c.entries[r.status].inc()
+
+    def _failed_step(self, p: Pending, now: float, late: bool) -> None:
+        """A step's reply came but is unusable: the caller gets empty drafts and it is a miss."""
+        if not late and resolve(p.future, self._replies(p, None, ()), "error"):
+            self._miss(now)
+        else:
+            self._late(p, now, late)
+
+    def _late(self, p: Pending, now: float, already_missed: bool) -> None:
+        self._m.late_replies.inc()
+        self._c.add("late_replies_dropped")
+        if not already_missed:  # the caller gave up before the I/O thread's own expiry
+            self._miss(now)
+
+    def _replies(self, p: Pending, results: Sequence[EntryResult] | None, payloads: Sequence[Any]) -> list[DraftReply]:
+        local = p.local or {}
+        out = [local.get(i) or DraftReply([]) for i in range(p.n)]
+        if results is None:
+            return out
+        pinned = self.handshake.pinned
+        vocab = pinned.vocab_size if pinned is not None else None
+        for idx, k, r in zip(p.index, p.ks, results, strict=True):
+            out[idx] = self._reply(r, k, vocab, payloads)
+        return out
+
+    def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
+        if r.status != Status.OK:
+            return DraftReply([], r.status, retry_after_ms=r.retry_after_ms, message=r.message)
+        tokens = list(r.drafts[:k])  # msgspec already checked they are ints
+        if vocab is not None and tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+            self._c.bad_reply()
+            return DraftReply([], r.status, message="drafts outside the vocabulary dropped")
+        probs = prob_ids = None
+        if r.probs is not None and r.prob_ids is not None:
+            try:
+                probs = np.array(tensor(r.probs, payloads))
+                prob_ids = np.array(tensor(r.prob_ids, payloads))
+            except ProtocolError:
+                self._c.bad_reply()
+                probs = prob_ids = None
+        return DraftReply(
+            tokens, r.status, list(r.confidence[: len(tokens)]), probs, prob_ids, r.retry_after_ms, r.message
+        )
+
+    def _on_pong(self, msg: Pong, now: float) -> None:
+        p, _ = self._take_pending(msg.call_id)
+        self._c.add("pongs")
+        self._note_epoch(msg.epoch)
+        if self.handshake.contract_differs(msg.contract_id):
+            self._contract_changed(msg.contract_id)
+        elif msg.healthy and self.breaker.pong():  # half-open: steps go out again, on trial
+            self._breaker_closed()
+        if p is not None and p.kind == "ping" and p.future is not None:
+            set_future(p.future, msg)
+
+    def _on_welcome(self, w: Welcome, now: float) -> None:
+        hs = self.handshake
+        self.pending.pop(w.call_id, None)
+        self._note_epoch(w.epoch)
+        refusal = hs.check(w)
+        if refusal is not None:
+            self._refuse(*refusal, now)
+            return
+        if hs.accept(w):  # a refusal lifted
+            self.breaker.reset()
+        self._set_gate()
+        hs.release_waiters()
+
+    def _on_error(self, err: Error, now: float) -> None:
+        if err.epoch:
+            self._note_epoch(err.epoch)
+        p, late = self._take_pending(err.call_id)
+        if p is None:
+            self._c.bad_reply()
+            log.debug("draft client %s: server error without a call: %s %s", self.cfg.name, err.code.name, err.message)
+            return
+        if p.kind == "hello":
+            refusal = self.handshake.hello_error(err)
+            if refusal is not None:
+                self._refuse(*refusal, now)
+            return  # other errors (e.g. NOT_READY): the Hello is retried on its timer
+        if p.kind == "step":
+            if late:
+                self._late(p, now, True)
+            else:
+                self._failed_step(p, now, False)
+            if err.code == ErrorCode.CONTRACT_MISMATCH:
+                self._contract_changed("")
+        elif p.kind == "ping" and p.future is not None:
+            set_future(p.future, None)
+
+    # ------------------------------------------------------------------ state changes
+
+    def _note_epoch(self, epoch: str) -> None:
+        if not self.handshake.note_epoch(epoch):
+            return
+        # The server restarted: its sessions are gone, forget what it acknowledged.
+        self.breaker.restarted()
+        dropped = 0
+        for s in self.sessions.values():
+            s.unsent()
+            s.retry_at = 0.0
+            s.chunks, d = keep_newest(s.chunks, self.cfg.restart_resend_rows)  # a small first step
+            dropped += d
+        self._c.dropped_rows(dropped)
+
+    def _contract_changed(self, new_id: str) -> None:
+        if self.handshake.contract_changed(new_id):
+            self._set_gate()
+
+    def _refuse(self, message: str, fields: tuple[str, ...], now: float) -> None:
+        self.handshake.refuse(message, now)
+        self._set_gate()
+        self.handshake.fail_waiters(message, fields)
+
+    def _miss(self, now: float) -> None:
+        b = self.breaker
+        if b.miss(now):
+            self._m.breaker_opens.inc()
+            self._c.add("breaker_opens")
+            log.warning(
+                "draft client %s: %d consecutive misses, breaker open (probing every %.0f ms)",
+                self.cfg.name,
+                b.misses,
+                b.probe_ms,
+            )
+            self._set_gate()
+
+    def _breaker_closed(self) -> None:
+        log.info("draft client %s: server answers pings again, breaker closed", self.cfg.name)
+        self._set_gate()
+
+    def _set_gate(self) -> None:
+        hs = self.handshake
+        if self._closing:
+            gate: str | None = "closed"
+        elif hs.refused is not None or self.breaker.is_open:
+            gate = "breaker_open"
+        elif hs.welcome is None or hs.verifying:
+            gate = "not_ready"
+        else:
+            gate = None
+        on = gate == "breaker_open"
+        if on != self._gauge_on:
+            self._gauge_on = on
+            self._m.breaker_open.inc() if on else self._m.breaker_open.dec()
+        self.gate = gate
+
+    def _shutdown(self) -> None:
+        self._closing = True
+        self._set_gate()
+        for p in self.pending.values():
+            if p.kind == "step":
+                resolve(p.future, empty_replies(p.n), "closed")
+            elif p.kind == "ping" and p.future is not None:
+                set_future(p.future, None)
+        self.pending.clear()
+        for q in self._ping_queue:
+            set_future(q.future, None)
+        self._ping_queue = []
+        waiters = self.handshake.waiters
+        while self._cmds:
+            cmd = self._cmds.popleft()
+            if isinstance(cmd, StepCall):
+                resolve(cmd.future, empty_replies(len(cmd.entries)), "closed")
+            elif isinstance(cmd, PingCmd):
+                set_future(cmd.future, None)
+            elif isinstance(cmd, Connect) and cmd.future is not None:
+                waiters.append(cmd.future)
+        for f in waiters:
+            if f.set_running_or_notify_cancel():
+                f.set_exception(DraftClientError("client closed"))
+        self.handshake.waiters = []
+        if self._gauge_on:
+            self._gauge_on = False
+            self._m.breaker_open.dec()
+        self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context

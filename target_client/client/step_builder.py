@@ -1,0 +1,316 @@
+"""Turning the engine's ``StepRequest``s and taps into a ``Step`` message and its frames.
+
+Owns the two halves of building a step and the budget of a step:
+
+* ``check_budget`` and ``prepare`` (caller thread): the caller's arguments checked locally
+  (``ValueError`` for a caller bug, before anything is sent): request types, entries against the
+  pinned contract and the server's limits (full ``protocol.validate`` checks once both are
+  known), the taps array's shape, dtype and layout, the per-step limits.
+* ``merge_rows`` and ``step_frames`` (I/O thread): each session's unacknowledged rows
+  (``resend.SessionRows``) merged in front of its new rows within the resend bound and the
+  step's room, sessions the server asked to hold back answered locally, the rows of a step that
+  is not sent buffered; then the ``Step`` message with one tap frame (the caller's own array,
+  uncopied, in the common case) and the budget told to the server.
+* ``AdaptiveBudget`` (written by the I/O thread, read by callers): the p99 of recent round trips
+  behind ``ClientConfig.adaptive_budget``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from protocol import ModelContract, Sampling, ServerLimits, Status, Step, StepEntry
+from protocol.codec import NUMPY_DTYPE, encode, spec_for
+from protocol.validate import check_entry, check_sampling
+from target_client.api import ClientConfig, DraftReply, StepRequest
+from target_client.client.calls import StepCall
+from target_client.client.resend import SessionRows, chunk_rows, keep_newest
+
+RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
+
+
+# ---------------------------------------------------------------- caller side
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def check_budget(budget_ms: Any) -> float:
+    """A caller's explicit budget as a float (ValueError unless a finite number > 0)."""
+    ok = not isinstance(budget_ms, bool) and isinstance(budget_ms, int | float | np.integer | np.floating)
+    if not ok or not math.isfinite(budget_ms) or budget_ms <= 0:
+        raise ValueError(f"budget_ms must be a finite number > 0, got {budget_ms!r}")
+    return float(budget_ms)
+
+
+def entry_error(e: StepEntry, contract: ModelContract | None, limits: ServerLimits | None) -> str | None:
+    """Why the entry is a caller bug, or None (full protocol checks once the server's limits are known)."""
+    if contract is not None and limits is not None:
+        return check_entry(e, contract, limits)
+    if not e.session:
+        return "empty session id"
+    if e.pos < 0 or e.rows < 0 or e.k < 0 or e.anchor < 0:
+        return f"pos, rows, anchor and k must be >= 0 (got pos={e.pos} rows={e.rows} anchor={e.anchor} k={e.k})"
+    if contract is not None:
+        if e.k > contract.block_size:
+            return f"k={e.k} outside [0, block_size={contract.block_size}]"
+        if e.anchor >= contract.vocab_size:
+            return f"anchor token {e.anchor} outside vocab [0, {contract.vocab_size})"
+    return check_sampling(e.sampling, contract.vocab_size if contract is not None else 1 << 31)
+
+
+def prepare(
+    requests: Sequence[StepRequest],
+    taps: np.ndarray | None,
+    contract: ModelContract | None,
+    limits: ServerLimits | None,
+) -> tuple[tuple[StepEntry, ...], np.ndarray | None]:
+    """Check the caller's arguments (ValueError on a caller bug); build the wire entries.
+
+    Returns the entries and the taps (None when no request has rows)."""
+    entries: list[StepEntry] = []
+    seen: set[str] = set()
+    total = 0
+    for i, r in enumerate(requests):
+        if not isinstance(r, StepRequest):
+            raise ValueError(f"requests[{i}] is a {type(r).__name__}, not a StepRequest")
+        if not isinstance(r.session, str):
+            raise ValueError(f"requests[{i}].session must be a str, got {type(r.session).__name__}")
+        if not (type(r.pos) is int and type(r.rows) is int and type(r.anchor) is int and type(r.k) is int):
+            for name in ("pos", "rows", "anchor", "k"):  # slow path: numpy ints are fine, bools are not
+                if not _is_int(getattr(r, name)):
+                    raise ValueError(f"requests[{i}].{name} must be an int, got {getattr(r, name)!r}")
+        if not isinstance(r.sampling, Sampling):
+            raise ValueError(f"requests[{i}].sampling must be a protocol.Sampling")
+        e = StepEntry(r.session, int(r.pos), int(r.rows), int(r.anchor), int(r.k), r.sampling)
+        err = entry_error(e, contract, limits)
+        if err is None and e.session in seen:
+            err = "session appears twice in one step"
+        if err is not None:
+            raise ValueError(f"requests[{i}] (session {r.session!r}): {err}")
+        seen.add(e.session)
+        total += e.rows
+        entries.append(e)
+    if taps is None:
+        if total:
+            raise ValueError(f"requests announce {total} rows but taps is None")
+    else:
+        if not isinstance(taps, np.ndarray):
+            raise ValueError(f"taps must be a numpy array, got {type(taps).__name__}")
+        if taps.ndim != 2 or taps.shape[0] != total:
+            raise ValueError(f"taps has shape {tuple(taps.shape)}, requests announce {total} rows")
+        if not taps.flags.c_contiguous:
+            raise ValueError("taps must be C-contiguous (the client sends it without copying)")
+        if contract is not None:
+            want = NUMPY_DTYPE[contract.tap_dtype]
+            if taps.dtype != want:
+                raise ValueError(
+                    f"taps dtype {taps.dtype} does not carry {contract.tap_dtype.value} (want {want}: "
+                    "bf16 travels as its uint16 bit pattern)"
+                )
+            if taps.shape[1] != contract.tap_width:
+                raise ValueError(
+                    f"taps width {taps.shape[1]} != contract tap_width {contract.tap_width} "
+                    f"({len(contract.tap_layer_ids)} taps x {contract.target_hidden_size})"
+                )
+        elif taps.dtype not in NUMPY_DTYPE.values():
+            raise ValueError(f"taps dtype {taps.dtype} is no wire dtype")
+        if total == 0:
+            taps = None
+    if limits is not None:
+        if len(entries) > limits.max_entries_per_step:
+            raise ValueError(f"{len(entries)} requests exceed the server's max_entries_per_step")
+        if total > limits.max_rows_per_step:
+            raise ValueError(
+                f"{total} rows exceed the server's max_rows_per_step {limits.max_rows_per_step} "
+                "(split prefill into chunks of client.limits.prefill_chunk_rows)"
+            )
+        if taps is not None and taps.nbytes > limits.max_message_bytes:
+            raise ValueError(f"{taps.nbytes} tap bytes exceed the server's max_message_bytes")
+    return tuple(entries), taps
+
+
+# ---------------------------------------------------------------- I/O thread side
+
+
+def fits(arr: np.ndarray, contract: ModelContract | None) -> bool:
+    """Whether rows (validated or buffered before the contract was known) fit the contract."""
+    return contract is None or (arr.shape[1] == contract.tap_width and arr.dtype == NUMPY_DTYPE[contract.tap_dtype])
+
+
+@dataclass(slots=True, eq=False)
+class MergedStep:
+    """A step's requests with their resend rows merged in (what ``merge_rows`` decided)."""
+
+    entries: list[StepEntry] = field(default_factory=list)  # wire entries, in request order
+    parts: list[np.ndarray] = field(default_factory=list)  # their rows, in entry order
+    index: list[int] = field(default_factory=list)  # request index per wire entry
+    sessions: list[str] = field(default_factory=list)  # session per wire entry
+    ks: list[int] = field(default_factory=list)  # k per wire entry
+    local: dict[int, DraftReply] = field(default_factory=dict)  # replies of requests answered locally
+    zero_copy: bool = True  # parts are exactly the caller's taps, in order
+    resent: int = 0  # buffered rows sent again
+    dropped: int = 0  # buffered or new rows given up
+    skipped: int = 0  # requests held back because the server asked us to
+
+    def replies(self, n: int) -> list[DraftReply]:
+        """Empty replies for the ``n`` requests, apart from those answered locally."""
+        return [self.local.get(i) or DraftReply([]) for i in range(n)]
+
+
+def room_for_resend(cfg: ClientConfig, call: StepCall, contract: ModelContract, limits: ServerLimits) -> int:
+    """Resent rows the step may carry besides its new rows (server limits, ``resend_ratio``)."""
+    n = len(call.entries)
+    new_total = sum(e.rows for e in call.entries)
+    row_bytes = contract.tap_width * contract.tap_dtype.itemsize
+    room = limits.max_rows_per_step - new_total
+    if row_bytes:
+        room = min(room, (limits.max_message_bytes - 4096 - 256 * n) // row_bytes - new_total)
+    return max(0, min(room, max(RESEND_MIN_ROWS, int(cfg.resend_ratio * new_total))))
+
+
+def merge_rows(
+    call: StepCall,
+    sessions: dict[str, SessionRows],
+    now: float,
+    call_id: int | None,
+    contract: ModelContract | None,
+    room: int,
+    limit: int,
+) -> MergedStep:
+    """Merge each session's buffered rows with its new rows and buffer them again.
+
+    ``call_id`` None: the step is not sent, its rows are only buffered. Else the rows go out
+    with call ``call_id`` (at most ``room`` resent rows in all, ``limit`` per session) and stay
+    buffered until acknowledged. Creates the SessionRows of sessions seen for the first time.
+    """
+    send = call_id is not None
+    out = MergedStep()
+    local = out.local
+    off = 0
+    for i, e in enumerate(call.entries):
+        new = call.taps[off : off + e.rows] if (e.rows and call.taps is not None) else None
+        off += e.rows
+        s = sessions.get(e.session)
+        if s is None:
+            s = sessions[e.session] = SessionRows(now)
+        s.last_used = now
+        prev, d = s.take(e.pos, limit)
+        out.dropped += d
+        if prev and not fits(prev[0][1], contract):  # buffered before the contract was known
+            out.dropped += chunk_rows(prev)
+            prev = []
+        if new is not None and not fits(new, contract):  # validated before the contract was known
+            out.dropped += len(new)
+            local[i] = DraftReply([], None, message="taps do not fit the server's contract")
+            out.zero_copy = False
+            continue
+        mine = [*prev, (e.pos, new)] if new is not None else prev
+        if not send:
+            out.dropped += s.store(mine, limit, None)
+            continue
+        if s.retry_at > now:  # the server asked us to hold this session back
+            out.dropped += s.store(mine, limit, None)
+            local[i] = DraftReply(
+                [], Status.OVERLOADED, retry_after_ms=(s.retry_at - now) * 1000.0, message="held back locally"
+            )
+            out.skipped += 1
+            out.zero_copy = out.zero_copy and new is None
+            continue
+        if prev:
+            have = chunk_rows(prev)
+            if have > room:
+                prev, cut = keep_newest(prev, room)
+                out.dropped += cut
+                have = room
+            room -= have
+            out.resent += have
+            out.zero_copy = out.zero_copy and not prev
+        chunks = [*prev, (e.pos, new)] if new is not None else prev
+        start = chunks[0][0] if chunks else e.pos
+        rows = chunk_rows(chunks)
+        out.entries.append(e if start == e.pos else msgspec.structs.replace(e, pos=start, rows=rows))
+        out.parts.extend(a for _, a in chunks)
+        out.index.append(i)
+        out.sessions.append(e.session)
+        out.ks.append(e.k)
+        out.dropped += s.store(chunks, limit, call_id)
+    return out
+
+
+def step_frames(
+    merged: MergedStep,
+    call: StepCall,
+    call_id: int,
+    contract: ModelContract,
+    limits: ServerLimits,
+    reply_margin_ms: float,
+) -> list[Any]:
+    """The frames of the Step message carrying ``merged`` (header, then at most one tap frame)."""
+    parts = merged.parts
+    frame: np.ndarray | None
+    if not parts:
+        frame = None
+    elif merged.zero_copy and call.taps is not None and sum(len(p) for p in parts) == len(call.taps):
+        frame = call.taps  # the common case: the caller's array goes out as it is
+    else:
+        frame = np.concatenate(parts, axis=0)  # resend or hold-back: one copy
+    # a fresh clock: the I/O loop's ``now`` was read before this command was drained and may
+    # predate the caller's own start, which would tell the server more time than the caller has
+    budget_wire = (call.deadline - time.monotonic()) * 1000.0 - reply_margin_ms
+    budget_wire = min(max(budget_wire, 0.1), limits.max_budget_ms)
+    msg = Step(
+        call_id=call_id,
+        budget_ms=budget_wire,
+        entries=tuple(merged.entries),
+        taps=spec_for(frame, contract.tap_dtype, 0) if frame is not None else None,
+    )
+    return encode(msg, [frame] if frame is not None else [])
+
+
+# ---------------------------------------------------------------- adaptive budget
+
+
+class AdaptiveBudget:
+    """The p99 of recent Step round trips and the budget derived from it (I/O thread writes;
+    callers read ``ms`` and ``p99_ms``, single attribute reads)."""
+
+    def __init__(self, cfg: ClientConfig, gauge: Any) -> None:
+        self._cfg = cfg
+        self._gauge = gauge  # draft_client budget gauge, set while adaptive_budget is on
+        self._rtts: collections.deque[float] = collections.deque(maxlen=cfg.adaptive_window)
+        self._new = 0
+        self.ms: float | None = None  # None until warmed up (32 samples)
+        self.p99_ms: float | None = None
+
+    def add(self, rtt_s: float) -> None:
+        self._rtts.append(rtt_s)
+        self._new += 1
+        if self._new >= 16:
+            self._update()
+
+    def _update(self) -> None:
+        self._new = 0
+        if len(self._rtts) < 32:
+            return
+        cfg = self._cfg
+        # numpy's linear percentile in plain Python: np.percentile's first call imports numpy.ma
+        # (22 ms with the GIL held, measured inside a K3 soak step on the H200)
+        rtts = sorted(self._rtts)
+        pos = (len(rtts) - 1) * 0.99
+        lo = int(pos)
+        hi = min(lo + 1, len(rtts) - 1)
+        p99_ms = (rtts[lo] + (rtts[hi] - rtts[lo]) * (pos - lo)) * 1000.0
+        self.p99_ms = p99_ms
+        self.ms = min(max(cfg.adaptive_multiplier * p99_ms, cfg.adaptive_min_ms), cfg.budget_ms)
+        if cfg.adaptive_budget:
+            self._gauge.set(self.ms / 1000.0)

