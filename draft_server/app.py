@@ -38,8 +38,10 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
 
     kv_bytes = cfg.kv_budget_mib * (1 << 20) or None
     if cfg.model.startswith("random:"):
-        return load_preset(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, kv_bytes)
-    return load_drafter(cfg.model, cfg.target_model or None, cfg.device, cfg.dtype, kv_budget_bytes=kv_bytes)
+        return load_preset(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, kv_bytes, attention=cfg.attention)
+    return load_drafter(
+        cfg.model, cfg.target_model or None, cfg.device, cfg.dtype, kv_budget_bytes=kv_bytes, attention=cfg.attention
+    )
 
 
 class DraftServer:
@@ -163,6 +165,14 @@ def serve(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None = None) -
         print(f"draft-server: cannot load the drafter: {e}", file=sys.stderr)
         return 2
     if cfg.drafter != "checksum":  # a model: its first steps after a (re)start must not miss their budgets
+        t0 = time.perf_counter()
+        try:
+            p = drafter.prepare(cfg.max_batch_sessions, cfg.max_batch_rows)
+        except RuntimeError as e:  # a CUDA graph that drafts differently from eager: refuse to serve
+            print(f"draft-server: start-up self-test failed: {e}", file=sys.stderr)
+            return 2
+        if p:
+            log.info("prepared in %.2f s: %s", time.perf_counter() - t0, p)
         w = warm_up(drafter, cfg.max_batch_sessions, cfg.prefill_chunk_rows)
         log.info("warm-up: batches up to %d sessions and one prefill chunk in %.2f s", w["largest_batch"], w["seconds"])
     if wrap is not None:

@@ -30,6 +30,9 @@ class ServerConfig:
     device: str = _f("auto", "torch device for the drafter: auto, cpu, cuda, cuda:N")
     dtype: str = _f("auto", "compute dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
     kv_budget_mib: int = _f(0, "memory for the draft KV cache in MiB; 0 sizes it from free device memory")
+    attention: str = _f(
+        "auto", "auto (paged Triton kernels + CUDA graphs on CUDA, dense on CPU), paged, or dense (eager reference)"
+    )
     checksum_delay_ms: float = _f(0.0, "checksum drafter only: sleep this long in every draft batch (fault tests)")
     # --- limits and admission
     max_sessions: int = _f(1024, "live sessions at most; beyond it idle sessions are evicted LRU, else 'overloaded'")
@@ -86,6 +89,8 @@ class ServerConfig:
             raise ValueError("batch_window_ms and checksum_delay_ms must be >= 0")
         if self.prefill_chunk_rows > self.max_batch_rows:
             raise ValueError("prefill_chunk_rows must be <= max_batch_rows")
+        if self.attention not in ("auto", "paged", "dense"):
+            raise ValueError(f"unknown attention {self.attention!r} (auto, paged, dense)")
         if self.drafter not in ("dspark", "checksum"):
             raise ValueError(f"unknown drafter {self.drafter!r} (dspark, checksum)")
         if self.drafter == "dspark" and not self.model:

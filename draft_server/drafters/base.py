@@ -82,6 +82,11 @@ class Drafter(ABC):
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Draft ``k`` tokens after each anchor, batched over sessions."""
 
+    def prepare(self, max_batch_sessions: int, max_batch_rows: int) -> dict[str, float]:
+        """Get ready for traffic at these batch limits (compiled kernels, CUDA graphs and their
+        self-test); called once before the server binds. Returns what it did, for the log."""
+        return {}
+
     def cuda_device(self) -> object | None:
         """The torch CUDA device this drafter computes on, or None (CPU, checksum)."""
         return None

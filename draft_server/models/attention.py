@@ -7,7 +7,10 @@ context is decides the cost, never the math:
 
 - ``DenseContext``: every session's context tokens as a dense tensor per layer plus an explicit
   visibility mask over [context ; block] (the eager reference, and training, where many
-  anchors of one sequence attend with a block-diagonal mask).
+  anchors of one sequence attend with a block-diagonal mask). Costs batch x the longest context.
+- ``PagedContext``: the block's rows are written into the paged cache at their positions (the
+  reserved scratch rows), then the Triton kernels read every session's pages in place
+  (``kernels/paged_attention.py``): no gather, no padding, cost = the sum of the contexts.
 
 ``TokenLayout`` says how a cached token splits into keys and values: MLA (one latent, keys =
 the whole 576-wide row, values = its first ``kv_lora`` dims, all heads share it) or GQA (K and V
@@ -53,6 +56,39 @@ class TokenLayout:
         return o.permute(0, 3, 1, 2, 4).reshape(N, B, H, -1)
 
 
+@dataclass
+class PagedBatch:
+    """The device-side description of a batch for ``PagedContext`` (all int32 [N] unless noted)."""
+
+    pages: torch.Tensor  # block table, [N, L] (may be a ragged flat list viewed with row stride 0)
+    first: torch.Tensor  # logical page of pages[n, 0]
+    lo: torch.Tensor  # context start
+    pos: torch.Tensor  # anchor position: the block occupies [pos, pos + B)
+    slots: torch.Tensor  # int64 [N * B]: cache slots of the block rows (scratch)
+    plan: object  # kernels.paged_attention.WorkPlan
+    workspace: object  # kernels.paged_attention.Workspace
+    out: torch.Tensor  # [N, B, H, Dv] output buffer, reused by every layer
+
+
+class PagedContext:
+    """Block rows attend in place over the paged cache (see the module docstring)."""
+
+    def __init__(self, cache: object, batch: PagedBatch, layout: TokenLayout, scale: float, causal: bool) -> None:
+        self.cache, self.batch, self.layout, self.scale, self.causal = cache, batch, layout, scale, causal
+
+    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+        from draft_server.models.kernels.paged_attention import gqa_paged_attention, mla_paged_attention
+
+        b, cache = self.batch, self.cache
+        cache.write_layer(layer, b.slots, blk.reshape(-1, *blk.shape[2:]))  # type: ignore[attr-defined]
+        kv = cache.layer(layer)  # type: ignore[attr-defined]
+        args = (q.contiguous(), kv, b.pages, b.first, b.lo, b.pos)
+        common = dict(scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out)
+        if self.layout.mla:
+            return mla_paged_attention(*args, kv_lora=self.layout.value_dims, **common)  # type: ignore[arg-type]
+        return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
+
+
 class DenseContext:
     """Context tokens per layer (``ctx(layer)`` -> [N, S, *token_shape]) and mask [N, B, S + B]."""
 
@@ -63,4 +99,8 @@ class DenseContext:
 
     def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
         tokens = torch.cat([self.ctx(layer), blk.to(q.dtype)], dim=1)
+        # Tokens no row may see (padding, stale or foreign pages) are zeroed, not only masked: a zero
+        # attention weight times a NaN value is still NaN.
+        seen = self.mask.any(dim=1).view(*self.mask.shape[:1], -1, *([1] * (tokens.dim() - 2)))
+        tokens = tokens.masked_fill(~seen, 0)
         return self.layout.attend_dense(q, tokens, self.mask, self.scale)

@@ -15,6 +15,7 @@ sessions (their block rows always see themselves, so no row is fully masked).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from draft_server.models.model import DSparkModel
 from draft_server.models.sampling import Sampler
 from draft_server.models.staging import taps_to_tensor
 
+if TYPE_CHECKING:
+    from draft_server.models.step import FastStep
+
 INGEST_CHUNK_ROWS = 4096
 DEFAULT_CPU_KV_BYTES = 256 << 20
 
@@ -38,8 +42,15 @@ class DSparkDrafter(Drafter):
         kv_budget_bytes: int | None = None,
         page_size: int = 16,
         sts_temperatures: list[float] | None = None,
+        attention: str = "auto",
     ) -> None:
+        if attention not in ("auto", "paged", "dense"):
+            raise CheckpointError(f"attention '{attention}' is not one of auto, paged, dense")
         self.model = model
+        # paged: Triton kernels over the paged cache (CUDA graphs on a GPU) once prepare() ran;
+        # dense: the eager reference (gather + masked softmax). auto: paged on CUDA.
+        self.attention = ("paged" if model.device.type == "cuda" else "dense") if attention == "auto" else attention
+        self.fast: FastStep | None = None
         self.cfg: DSparkConfig = model.cfg
         self.contract = self.cfg.contract()
         self.scratch_rows = self.cfg.block_size
@@ -73,6 +84,46 @@ class DSparkDrafter(Drafter):
 
     # -- compute -----------------------------------------------------------------------------
     @torch.inference_mode()
+    def prepare(self, max_batch_sessions: int, max_batch_rows: int) -> dict[str, float]:
+        if self.attention != "paged":
+            return {}
+        from draft_server.models.step import FastStep
+
+        fast = FastStep(
+            self.model,
+            self.cache,
+            max_sessions=max_batch_sessions,
+            max_rows=max_batch_rows,
+            graphs=True,
+            sts=self.sampler.sts,
+        )
+        report = fast.capture()
+        self.fast = fast
+        report.update(self._self_test(fast))
+        return report
+
+    def _self_test(self, fast: FastStep) -> dict[str, float]:
+        """Every graph bucket replayed against the eager run of the same kernels, on throwaway sessions."""
+        if not fast.use_graphs:
+            return {}
+        rng = np.random.default_rng(0)
+        keys = []
+        B = self.cfg.block_size
+        try:
+            for i in range(fast.n_max):
+                key = -(1 << 40) - i  # never a real session's handle
+                if not self.reserve(key, 0, 4 + B):
+                    break
+                keys.append(key)
+            bits = (rng.standard_normal((4, self.contract.tap_width), dtype=np.float32).view(np.uint32) >> 16)
+            for j, key in enumerate(keys):
+                fast.ingest([IngestItem(key, 0, 0, np.roll(bits, j, axis=1).astype(np.uint16))])
+            return fast.self_test(keys)
+        finally:
+            for key in keys:
+                self.release(key)
+
+    @torch.inference_mode()
     def ingest(self, items: Sequence[IngestItem]) -> None:
         pending = [it for it in items if len(it.taps)]
         while pending:  # a key repeated within one call is applied in order, one pass per repeat
@@ -82,7 +133,10 @@ class DSparkDrafter(Drafter):
             for it in pending:
                 (rest if it.key in seen else batch).append(it)
                 seen.add(it.key)
-            self._ingest_once(batch)
+            if self.fast is not None:
+                self.fast.ingest(batch)
+            else:
+                self._ingest_once(batch)
             pending = rest
 
     def _ingest_once(self, items: list[IngestItem]) -> None:
@@ -105,7 +159,28 @@ class DSparkDrafter(Drafter):
 
     @torch.inference_mode()
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
+        fast = self.fast
+        if fast is not None and all(it.sampling.temperature <= 0 for it in items):
+            return self._draft_fast(fast, items)
         return self._draft(items, want_logits=False)[0]
+
+    def _draft_fast(self, fast: FastStep, items: Sequence[DraftItem]) -> list[DraftOut]:
+        """Greedy batches: paged kernels, device-side Markov chain, one copy back (CUDA graphs on a GPU)."""
+        outs = [DraftOut(tokens=[]) for _ in items]
+        act = [n for n, it in enumerate(items) if it.k > 0]
+        if not act:
+            return outs
+        B = self.cfg.block_size
+        for n in act:
+            if items[n].k > B:
+                raise ValueError(f"session {items[n].key}: k={items[n].k} exceeds block_size {B}")
+        tokens, conf = fast.draft([items[n] for n in act])
+        for r, n in enumerate(act):
+            k = items[n].k
+            outs[n].tokens = tokens[r, :k].tolist()
+            if conf is not None:
+                outs[n].confidence = conf[r, :k].tolist()
+        return outs
 
     @torch.inference_mode()
     def draft_debug(self, items: Sequence[DraftItem]) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
@@ -150,6 +225,7 @@ class DSparkDrafter(Drafter):
         return outs, logits
 
     def close(self) -> None:
+        self.fast = None  # its graphs and buffers first
         del self.cache
         self.model = None  # type: ignore[assignment]
         if torch.cuda.is_available():

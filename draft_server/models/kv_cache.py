@@ -9,8 +9,10 @@ in the same slot; there is no rollback bookkeeping. ``reserve(key, start, end)``
 session hold exactly the pages covering [start, end), freeing the rest, or returns False and
 changes nothing. Capacity and use are counted in page-granular tokens (pages x P).
 
-The draft block's own rows are not written here: attention concatenates them to the gathered
-context, so a session only needs pages for its committed context.
+Scratch: the paged attention path writes a draft block's own rows at [pos, pos + block) before it
+attends (the engine reserves them: ``Drafter.scratch_rows``); they lie past the committed
+context and the next ingest overwrites them by position. One extra page, never handed to a
+session (``trash_slot``), takes the writes of a CUDA graph's padding rows.
 
 Storage: ``data[layer, page, offset, *token_shape]``; MLA: token_shape (576,) (512 normalised
 latent + 64 roped key); GQA: (2, kv_heads, head_dim) for K and V.
@@ -45,8 +47,10 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.token_shape = token_shape
-        self.data = torch.zeros((num_layers, num_pages, page_size, *token_shape), dtype=dtype, device=device)
-        self._flat = self.data.view(num_layers, num_pages * page_size, *token_shape)
+        # one page more than the budget: the trash page for padding writes
+        self.data = torch.zeros((num_layers, num_pages + 1, page_size, *token_shape), dtype=dtype, device=device)
+        self._flat = self.data.view(num_layers, (num_pages + 1) * page_size, *token_shape)
+        self.trash_slot = num_pages * page_size
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low pages first
         self._sessions: dict[int, _Session] = {}
 
@@ -100,6 +104,23 @@ class PagedKVCache:
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
         self._flat.index_copy_(1, slots, rows.to(self.data.dtype))
+
+    def write_layer(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [R, *token_shape] of one layer -> their slots."""
+        self._flat[layer].index_copy_(0, slots, rows.to(self.data.dtype))
+
+    def pages(self, key: int, start: int, end: int) -> tuple[int, list[int]]:
+        """(first logical page, physical pages) covering positions [start, end); raises if not held."""
+        P = self.page_size
+        lo, hi = start // P, (end - 1) // P + 1
+        s = self._sessions.get(key)
+        if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
+            raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
+        return lo, s.pages[lo - s.first_lp : hi - s.first_lp]
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """One layer's pages: [num_pages + 1, page_size, *token_shape] (the last is the trash page)."""
+        return self.data[layer]
 
     def gather_plan(self, spans: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """For (key, start, pos) spans: page ids [N, maxp] and a visibility mask [N, maxp*P].

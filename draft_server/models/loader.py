@@ -56,6 +56,7 @@ def load_drafter(
     *,
     page_size: int = 16,
     sts_temperatures: list[float] | None = None,
+    attention: str = "auto",
 ) -> DSparkDrafter:
     """Load a DSpark draft checkpoint (+ the target's lm_head / embedding) as a Drafter.
 
@@ -96,4 +97,6 @@ def load_drafter(
         else:
             w[name] = t.to(dev, tdtype)
     model = build_model(cfg, w, dev, tdtype)
-    return DSparkDrafter(model, kv_budget_bytes, page_size=page_size, sts_temperatures=sts_temperatures)
+    return DSparkDrafter(
+        model, kv_budget_bytes, page_size=page_size, sts_temperatures=sts_temperatures, attention=attention
+    )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import K3, DSparkConfig
-from draft_server.models.layers.ops import Rope, acc_dtype, rms_norm, swiglu
+from draft_server.models.layers.ops import Rope, acc_dtype, linear_add, rms_norm, swiglu_add
 
 
 class DSparkModel:
@@ -43,13 +43,22 @@ class DSparkModel:
         self.conf_b = w.get("confidence_head.proj.bias") if cfg.confidence else None
         self.mask_cache: dict[int, torch.Tensor] = {}
 
+    def _stack(self, fused: str, parts: list[str]) -> torch.Tensor:
+        """Replace weights that read the same input by one stacked weight (one GEMM), named as vLLM names it."""
+        t = torch.cat([self.w.pop(p) for p in parts])
+        self.w[fused] = t
+        return t
+
     # -- per-variant -------------------------------------------------------------------------
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Fused context projection into every layer's cache rows: [L, R, *token_shape]."""
         raise NotImplementedError
 
-    def attention(self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """Layer i attention of block rows u [N, B, H] over their context and the block itself."""
+    def attention(
+        self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Layer i attention of block rows u [N, B, H] (cos/sin of their positions) over their context
+        and the block itself: the heads' output [N, B, heads * v], before ``o_proj``."""
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------
@@ -70,13 +79,20 @@ class DSparkModel:
     def block(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Block rows ids/positions [N, B] over their sessions' context -> final-normed z [N, B, H]."""
         w, eps = self.w, self.eps
+        rope = self.rope.cos_sin(positions, self.acc)  # once per step, shared by every layer
         h = F.embedding(ids, self.embed)
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
             u = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-            h = h + self.attention(i, u, positions, ctx)
+            o = self.attention(i, u, rope, ctx)
+            o_b = w.get(p + "self_attn.o_proj.bias")
+            h = (
+                linear_add(h, o, w[p + "self_attn.o_proj.weight"])
+                if o_b is None
+                else h + F.linear(o, w[p + "self_attn.o_proj.weight"], o_b)
+            )
             u = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-            h = h + swiglu(u, w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"], w[p + "mlp.down_proj.weight"])
+            h = swiglu_add(h, u, self.gate_up[i], w[p + "mlp.down_proj.weight"])
         return rms_norm(h, self.final_norm, eps)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,11 @@ PRESETS = {"k3": K3_FULL, "qwen3-8b": QWEN3_8B}
 
 
 def random_drafter(
-    cfg_json: dict, dev: torch.device, kv_bytes: int | None, dtype: torch.dtype = torch.bfloat16
+    cfg_json: dict,
+    dev: torch.device,
+    kv_bytes: int | None,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: str = "auto",
 ) -> DSparkDrafter:
     """A drafter of the given config with seeded random weights, made on ``dev``."""
     cfg = parse_config(cfg_json, "random")
@@ -84,12 +88,14 @@ def random_drafter(
             w[name] = t.div_(shape[-1] ** 0.5) if name != "embed_tokens.weight" else t
         if name.startswith("confidence_head"):
             w[name] = w[name].float()
-    return DSparkDrafter(build_model(cfg, w, dev, dtype), kv_budget_bytes=kv_bytes)
+    return DSparkDrafter(build_model(cfg, w, dev, dtype), kv_budget_bytes=kv_bytes, attention=attention)
 
 
-def load_preset(name: str, device: str, dtype: str, kv_budget_bytes: int | None) -> DSparkDrafter:
+def load_preset(
+    name: str, device: str, dtype: str, kv_budget_bytes: int | None, attention: str = "auto"
+) -> DSparkDrafter:
     """``random:NAME``: a full-size drafter of a preset config with seeded random weights."""
     if name not in PRESETS:
         raise ValueError(f"unknown random preset {name!r} (have {sorted(PRESETS)})")
     dev = resolve_device(device)
-    return random_drafter(PRESETS[name], dev, kv_budget_bytes, resolve_dtype(dtype, dev))
+    return random_drafter(PRESETS[name], dev, kv_budget_bytes, resolve_dtype(dtype, dev), attention)

@@ -135,6 +135,9 @@ def test_k3_config_fields_and_rejections_match_vllm():
 def _fused(variant: str, w: dict[str, torch.Tensor], name: str, L: int) -> torch.Tensor | None:
     """Our tensors stacked the way vLLM stores parameter ``name`` (None: aliased from the target)."""
     n = name.removeprefix("model.")
+    stacked = ("gate_up_proj.weight", "qkv_proj.weight", "fused_qkv_a_proj.weight", "context_kv_proj.weight")
+    if n in w and n.endswith(stacked):  # stacked by us as vLLM stacks it
+        return w[n]
     if n.endswith(".gate_up_proj.weight"):
         p = n.removesuffix("gate_up_proj.weight")
         return torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]])
@@ -169,7 +172,9 @@ def test_taps_block_and_weight_names_match_vllm(tmp_path, variant):
             ckpt.update(load_file(os.path.join(paths.draft, f)))
     with _set_cfg(vc):
         model.load_weights((n, t.to(torch.float32) if t.is_floating_point() else t) for n, t in ckpt.items())
-    ours = drafter.model.w
+    ours = dict(drafter.model.w)
+    if hasattr(drafter.model, "kv_a_all"):  # every layer's kv_a, stacked once for context ingest
+        ours["context_kv_proj.weight"] = drafter.model.kv_a_all
     params = dict(model.named_parameters())
     assert params, "vLLM built no parameters"
     checked = 0

@@ -33,29 +33,43 @@ class Qwen3DSpark(DSparkModel):
                 [torch.cat([w[sa.format(i) + "k_proj.bias"], w[sa.format(i) + "v_proj.bias"]]) for i in L]
             )
         self.k_norm = torch.stack([w[sa.format(i) + "k_norm.weight"] for i in L])  # [L, hd]
-
-    def _bias(self, i: int, name: str) -> torch.Tensor | None:
-        return self.w[f"layers.{i}.self_attn.{name}.bias"] if self.cfg.attention_bias else None
+        self.qkv = [
+            self._stack(sa.format(i) + "qkv_proj.weight", [sa.format(i) + f"{n}_proj.weight" for n in "qkv"]) for i in L
+        ]
+        self.qkv_b = [
+            self._stack(sa.format(i) + "qkv_proj.bias", [sa.format(i) + f"{n}_proj.bias" for n in "qkv"])
+            if cfg.attention_bias
+            else None
+            for i in L
+        ]
+        self.gate_up = [
+            self._stack(
+                f"layers.{i}.mlp.gate_up_proj.weight", [f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up")]
+            )
+            for i in L
+        ]
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         R, L = c.shape[0], cfg.num_layers
         kv = F.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
-        k = rms_norm(kv[:, :, 0], self.k_norm[None, :, None, :], self.eps)
+        k = rms_norm(kv[:, :, 0], self.k_norm[:, None, :], self.eps)
         cos, sin = self.rope.cos_sin(positions, self.acc)
         k = self.rope.apply(k, cos[:, None, None], sin[:, None, None])
         return torch.stack([k, kv[:, :, 1]], dim=2).transpose(0, 1)  # [L, R, 2, nkv, hd]
 
-    def attention(self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def attention(
+        self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
         N, B, _ = u.shape
-        nkv, hd = cfg.num_kv_heads, cfg.head_dim
-        cos, sin = self.rope.cos_sin(positions, self.acc)  # [N, B, hd/2]
-        cos, sin = cos[:, :, None], sin[:, :, None]
-        q = F.linear(u, w[p + "q_proj.weight"], self._bias(i, "q_proj")).view(N, B, cfg.num_heads, hd)
-        q = self.rope.apply(rms_norm(q, w[p + "q_norm.weight"], self.eps), cos, sin)
-        k = F.linear(u, w[p + "k_proj.weight"], self._bias(i, "k_proj")).view(N, B, nkv, hd)
-        k = self.rope.apply(rms_norm(k, w[p + "k_norm.weight"], self.eps), cos, sin)
-        v = F.linear(u, w[p + "v_proj.weight"], self._bias(i, "v_proj")).view(N, B, nkv, hd)
+        H, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos, sin = rope[0][:, :, None], rope[1][:, :, None]  # [N, B, 1, hd/2]
+        qkv = F.linear(u, self.qkv[i], self.qkv_b[i]).view(N * B, H + 2 * nkv, hd)
+        q = self.rope.apply(rms_norm(qkv[:, :H], w[p + "q_norm.weight"], self.eps).view(N, B, H, hd), cos, sin)
+        k = self.rope.apply(
+            rms_norm(qkv[:, H : H + nkv], w[p + "k_norm.weight"], self.eps).view(N, B, nkv, hd), cos, sin
+        )
+        v = qkv[:, H + nkv :].view(N, B, nkv, hd)
         o = ctx.attend(i, q, torch.stack([k, v], dim=2))  # [N, B, H, hd]
-        return F.linear(o.reshape(N, B, cfg.num_heads * hd), w[p + "o_proj.weight"], self._bias(i, "o_proj"))
+        return o.reshape(N, B, H * hd)

@@ -36,35 +36,45 @@ class K3DSpark(DSparkModel):
             kv_b = w[sa.format(i) + "kv_b_proj.weight"].view(cfg.num_heads, nope + vd, cfg.kv_lora_rank)
             self.w_uk.append(kv_b[:, :nope])  # [heads, nope, 512]
             self.w_uv.append(kv_b[:, nope:])  # [heads, v, 512]
+        self.qkv_a = [
+            self._stack(
+                sa.format(i) + "fused_qkv_a_proj.weight",
+                [sa.format(i) + n for n in ("q_a_proj.weight", "kv_a_proj_with_mqa.weight")],
+            )
+            for i in L
+        ]
+        self.gate_up = [
+            self._stack(
+                f"layers.{i}.mlp.gate_up_proj.weight", [f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up")]
+            )
+            for i in L
+        ]
 
-    def _latent(self, kv: torch.Tensor, norm_w: torch.Tensor, positions: torch.Tensor, bshape: int) -> torch.Tensor:
-        """kv [..., 576] raw kv_a output -> cached latent; cos/sin broadcast over ``bshape`` dims."""
+    def _latent(self, kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """kv [..., 576] raw kv_a output -> cached latent (cos/sin broadcast to kv's leading dims)."""
         c = rms_norm(kv[..., : self.lat], norm_w, self.eps)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
-        for _ in range(bshape):
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return torch.cat([c, self.rope.apply(kv[..., self.lat :], cos, sin)], dim=-1)
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         R, L = c.shape[0], self.cfg.num_layers
         kv = F.linear(c, self.kv_a_all).view(R, L, -1)
-        return self._latent(kv, self.kv_a_norm, positions, 1).transpose(0, 1)  # [L, R, 576]
+        cos, sin = self.rope.cos_sin(positions, self.acc)
+        return self._latent(kv, self.kv_a_norm, cos[:, None], sin[:, None]).transpose(0, 1)  # [L, R, 576]
 
-    def attention(self, i: int, u: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def attention(
+        self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+    ) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
         N, B, _ = u.shape
         nh, nope = cfg.num_heads, cfg.qk_nope_head_dim
+        cos, sin = rope
+        qkv_a = F.linear(u, self.qkv_a[i])  # [q_a (q_lora) | kv_a (576)]
         q = F.linear(
-            rms_norm(F.linear(u, w[p + "q_a_proj.weight"]), w[p + "q_a_layernorm.weight"], self.eps),
-            w[p + "q_b_proj.weight"],
+            rms_norm(qkv_a[..., : cfg.q_lora_rank], w[p + "q_a_layernorm.weight"], self.eps), w[p + "q_b_proj.weight"]
         )
         q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
         q_pe = self.rope.apply(q[..., nope:], cos[:, :, None], sin[:, :, None])
         q_lat = torch.einsum("nbhd,hdc->nbhc", q[..., :nope], self.w_uk[i])
-        blk = self._latent(
-            F.linear(u, w[p + "kv_a_proj_with_mqa.weight"]), w[p + "kv_a_layernorm.weight"], positions, 0
-        )
+        blk = self._latent(qkv_a[..., cfg.q_lora_rank :], w[p + "kv_a_layernorm.weight"], cos, sin)
         o = ctx.attend(i, torch.cat([q_lat, q_pe], dim=-1), blk)  # [N, B, nh, 512]
-        o = torch.einsum("nbhc,hvc->nbhv", o, self.w_uv[i]).reshape(N, B, nh * cfg.v_head_dim)
-        return F.linear(o, w[p + "o_proj.weight"])
+        return torch.einsum("nbhc,hvc->nbhv", o, self.w_uv[i]).reshape(N, B, nh * cfg.v_head_dim)

@@ -19,14 +19,37 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """CUDA tensors of a half or single dtype go through the Triton kernels (``kernels/fused.py``)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim() <= 4
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fused(x) and x.stride(-1) == 1:
+        from draft_server.models.kernels.fused import rms_norm as fused_rms_norm
+
+        return fused_rms_norm(x, w, eps)
     xf = x.to(acc_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return xf.to(x.dtype) * w
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h + x @ w.T in one GEMM (the residual add in the epilogue)."""
+    return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
+
+
+def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
+    gu = F.linear(x, gate_up)
+    if _fused(gu):
+        from draft_server.models.kernels.fused import silu_mul
+
+        act = silu_mul(gu)
+    else:
+        g, u = gu.chunk(2, dim=-1)
+        act = F.silu(g) * u
+    return linear_add(h, act, down)
 
 
 def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
@@ -65,6 +88,10 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [..., dim] with cos/sin [..., dim/2] (broadcastable to x's leading dims)."""
+        if _fused(x) and x.stride(-1) == 1 and cos.dtype == torch.float32:
+            from draft_server.models.kernels.fused import rope
+
+            return rope(x, cos, sin, self.interleaved)
         xf = x.to(cos.dtype)
         if self.interleaved:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]

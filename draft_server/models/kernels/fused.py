@@ -1,0 +1,141 @@
+"""Fused elementwise kernels of the draft step (Triton): RMSNorm, RoPE, SiLU-and-multiply.
+
+Each replaces a chain of small PyTorch kernels with one launch and one pass over memory, and
+does the arithmetic of the eager op in ``layers/ops.py``: float32, rounded to the input dtype
+where the eager op rounds (RMSNorm rounds the normalised row before the weight multiply; SiLU
+rounds before the product); only the order of a row's sum may differ (last bit). Inputs are views with at most three leading dims, a
+contiguous last dim and any other strides (a head slice of a fused QKV projection, the rope part
+of a latent), and weights or cos/sin broadcast over them, so no copy is needed to call them.
+``layers/ops.py`` dispatches here for CUDA tensors; the tests run them under Triton's
+interpreter against the eager ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _lead3(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """Sizes and strides of t's (at most 3) leading dims, padded to 3."""
+    lead, strides = list(t.shape[:-1]), list(t.stride()[:-1])
+    if len(lead) > 3:
+        raise ValueError("at most 3 leading dims")
+    while len(lead) < 3:
+        lead.append(1)
+        strides.append(0)
+    return (lead[0], lead[1], lead[2]), (strides[0], strides[1], strides[2])
+
+
+@triton.jit
+def _rms_kernel(
+    X, W, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sy0, sy1, sy2, D, eps, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    i2 = r % H2
+    i1 = (r // H2) % H1
+    i0 = r // (H1 * H2)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    x = tl.load(X + i0 * sx0 + i1 * sx1 + i2 * sx2 + d, mask=mask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(W + i0 * sw0 + i1 * sw1 + i2 * sw2 + d, mask=mask, other=0.0).to(tl.float32)
+    out = (y.to(Y.dtype.element_ty).to(tl.float32) * w).to(Y.dtype.element_ty)
+    tl.store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2 + d, out, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., D] (at most 3 leading dims, any strides but the last);
+    w broadcasts to x ([D], or e.g. one row per layer)."""
+    D = x.shape[-1]
+    if x.stride(-1) != 1 or w.stride(-1) != 1:
+        raise ValueError("the last dims must be contiguous")
+    (m, h1, h2), (s0, s1, s2) = _lead3(x)
+    _, (w0, w1, w2) = _lead3(w.expand(x.shape))
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, (t0, t1, t2) = _lead3(y)
+    rows = m * h1 * h2
+    if rows:
+        block = triton.next_power_of_2(D)
+        _rms_kernel[(rows,)](
+            x, w, y, h1, h2, s0, s1, s2, w0, w1, w2, t0, t1, t2, D, eps,
+            BLOCK_D=block, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _rope_kernel(
+    X, C, S, Y, H1, H2, sx0, sx1, sx2, sc0, sc1, sc2, sy0, sy1, sy2, HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    i2 = r % H2
+    i1 = (r // H2) % H1
+    i0 = r // (H1 * H2)
+    i = tl.arange(0, BLOCK)
+    mask = i < HALF
+    if INTERLEAVED:
+        a = 2 * i
+        b = 2 * i + 1
+    else:
+        a = i
+        b = i + HALF
+    xp = X + i0 * sx0 + i1 * sx1 + i2 * sx2
+    x1 = tl.load(xp + a, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xp + b, mask=mask, other=0.0).to(tl.float32)
+    cp = i0 * sc0 + i1 * sc1 + i2 * sc2 + i
+    c = tl.load(C + cp, mask=mask, other=0.0)
+    s = tl.load(S + cp, mask=mask, other=0.0)
+    yp = Y + i0 * sy0 + i1 * sy1 + i2 * sy2
+    tl.store(yp + a, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(yp + b, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [..., R] (at most 3 leading dims) by float32 cos/sin [..., R/2] broadcast to x's lead dims."""
+    R = x.shape[-1]
+    half = R // 2
+    if x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("x needs a contiguous last dim, cos/sin float32")
+    cb = cos.expand(*x.shape[:-1], half)
+    sb = sin.expand(*x.shape[:-1], half)
+    if cb.stride() != sb.stride() or cb.stride(-1) != 1:
+        raise ValueError("cos and sin must share one layout with a contiguous last dim")
+    (m, h1, h2), (s0, s1, s2) = _lead3(x)
+    _, (c0, c1, c2) = _lead3(cb)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, (t0, t1, t2) = _lead3(y)
+    rows = m * h1 * h2
+    if rows:
+        _rope_kernel[(rows,)](
+            x, cb, sb, y, h1, h2, s0, s1, s2, c0, c1, c2, t0, t1, t2,
+            HALF=half, INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Y, F, s_gu, s_y, BLOCK: tl.constexpr):
+    m = tl.program_id(0)
+    f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = f < F
+    g = tl.load(GU + m * s_gu + f, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + m * s_gu + F + f, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + m * s_y + f, (act * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [..., 2F] (gate | up) -> silu(gate) * up [..., F]."""
+    F2 = gu.shape[-1]
+    g2 = gu.reshape(-1, F2)
+    if g2.stride(-1) != 1:
+        g2 = g2.contiguous()
+    F = F2 // 2
+    y = torch.empty((g2.shape[0], F), dtype=gu.dtype, device=gu.device)
+    if g2.shape[0]:
+        block = 1024
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, y, F, g2.stride(0), y.stride(0), BLOCK=block)
+    return y.view(*gu.shape[:-1], F)

@@ -1,0 +1,347 @@
+"""The fast draft step: paged attention kernels, the Markov chain on the device, CUDA graphs.
+
+``FastStep`` owns static device buffers sized for the largest batch, and one pinned host buffer
+that carries every per-step integer (block ids, positions, scratch slots, context spans, the
+ragged page list) to the device in one copy. Greedy draft steps run the same body
+
+    plan the split-K work -> block forward over ``PagedContext`` -> logits -> k Markov steps
+    (argmax, Markov bias, confidence) -> tokens and confidence into static outputs
+
+either captured as a CUDA graph per session bucket (1, 2, 4, ... sessions, each with a fixed
+work capacity) or, on the CPU (Triton's interpreter) and for batches whose contexts exceed the
+bucket's capacity, run eagerly with the same kernels. Results come back in one device-to-host
+copy into pinned memory and one wait. Context ingest has its own graphs, bucketed by row count.
+
+Nothing in a step reads the device from the host before its end: no ``.item()``, no
+``.tolist()``, no host-built tensors. Every captured bucket is replayed once against the eager
+run of the same body before the server takes traffic (``self_test``); the test suite holds the
+kernel path to the eager dense path on the CPU in float32.
+
+Padding (a bucket larger than the batch): padding sessions have ``lo > pos`` (no attention work,
+zero output), their block rows and padding ingest rows write into the cache's trash page.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from draft_server.drafters.base import DraftItem, IngestItem
+from draft_server.models.attention import PagedBatch, PagedContext
+from draft_server.models.kernels import paged_attention as pa
+from draft_server.models.kv_cache import PagedKVCache
+from draft_server.models.model import DSparkModel
+from protocol import GREEDY
+
+MLA_CHUNK = 2048  # one chunk covers a 1-2K context: no split-K partials at large batches
+GQA_CHUNK = 1024
+GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up to this context
+
+
+def _buckets(top: int) -> list[int]:
+    return sorted({min(1 << i, top) for i in range(max(1, top).bit_length() + 1)})
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclass
+class _DraftGraph:
+    n: int
+    batch: PagedBatch
+    graph: torch.cuda.CUDAGraph | None
+
+
+class FastStep:
+    def __init__(
+        self,
+        model: DSparkModel,
+        cache: PagedKVCache,
+        *,
+        max_sessions: int,
+        max_rows: int,
+        graphs: bool,
+        sts: torch.Tensor,
+        max_context: int = 1 << 20,
+    ) -> None:
+        self.m, self.cache, self.sts = model, cache, sts
+        cfg = model.cfg
+        self.B = cfg.block_size
+        self.P = cache.page_size
+        self.dev = model.device
+        self.chunk = MLA_CHUNK if model.layout.mla else GQA_CHUNK
+        self.use_graphs = graphs and self.dev.type == "cuda"
+        self.session_buckets = _buckets(max_sessions)
+        self.row_buckets = [r for r in _buckets(max(16, max_rows)) if r >= 16]
+        self.n_max, self.r_max = self.session_buckets[-1], self.row_buckets[-1]
+        self.pages_cap = min(cache.num_pages + 1, max_context // self.P + 2) + self.n_max * 2
+        n, B = self.n_max, self.B
+        # packed int32 step inputs: ids | positions | slots | lo | pos | first | pages (ragged)
+        self._off: dict[str, tuple[int, int]] = {}
+        o = 0
+        for name, size in (("ids", n * B), ("positions", n * B), ("slots", n * B), ("lo", n), ("pos", n), ("first", n)):
+            self._off[name] = (o, o + size)
+            o += size
+        self._pages_at = o
+        total = o + self.pages_cap
+        pin = self.dev.type == "cuda"
+        self.host = torch.empty(total, dtype=torch.int32, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.stage = torch.empty(total, dtype=torch.int32, device=self.dev)
+        self.ids = self._view("ids").view(n, B)
+        self.positions = self._view("positions").view(n, B)
+        self.slots64 = torch.empty(n * B, dtype=torch.int64, device=self.dev)
+        # outputs: tokens [n, B] int64, confidence [n, B] float32, packed for one D2H
+        self.out = torch.zeros(n, 2 * B, dtype=torch.float64, device=self.dev)
+        self.out_host = torch.empty(n, 2 * B, dtype=torch.float64, pin_memory=pin)
+        # ingest: taps (wire bf16 bit patterns) + slots + positions
+        width = cfg.n_taps * cfg.target_hidden_size
+        self.taps_host = torch.empty(self.r_max, width, dtype=torch.int16, pin_memory=pin)
+        self.taps_host_np = self.taps_host.numpy().view(np.uint16)
+        self.taps = torch.empty(self.r_max, width, dtype=torch.int16, device=self.dev)
+        self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
+        self.ing_host_np = self.ing_host.numpy()
+        self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
+        self.ing_slots64 = torch.empty(self.r_max, dtype=torch.int64, device=self.dev)
+        self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
+        H = cfg.num_heads
+        v_dim = model.layout.value_dims
+        self._out_shape = (B, H, v_dim)
+        self._draft_graphs: dict[int, _DraftGraph] = {}
+        self._ingest_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_s = 0.0
+        self.graph_steps = 0
+        self.eager_steps = 0
+
+    def _view(self, name: str) -> torch.Tensor:
+        a, b = self._off[name]
+        return self.stage[a:b]
+
+    def _pages(self) -> torch.Tensor:
+        return self.stage[self._pages_at :]
+
+    def _capacity(self, n: int) -> int:
+        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self.chunk)
+        return 1 << max(0, (n * per - 1).bit_length())
+
+    # ------------------------------------------------------------------ body (captured or eager)
+
+    def _batch(self, n: int, capacity: int) -> PagedBatch:
+        B, (_, H, v) = self.B, self._out_shape
+        return PagedBatch(
+            pages=self._pages().as_strided((n, self.pages_cap), (0, 1)),  # ragged: first[] carries the offsets
+            first=self._view("first")[:n],
+            lo=self._view("lo")[:n],
+            pos=self._view("pos")[:n],
+            slots=self.slots64[: n * B],
+            plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=self.chunk, page_size=self.P, device=self.dev),
+            workspace=pa.Workspace.allocate(capacity, B * H, v, self.dev),
+            out=torch.empty((n, B, H, v), dtype=self.m.dtype, device=self.dev),
+        )
+
+    def _draft_body(self, n: int, batch: PagedBatch) -> None:
+        m = self.m
+        self.slots64[: n * self.B].copy_(self._view("slots")[: n * self.B])
+        pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=self.chunk, page_size=self.P, out=batch.plan)  # type: ignore[arg-type]
+        ctx = PagedContext(self.cache, batch, m.layout, m.cfg.softmax_scale, m.cfg.causal)
+        ids = self.ids[:n]
+        z = m.block(ids, self.positions[:n], ctx)
+        tokens, conf = greedy_chain(m, z, ids[:, 0], self.B, self.sts)
+        self.out[:n, : self.B].copy_(tokens)
+        if conf is not None:
+            self.out[:n, self.B :].copy_(conf)
+
+    def _ingest_body(self, r: int) -> None:
+        m = self.m
+        taps = self.taps[:r].view(torch.bfloat16).to(m.dtype)
+        self.ing_slots64[:r].copy_(self.ing[:r])
+        positions = self.ing[self.r_max : self.r_max + r]
+        self.cache.write(self.ing_slots64[:r], m.context_kv(m.context(taps), positions))
+
+    # ------------------------------------------------------------------ capture
+
+    def capture(self) -> dict[str, float]:
+        """Capture every bucket (largest first, sharing one memory pool); returns counts and seconds."""
+        if not self.use_graphs:
+            return {"graphs": 0.0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        self._fill_padding_inputs()
+        torch.cuda.synchronize(self.dev)
+        s = torch.cuda.Stream(self.dev)
+        s.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(s), torch.inference_mode():
+            for n in reversed(self.session_buckets):
+                batch = self._batch(n, self._capacity(n))
+                for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
+                    self._draft_body(n, batch)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool, stream=s):
+                    self._draft_body(n, batch)
+                self._draft_graphs[n] = _DraftGraph(n, batch, g)
+            for r in reversed(self.row_buckets):
+                self._ingest_body(r)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool, stream=s):
+                    self._ingest_body(r)
+                self._ingest_graphs[r] = g
+        torch.cuda.current_stream(self.dev).wait_stream(s)
+        torch.cuda.synchronize(self.dev)
+        self.capture_s = time.perf_counter() - t0
+        return {"graphs": float(len(self._draft_graphs) + len(self._ingest_graphs)), "seconds": self.capture_s}
+
+    def _fill_padding_inputs(self) -> None:
+        """Inputs of an all-padding batch: capture and warm runs write only into the trash page."""
+        h = self.host_np
+        n, B = self.n_max, self.B
+        h[slice(*self._off["ids"])] = 0
+        h[slice(*self._off["positions"])] = 0
+        h[slice(*self._off["slots"])] = self.cache.trash_slot
+        h[slice(*self._off["lo"])] = 1
+        h[slice(*self._off["pos"])] = 0
+        h[slice(*self._off["first"])] = 0
+        h[self._pages_at : self._pages_at + self.pages_cap] = self.cache.num_pages
+        self.stage.copy_(self.host)
+        self.ing_host_np[: self.r_max] = self.cache.trash_slot
+        self.ing_host_np[self.r_max :] = 0
+        self.ing.copy_(self.ing_host)
+        self.taps.zero_()
+        del n, B
+
+    # ------------------------------------------------------------------ per step
+
+    def ingest(self, items: Sequence[IngestItem]) -> None:
+        """Write the rows of several sessions (distinct keys) through the ingest graph of their row bucket."""
+        rows = sum(len(it.taps) for it in items)
+        for a in range(0, rows, self.r_max):
+            self._ingest_rows(items, a, min(rows, a + self.r_max))
+
+    def _ingest_rows(self, items: Sequence[IngestItem], a: int, b: int) -> None:
+        r = b - a
+        rb = _bucket(max(r, 16), self.row_buckets)
+        if self._ingest_done is not None:
+            self._ingest_done.synchronize()  # the pinned buffers are free again
+        h, taps = self.ing_host_np, self.taps_host_np
+        row = 0
+        out = 0
+        for it in items:
+            lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
+            if lo_r < hi_r:
+                cnt = hi_r - lo_r
+                positions = np.arange(it.pos + lo_r, it.pos + hi_r, dtype=np.int64)
+                h[out : out + cnt] = self.cache.slots(it.key, positions)
+                h[self.r_max + out : self.r_max + out + cnt] = positions
+                taps[out : out + cnt] = it.taps[lo_r:hi_r]
+                out += cnt
+            row += len(it.taps)
+        h[out:rb] = self.cache.trash_slot
+        h[self.r_max + out : self.r_max + rb] = 0
+        taps[out:rb] = 0
+        self.ing.copy_(self.ing_host, non_blocking=True)
+        self.taps[:rb].copy_(self.taps_host[:rb], non_blocking=True)
+        g = self._ingest_graphs.get(rb)
+        if g is not None:
+            g.replay()
+        else:
+            self._ingest_body(rb)
+        if self._ingest_done is not None:
+            self._ingest_done.record()
+
+    def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
+        n = len(items)
+        B, P = self.B, self.P
+        nb = _bucket(n, self.session_buckets)
+        h = self.host_np
+        ids = h[slice(*self._off["ids"])].reshape(self.n_max, B)
+        positions = h[slice(*self._off["positions"])].reshape(self.n_max, B)
+        slots = h[slice(*self._off["slots"])].reshape(self.n_max, B)
+        lo, pos, first = (h[slice(*self._off[k])] for k in ("lo", "pos", "first"))
+        pages = h[self._pages_at :]
+        used = 0
+        lens = []
+        arange = np.arange(B, dtype=np.int64)
+        for i, it in enumerate(items):
+            lp0, pg = self.cache.pages(it.key, it.start, it.pos + B)
+            if used + len(pg) > self.pages_cap:
+                raise RuntimeError("a batch's pages exceed the fast path's page list")
+            pages[used : used + len(pg)] = pg
+            first[i] = lp0 - used  # ragged page list: row stride 0, offset folded into first
+            used += len(pg)
+            ids[i, 0] = it.anchor
+            ids[i, 1:] = self.m.cfg.mask_token_id
+            positions[i] = it.pos + arange
+            slots[i] = self.cache.slots(it.key, it.pos + arange)
+            lo[i], pos[i] = it.start, it.pos
+            lens.append(it.pos - it.start)
+        for i in range(n, nb):  # padding sessions
+            ids[i] = 0
+            positions[i] = 0
+            slots[i] = self.cache.trash_slot
+            lo[i], pos[i], first[i] = 1, 0, 0
+        end = self._pages_at + max(used, 1)
+        self.stage[:end].copy_(self.host[:end], non_blocking=True)
+        capacity = self._capacity(nb)
+        need = pa.max_work_items(lens, rows=B, chunk=self.chunk, page_size=P)
+        g = self._draft_graphs.get(nb)
+        if g is not None and g.graph is not None and need <= capacity:
+            g.graph.replay()
+            self.graph_steps += 1
+        else:
+            self._draft_body(nb, self._batch(nb, max(need, 1)))
+            self.eager_steps += 1
+        self.out_host[:n].copy_(self.out[:n], non_blocking=True)
+        if self.dev.type == "cuda":
+            torch.cuda.current_stream(self.dev).synchronize()
+        res = self.out_host[:n].numpy()
+        conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
+        return res[:, :B].astype(np.int64), conf
+
+    # ------------------------------------------------------------------ start-up check
+
+    def self_test(self, keys: Sequence[int]) -> dict[str, float]:
+        """Replay every captured bucket against the eager run of the same body on live sessions
+        (``keys``, each holding context and scratch); raise on any difference."""
+        checked = 0
+        for n, g in sorted(self._draft_graphs.items()):
+            if g.graph is None or n > len(keys):
+                continue
+            items = [DraftItem(k, 0, 4, 1 + (k % 5), self.B, GREEDY) for k in keys[:n]]
+            graph_out = self.draft(items)
+            saved, self._draft_graphs = self._draft_graphs, {}
+            try:
+                eager_out = self.draft(items)
+            finally:
+                self._draft_graphs = saved
+            if not np.array_equal(graph_out[0], eager_out[0]):
+                raise RuntimeError(f"CUDA graph of the {n}-session bucket drafts differently from eager")
+            checked += 1
+        return {"buckets_checked": float(checked)}
+
+
+@torch.inference_mode()
+def greedy_chain(
+    m: DSparkModel, z: torch.Tensor, anchors: torch.Tensor, k: int, sts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The k greedy Markov steps for every session at once: tokens [N, k] and confidence (or None).
+
+    ``sts``: the confidence head's per-step temperatures [block]."""
+    base = m.logits(z[:, :k])
+    prev = anchors
+    toks, confs = [], []
+    for j in range(k):
+        e = m.markov_embed(prev)
+        lj = base[:, j] if e is None else base[:, j] + m.markov_bias(e)
+        if m.conf_w is not None:
+            confs.append(torch.sigmoid(m.confidence_logit(z[:, j], e).to(base.dtype) / sts[j]))
+        prev = m.to_target_ids(lj.argmax(-1))
+        toks.append(prev)
+    return torch.stack(toks, dim=1), (torch.stack(confs, dim=1) if confs else None)

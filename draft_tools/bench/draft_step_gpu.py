@@ -1,0 +1,535 @@
+"""The draft step on one GPU against its floor: dense eager (before) vs paged kernels + CUDA graphs (after).
+
+One run measures, in this order, and writes one JSON (machine, command, every number):
+
+1. the floors of this card: device-to-device copy bandwidth and the bf16 matmul rate;
+2. per preset (``random:k3``, ``random:qwen3-8b``, bf16): start-up (weights, graph capture,
+   self-test); the step (ingest 3 rows per session + 7 greedy drafts, 1,024 context rows) at
+   B = 1, 2, 4, ..., 64, dense and fast, with its floor (weights + KV + taps bytes over the copy
+   bandwidth; FLOPs over the matmul rate); kernels and host syncs per step (torch.profiler) at
+   B = 1 and 64; the mixed batch (one 32K-context session + 63 of 1K); 32K-row prefill in
+   chunks against the GEMM roofline; allocation growth over the timed steps; the
+   poisoned-neighbour check (one session's taps NaN/Inf, every other session's drafts unchanged);
+3. float32 exactness: greedy drafts of the graph path equal the dense eager path at every
+   session bucket, on a small random model of each variant.
+
+    python3 -m draft_tools.bench.draft_step_gpu --out bench/results/draft_step_h200.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from draft_server.drafters import DraftItem, IngestItem
+from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.presets import PRESETS, random_drafter
+from protocol import GREEDY
+
+CTX = 1024
+NEW_ROWS = 3
+K = 7
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+def bf16_rows(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
+    return (rng.standard_normal((rows, width), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+# ------------------------------------------------------------------------------------ floors
+
+
+def measure_floors(dev: torch.device) -> dict[str, float]:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, well past the 60 MB L2
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1000)
+    bw = 2 * x.numel() / statistics.median(ts)
+    del x, y
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    n = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
+    for _ in range(3):
+        m @ n
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        m @ n
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1000)
+    flops = 2 * 8192**3 / statistics.median(ts)
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops}
+
+
+def step_cost(d: DSparkDrafter, n: int, contexts: list[int], rows_in: int) -> dict[str, float]:
+    """Bytes and FLOPs one step must move/do: weights once (W2 once per Markov step), KV, taps."""
+    m, cfg = d.model, d.cfg
+    B = cfg.block_size
+    blk = n * B
+    by = 0.0
+    fl = 0.0
+    for name, t in m.w.items():
+        if t.dim() != 2:
+            continue
+        size = t.numel() * t.element_size()
+        if name in ("embed_tokens.weight", "markov_head.markov_w1.weight"):
+            continue  # gathered rows only
+        if name == "markov_head.markov_w2.weight":
+            by += K * size
+            fl += 2 * n * K * t.numel()
+            continue
+        by += size
+        if name in ("context_proj.weight", "fc.weight"):
+            fl += 2 * rows_in * t.numel()
+        elif name == "lm_head.weight":
+            fl += 2 * n * K * t.numel()
+        elif name.startswith("layers."):
+            fl += 2 * blk * t.numel()
+        else:
+            fl += 2 * blk * t.numel()
+    kv_all = m.kv_a_all if m.layout.mla else m.kv_w  # every layer's context K/V (or latent) projection
+    by += kv_all.numel() * kv_all.element_size()
+    fl += 2 * rows_in * kv_all.numel()
+    tok_bytes = int(np.prod(m.token_shape)) * m.dtype.itemsize
+    kv_tokens = sum(c + B for c in contexts)
+    by += cfg.num_layers * kv_tokens * tok_bytes + rows_in * d.contract.tap_width * 2
+    H = cfg.num_heads
+    if m.layout.mla:
+        per_tok = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
+    else:
+        per_tok = 2 * cfg.head_dim
+    fl += cfg.num_layers * sum(B * H * (c + B) * per_tok * 2 for c in contexts)
+    return {"bytes": by, "flops": fl}
+
+
+def floor_ms(cost: dict[str, float], floors: dict[str, float]) -> dict[str, float]:
+    mem = cost["bytes"] / floors["copy_bytes_per_s"] * 1e3
+    comp = cost["flops"] / floors["bf16_flops_per_s"] * 1e3
+    return {"memory_ms": mem, "compute_ms": comp, "floor_ms": max(mem, comp)}
+
+
+# ------------------------------------------------------------------------------------ sessions
+
+
+class Sessions:
+    """Sessions with context on a drafter, stepped the way the engine steps them."""
+
+    def __init__(self, d: DSparkDrafter, rng: np.random.Generator, base_key: int) -> None:
+        self.d, self.rng, self.base = d, rng, base_key
+        self.end: dict[int, int] = {}
+        self.W = d.contract.tap_width
+        self.B = d.cfg.block_size
+        self.pool = [bf16_rows(rng, NEW_ROWS, self.W) for _ in range(97)]  # made once, outside any timing
+        self.turn = 0
+
+    def open(self, n: int, ctx: int | list[int], chunk: int = 4096) -> list[int]:
+        keys = [self.base + i for i in range(n)]
+        ctxs = ctx if isinstance(ctx, list) else [ctx] * n
+        for key, c in zip(keys, ctxs, strict=True):
+            assert self.d.reserve(key, 0, c + 64 * NEW_ROWS + self.B), "KV budget too small"
+            for a in range(0, c, chunk):
+                r = min(chunk, c - a)
+                self.d.ingest([IngestItem(key, 0, a, bf16_rows(self.rng, r, self.W))])
+            self.end[key] = c
+        return keys
+
+    def step(self, keys: list[int], taps: np.ndarray | None = None) -> list[list[int]]:
+        items = []
+        for i, key in enumerate(keys):
+            self.turn += 1
+            rows = taps[i] if taps is not None else self.pool[self.turn % len(self.pool)]
+            self.d.reserve(key, 0, self.end[key] + NEW_ROWS + self.B)
+            items.append(IngestItem(key, 0, self.end[key], rows))
+            self.end[key] += NEW_ROWS
+        self.d.ingest(items)
+        outs = self.d.draft([DraftItem(k, 0, self.end[k], 7 + i % 11, K, GREEDY) for i, k in enumerate(keys)])
+        return [o.tokens for o in outs]
+
+    def rewind(self, keys: list[int], to: int) -> None:
+        for k in keys:
+            self.end[k] = to
+
+    def close(self, keys: list[int]) -> None:
+        for k in keys:
+            self.d.release(k)
+            self.end.pop(k, None)
+
+
+def timed(fn: Any, iters: int, warm: int = 3) -> dict[str, float]:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(ts), "p90_ms": float(np.percentile(ts, 90)), "min_ms": min(ts)}
+
+
+def profile_counts(fn: Any) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = syncs = launches = 0
+    gpu_us = 0.0
+    top = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
+    for e in prof.events():
+        name = e.name
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if not name.startswith(("Memcpy", "Memset")):
+                kernels += 1
+            gpu_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"):
+            syncs += 1
+        elif name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx"):
+            launches += 1
+    # the harness's own torch.cuda.synchronize() after the step is one of the syncs counted
+    return {
+        "kernels": kernels,
+        "host_syncs": syncs - 1,
+        "launch_calls": launches,
+        "gpu_busy_ms": gpu_us / 1e3,
+        "top": top.splitlines(),
+    }
+
+
+# ------------------------------------------------------------------------------------ presets
+
+
+def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: bool) -> dict[str, Any]:
+    res: dict[str, Any] = {"preset": name}
+    t0 = time.perf_counter()
+    d = random_drafter(PRESETS[name], dev, 24 << 30, torch.bfloat16, attention="paged")
+    torch.cuda.synchronize()
+    res["startup_weights_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prep = d.prepare(64, 4096)
+    res["startup_capture_selftest_s"] = time.perf_counter() - t0
+    res["prepare"] = prep
+    fast = d.fast
+    assert fast is not None
+    rng = np.random.default_rng(1)
+    S = Sessions(d, rng, 0)
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    keys = S.open(64, CTX)
+    rows: list[dict[str, Any]] = []
+    mem0 = torch.cuda.memory_allocated(dev)
+    for n in sizes:
+        ks = keys[:n]
+        cost = step_cost(d, n, [CTX] * n, n * NEW_ROWS)
+        row: dict[str, Any] = {"sessions": n, **floor_ms(cost, floors), **cost}
+        for mode in ("dense", "fast"):
+            d.fast = fast if mode == "fast" else None
+            S.rewind(ks, CTX)
+            iters = 8 if (mode == "dense" or quick) else 30
+            r = timed(lambda ks=ks: S.step(ks), iters)
+            row[f"{mode}_ms"] = r["median_ms"]
+            row[f"{mode}_p90_ms"] = r["p90_ms"]
+        d.fast = fast
+        row["ratio_fast_to_floor"] = row["fast_ms"] / row["floor_ms"]
+        row["ratio_dense_to_floor"] = row["dense_ms"] / row["floor_ms"]
+        rows.append(row)
+        log(
+            f"{name:9s} B={n:3d} dense {row['dense_ms']:8.2f} ms  fast {row['fast_ms']:7.2f} ms  "
+            f"floor {row['floor_ms']:6.2f} ms ({'mem' if row['memory_ms'] >= row['compute_ms'] else 'flop'})  "
+            f"fast/floor {row['ratio_fast_to_floor']:.2f}"
+        )
+    res["steps"] = rows
+    res["alloc_growth_bytes_over_timed_steps"] = torch.cuda.memory_allocated(dev) - mem0
+    res["graph_steps"], res["eager_kernel_steps"] = fast.graph_steps, fast.eager_steps
+    # kernels and host syncs per step
+    prof: dict[str, Any] = {}
+    for n in (1, 64):
+        for mode in ("dense", "fast"):
+            d.fast = fast if mode == "fast" else None
+            S.rewind(keys[:n], CTX)
+            try:
+                prof[f"{mode}_B{n}"] = profile_counts(lambda n=n: S.step(keys[:n]))
+            except Exception as e:  # the profiler is a measurement aid, not the measurement
+                prof[f"{mode}_B{n}"] = {"error": repr(e)}
+    d.fast = fast
+    res["profile"] = prof
+    log(f"{name} profile: " + json.dumps({k: {a: b for a, b in v.items() if a != "top"} for k, v in prof.items()}))
+    for line in prof.get("fast_B64", {}).get("top", [])[:18]:
+        log("  " + line[:150])
+    # poisoned neighbour: session 3's taps hold NaN/Inf; every other session drafts as with clean taps
+    ks = keys[:8]
+    W = d.contract.tap_width
+    clean = np.stack([bf16_rows(rng, NEW_ROWS, W) for _ in ks])
+    poison = clean.copy()
+    poison[3, 0, ::3] = 0x7FC0  # NaN
+    poison[3, 1, ::5] = 0x7F80  # +Inf
+    S.rewind(ks, CTX)
+    a = S.step(ks, clean)
+    S.rewind(ks, CTX)
+    b = S.step(ks, poison)
+    res["poisoned_neighbour_others_equal"] = all(a[i] == b[i] for i in range(8) if i != 3)
+    log(f"{name} poisoned neighbour: others unchanged = {res['poisoned_neighbour_others_equal']}")
+    S.close(keys)
+    short = S.open(64, 256)
+    res["inprocess_ctx256"] = {}
+    for n in (1, 64):
+        S.rewind(short[:n], 256)
+        res["inprocess_ctx256"][str(n)] = timed(lambda n=n: S.step(short[:n]), 20)["median_ms"]
+    S.close(short)
+    # mixed batch: one 32K session + 63 of 1K
+    try:
+        mk = S.open(63, CTX)
+        S.base = 1000
+        long = S.open(1, 32768)
+        S.base = 0
+        allk = long + mk
+        ctxs = [32768] + [CTX] * 63
+        cost = step_cost(d, 64, ctxs, 64 * NEW_ROWS)
+        mixed: dict[str, Any] = {**floor_ms(cost, floors), **cost}
+        for mode in ("dense", "fast"):
+            d.fast = fast if mode == "fast" else None
+            for k, c in zip(allk, ctxs, strict=True):
+                S.end[k] = c
+            r = timed(lambda: S.step(allk), 5 if mode == "dense" else 20)
+            mixed[f"{mode}_ms"] = r["median_ms"]
+        d.fast = fast
+        mixed["ratio_fast_to_floor"] = mixed["fast_ms"] / mixed["floor_ms"]
+        res["mixed_32k_plus_63x1k"] = mixed
+        log(f"{name} mixed: {json.dumps({k: round(v, 3) for k, v in mixed.items()})}")
+        S.close(allk)
+    except Exception:
+        res["mixed_error"] = traceback.format_exc()
+        log(res["mixed_error"])
+    # 32K-row prefill in chunks: the context projection GEMMs against the matmul rate
+    try:
+        pre: dict[str, Any] = {}
+        key = 5000
+        W = d.contract.tap_width
+        rows32k = bf16_rows(rng, 32768, W)
+        gemm_flops = 0.0
+        for nm, t in d.model.w.items():
+            if nm in ("context_proj.weight", "fc.weight"):
+                gemm_flops += 2 * 32768 * t.numel()
+        kv_all = d.model.kv_a_all if d.model.layout.mla else d.model.kv_w
+        gemm_flops += 2 * 32768 * kv_all.numel()
+        for chunk in (512, 1024, 2048, 4096):
+            assert d.reserve(key, 0, 32768 + 8)
+
+            def run(chunk: int = chunk) -> None:
+                for a in range(0, 32768, chunk):
+                    d.ingest([IngestItem(key, 0, a, rows32k[a : a + chunk])])
+
+            r = timed(run, 3, warm=1)
+            pre[f"chunk_{chunk}_ms"] = r["median_ms"]  # host copy into pinned memory included
+            pre[f"chunk_{chunk}_roofline"] = gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
+            g = fast._ingest_graphs.get(chunk)  # the GPU alone: the last chunk's graph, its inputs staged
+            if g is not None:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(32768 // chunk):
+                    g.replay()
+                b.record()
+                b.synchronize()
+                gpu_ms = a.elapsed_time(b)
+                pre[f"chunk_{chunk}_gpu_ms"] = gpu_ms
+                pre[f"chunk_{chunk}_gpu_roofline"] = gemm_flops / (gpu_ms / 1e3) / floors["bf16_flops_per_s"]
+            d.release(key)
+        pre["gemm_tflop"] = gemm_flops / 1e12
+        pre["roofline_ms"] = gemm_flops / floors["bf16_flops_per_s"] * 1e3
+        res["prefill_32k"] = pre
+        log(f"{name} prefill 32K: {json.dumps({k: round(v, 3) for k, v in pre.items()})}")
+    except Exception:
+        res["prefill_error"] = traceback.format_exc()
+        log(res["prefill_error"])
+    d.close()
+    d.fast = None
+    torch.cuda.empty_cache()
+    return res
+
+
+def server_vs_inprocess(inproc: dict[str, float]) -> dict[str, Any]:
+    """The same K3 step through a real draft-server process and DraftClient: client wait, server
+    compute (from the reply's timing) and the in-process step, 256 context rows, B = 1 and 64."""
+    from draft_tools.common import free_port
+    from target_client import ClientConfig, DraftClient, StepRequest
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "draft_server", "serve", "--model", "random:k3", "--device", "cuda"]
+    cmd += ["--kv-budget-mib", "16384", "--max-batch-sessions", "64", "--bind", f"tcp://127.0.0.1:{port}"]
+    cmd += ["--metrics-port", "-1", "--log-level", "INFO"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out: dict[str, Any] = {}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "prepared in" in line or "warm-up" in line:
+                log("  server: " + line.strip()[-160:])
+            if line.startswith("READY"):
+                break
+        else:
+            raise RuntimeError("draft-server exited before READY")
+        out["server_start_s"] = time.perf_counter() - t0
+        import threading
+
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        client = DraftClient(ClientConfig(endpoint=f"tcp://127.0.0.1:{port}", budget_ms=3000.0))
+        w = client.connect(wait=True)
+        assert w is not None
+        W = w.contract.tap_width
+        rng = np.random.default_rng(3)
+        pool = [bf16_rows(rng, 64 * NEW_ROWS, W) for _ in range(4)]
+        for n in (1, 64):
+            sids = [f"s{n}-{i}" for i in range(n)]
+            for i0 in range(0, n, 16):  # prefill 256 rows each, 16 sessions a call
+                part = sids[i0 : i0 + 16]
+                reqs = [StepRequest(sid, 0, 256, 1, 0) for sid in part]
+                client.step(reqs, bf16_rows(rng, 256 * len(part), W))
+            pos = 256
+            waits, comp = [], []
+            for it in range(25):
+                reqs = [StepRequest(sid, pos, NEW_ROWS, 5, K) for sid in sids]
+                t1 = time.perf_counter()
+                reps = client.step(reqs, pool[it % 4][: n * NEW_ROWS])
+                waits.append((time.perf_counter() - t1) * 1e3)
+                assert all(len(r.tokens) == K for r in reps), [r.status for r in reps][:3]
+                tm = client.last_timing
+                comp.append(tm.compute_ms if tm is not None else float("nan"))
+                pos += NEW_ROWS
+            waits, comp = waits[5:], comp[5:]
+            row = {
+                "client_wait_ms": statistics.median(waits),
+                "server_compute_ms": statistics.median(comp),
+                "inprocess_ms": inproc.get(str(n), float("nan")),
+            }
+            row["overhead_ms"] = row["client_wait_ms"] - row["server_compute_ms"]
+            row["server_over_inprocess"] = row["server_compute_ms"] / row["inprocess_ms"]
+            out[str(n)] = row
+            log(f"server vs in process B={n}: {json.dumps({k: round(v, 3) for k, v in row.items()})}")
+            client.free(sids)
+        client.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def exact_float32(dev: torch.device) -> dict[str, Any]:
+    """Graph path == dense eager path, token for token, at every bucket, float32, small models."""
+    from draft_server.models.tiny import K3_CONFIG, QWEN3_CONFIG
+
+    out: dict[str, Any] = {}
+    for name, cfg in (("k3", K3_CONFIG), ("qwen3", QWEN3_CONFIG)):
+        cfg = {**cfg, "hidden_size": 256, "intermediate_size": 512, "target_hidden_size": 256}
+        d = random_drafter(cfg, dev, 256 << 20, torch.float32, attention="paged")
+        d.prepare(64, 1024)
+        fast = d.fast
+        rng = np.random.default_rng(7)
+        S = Sessions(d, rng, 0)
+        keys = S.open(64, [int(x) for x in rng.integers(0, 3000, 64)])
+        per: dict[str, bool] = {}
+        W = d.contract.tap_width
+        for n in [1, 2, 3, 4, 8, 13, 16, 32, 64]:
+            ks = keys[:n]
+            ends = {k: S.end[k] for k in ks}
+            taps = np.stack([bf16_rows(rng, NEW_ROWS, W) for _ in ks])
+            a = S.step(ks, taps)
+            for k in ks:
+                S.end[k] = ends[k]
+            d.fast = None
+            b = S.step(ks, taps)
+            d.fast = fast
+            per[str(n)] = a == b
+        out[name] = {"buckets_equal": per, "graph_steps": fast.graph_steps, "eager_kernel_steps": fast.eager_steps}
+        log(f"float32 {name}: graph == dense at every bucket: {all(per.values())} {per}")
+        d.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench/results/draft_step_h200.json")
+    ap.add_argument("--presets", default="k3,qwen3-8b")
+    ap.add_argument("--quick", action="store_true", help="fewer timed iterations")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    report: dict[str, Any] = {
+        "command": "python3 -m draft_tools.bench.draft_step_gpu " + " ".join(sys.argv[1:]),
+        "machine": {
+            "gpu": torch.cuda.get_device_name(dev),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "host": platform.node(),
+            "nvidia_smi": subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            ).stdout.strip(),
+        },
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    import triton
+
+    report["machine"]["triton"] = triton.__version__
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1, default=float)
+
+    report["floors"] = measure_floors(dev)
+    log(f"floors: {report['floors']}")
+    save()
+    for name in args.presets.split(","):
+        try:
+            report[name] = bench_preset(name, report["floors"], dev, args.quick)
+        except Exception:
+            report[f"{name}_error"] = traceback.format_exc()
+            log(report[f"{name}_error"])
+        save()
+    if "k3" in report and "inprocess_ctx256" in report["k3"]:
+        try:
+            report["server_vs_inprocess"] = server_vs_inprocess(report["k3"]["inprocess_ctx256"])
+        except Exception:
+            report["server_vs_inprocess_error"] = traceback.format_exc()
+            log(report["server_vs_inprocess_error"])
+        save()
+    try:
+        report["float32_exact"] = exact_float32(dev)
+    except Exception:
+        report["float32_exact_error"] = traceback.format_exc()
+        log(report["float32_exact_error"])
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The fast draft step (paged Triton kernels, device-side Markov chain, static buffers; CUDA graphs
+on a GPU) against the dense eager reference, and a NaN-tapped session's neighbours.
+
+On the CPU the kernels run under Triton's interpreter and the step runs uncaptured (the same
+body a CUDA graph captures); float32, so greedy drafts must be identical token for token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import numpy as np
+import pytest
+
+from draft_server.drafters import DraftItem, IngestItem
+from draft_server.models import load_drafter
+from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.tiny import make_tiny
+from protocol import GREEDY
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _pair(tmp_path, variant: str, **over) -> tuple[DSparkDrafter, DSparkDrafter]:
+    p = make_tiny(variant, str(tmp_path / variant), seed=3, **over)
+    dense = load_drafter(p.draft, p.target, DEV, "float32", 16 << 20, page_size=4, attention="dense")
+    fast = load_drafter(p.draft, p.target, DEV, "float32", 16 << 20, page_size=4, attention="paged")
+    fast.prepare(max_batch_sessions=8, max_batch_rows=64)
+    assert fast.fast is not None and dense.fast is None
+    return dense, fast
+
+
+def _bits(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
+    return (rng.standard_normal((rows, width), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _drive(drafters: list[DSparkDrafter], spans: list[tuple[int, int]], rng: np.random.Generator, steps: int):
+    """Same sessions on every drafter: prefill [start, end), then steps of ingest + draft."""
+    W, B = drafters[0].contract.tap_width, drafters[0].cfg.block_size
+    ends = {}
+    for key, (start, end) in enumerate(spans):
+        taps = _bits(rng, end - start, W)
+        for d in drafters:
+            assert d.reserve(key, start, end + 3 * steps + B)
+            if end > start:
+                d.ingest([IngestItem(key, start, start, taps)])
+        ends[key] = end
+    results = []
+    for _ in range(steps):
+        new = {k: _bits(rng, 1 + k % 3, W) for k in ends}
+        outs = []
+        for d in drafters:
+            d.ingest([IngestItem(k, spans[k][0], ends[k], new[k]) for k in ends])
+            items = [DraftItem(k, spans[k][0], ends[k] + len(new[k]), 3 + k, B - k % 2, GREEDY) for k in ends]
+            outs.append(d.draft(items))
+        for k in ends:
+            ends[k] += len(new[k])
+        results.append(outs)
+    return results
+
+
+@pytest.mark.parametrize("variant,over", [("k3", {}), ("qwen3", {}), ("qwen3", {"is_causal": True})])
+def test_fast_step_drafts_what_the_dense_reference_drafts(tmp_path, variant: str, over: dict) -> None:
+    dense, fast = _pair(tmp_path, variant, **over)
+    # gap-restarted (start > 0, not page aligned), empty, short and long contexts; 5 sessions: bucket 8
+    spans = [(0, 3), (5, 37), (9, 9), (0, 1), (2, 70)]
+    for outs_dense, outs_fast in _drive([dense, fast], spans, np.random.default_rng(0), steps=3):
+        assert [o.tokens for o in outs_fast] == [o.tokens for o in outs_dense]
+        for a, b in zip(outs_dense, outs_fast, strict=True):
+            np.testing.assert_allclose(b.confidence, a.confidence, rtol=1e-4, atol=1e-5)
+
+
+def test_a_poisoned_session_never_reaches_its_neighbours(tmp_path) -> None:
+    """One session's taps hold NaN and Inf: every other session drafts exactly what it drafts when
+    that session's taps are clean, on the dense path and the fast path alike. The poisoned session
+    is the longest and holds page 0, where the dense path's padding entries point."""
+    rng = np.random.default_rng(5)
+    rows = {0: 40, 1: 20, 2: 9, 3: 20}
+    base: dict[int, np.ndarray] = {}
+    for poison in (False, True):
+        dense, fast = _pair(tmp_path / str(poison), "k3")  # fresh caches: session 0 gets page 0
+        W, B = dense.contract.tap_width, dense.cfg.block_size
+        base = base or {k: _bits(rng, rows[k], W) for k in range(4)}
+        taps = {k: v.copy() for k, v in base.items()}
+        if poison:
+            taps[0][3, ::3] = 0x7FC0  # NaN
+            taps[0][30, ::5] = 0x7F80  # +Inf
+        got = []
+        for d in (dense, fast):
+            for k in range(4):
+                assert d.reserve(k, 0, rows[k] + B)
+                d.ingest([IngestItem(k, 0, 0, taps[k])])
+            got.append([o.tokens for o in d.draft([DraftItem(k, 0, rows[k], 1, B, GREEDY) for k in range(4)])])
+        if not poison:
+            clean = got
+        else:
+            for path in (0, 1):
+                others = [t for k, t in enumerate(got[path]) if k != 0]
+                assert others == [t for k, t in enumerate(clean[path]) if k != 0]

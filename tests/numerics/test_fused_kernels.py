@@ -1,0 +1,67 @@
+"""The fused Triton kernels (RMSNorm, RoPE, SiLU-and-multiply) against the eager ops they replace,
+under Triton's interpreter on the CPU (on a GPU the same kernels run compiled)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch.nn.functional as F
+
+from draft_server.models.kernels import fused
+from draft_server.models.layers import ops
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _eager_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_eager_on_strided_views_and_broadcast_weights(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, 40, generator=g).to(DEV, dtype)
+    x = base[:, 1:4, 3:35]  # strided, 3 leading dims after the view below
+    w = torch.randn(32, generator=g).to(DEV, dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-6), _eager_rms(x, w, 1e-6), **tol)
+    wl = torch.randn(3, 1, 32, generator=g).to(DEV, dtype)  # one weight row per middle index
+    x4 = base[:, 1:4, 3:35].reshape(6, 3, 1, 32)
+    torch.testing.assert_close(fused.rms_norm(x4, wl, 1e-5), _eager_rms(x4, wl, 1e-5), **tol)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_matches_eager(interleaved: bool) -> None:
+    from draft_server.models.config import RopeSpec
+
+    rope = ops.Rope(RopeSpec(theta=10000.0, dim=16, interleaved=interleaved), torch.device(DEV))
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, 5, 24, generator=g).to(DEV)[..., 8:]  # [N, B, H, 16] slice of a wider row
+    pos = torch.randint(0, 100000, (3, 4), generator=g).to(DEV)
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    c, s = cos[:, :, None], sin[:, :, None]
+    x1, x2 = (q[..., 0::2], q[..., 1::2]) if interleaved else q.chunk(2, dim=-1)
+    if interleaved:
+        want = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        want = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    torch.testing.assert_close(fused.rope(q, c, s, interleaved), want, rtol=0, atol=1e-6)
+
+
+def test_silu_mul_and_swiglu_add() -> None:
+    g = torch.Generator().manual_seed(2)
+    gu = torch.randn(7, 2 * 48, generator=g).to(DEV)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    h, x = torch.randn(7, 16, generator=g).to(DEV), torch.randn(7, 16, generator=g).to(DEV)
+    wg, wu, wd = (torch.randn(48, 16, generator=g).to(DEV), torch.randn(48, 16, generator=g).to(DEV),
+                  torch.randn(16, 48, generator=g).to(DEV))  # fmt: skip
+    want = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+    torch.testing.assert_close(ops.swiglu_add(h, x, torch.cat([wg, wu]), wd), want, rtol=1e-5, atol=1e-4)
