@@ -3,9 +3,10 @@
 Each replaces a chain of small PyTorch kernels with one launch and one pass over memory, and
 does the arithmetic of the eager op in ``layers/ops.py``: float32, rounded to the input dtype
 where the eager op rounds (RMSNorm rounds the normalised row before the weight multiply; SiLU
-rounds before the product); only the order of a row's sum may differ (last bit). Inputs are views with at most three leading dims, a
-contiguous last dim and any other strides (a head slice of a fused QKV projection, the rope part
-of a latent), and weights or cos/sin broadcast over them, so no copy is needed to call them.
+rounds before the product); only the order of a row's sum may differ (last bit). Inputs are
+views with at most three leading dims, a contiguous last dim and any other strides (a head slice
+of a fused QKV projection, the rope part of a latent), and weights or cos/sin broadcast over
+them, so no copy is needed to call them.
 ``layers/ops.py`` dispatches here for CUDA tensors; the tests run them under Triton's
 interpreter against the eager ops.
 """
