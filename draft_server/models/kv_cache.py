@@ -73,7 +73,10 @@ class PagedKVCache:
     def reserve(self, key: int, start: int, end: int) -> bool:
         P = self.page_size
         lo, hi = (start // P, (end - 1) // P + 1) if end > start else (0, 0)
-        s = self._sessions.get(key) or _Session(first_lp=lo)
+        s = self._sessions.get(key)
+        if s is not None and s.first_lp == lo and len(s.pages) == hi - lo:
+            return True  # already exactly this span (the common case: a decode step within its page)
+        s = s or _Session(first_lp=lo)
         keep = {s.first_lp + i: p for i, p in enumerate(s.pages) if lo <= s.first_lp + i < hi}
         if (hi - lo) - len(keep) > len(self._free) + (len(s.pages) - len(keep)):
             return False

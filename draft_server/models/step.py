@@ -225,26 +225,29 @@ class FastStep:
             self._ingest_rows(items, a, min(rows, a + self.r_max))
 
     def _ingest_rows(self, items: Sequence[IngestItem], a: int, b: int) -> None:
+        """Rows a..b (in item order) through the ingest graph of their bucket."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
         if self._ingest_done is not None:
             self._ingest_done.synchronize()  # the pinned buffers are free again
-        h, taps = self.ing_host_np, self.taps_host_np
+        keys, firsts, counts, parts = [], [], [], []
         row = 0
-        out = 0
         for it in items:
             lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
             if lo_r < hi_r:
-                cnt = hi_r - lo_r
-                positions = np.arange(it.pos + lo_r, it.pos + hi_r, dtype=np.int64)
-                h[out : out + cnt] = self.cache.slots(it.key, positions)
-                h[self.r_max + out : self.r_max + out + cnt] = positions
-                taps[out : out + cnt] = it.taps[lo_r:hi_r]
-                out += cnt
+                keys.append(it.key)
+                firsts.append(it.pos + lo_r)
+                counts.append(hi_r - lo_r)
+                parts.append(it.taps[lo_r:hi_r])
             row += len(it.taps)
-        h[out:rb] = self.cache.trash_slot
-        h[self.r_max + out : self.r_max + rb] = 0
-        taps[out:rb] = 0
+        f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        h = self.ing_host_np
+        h[:r] = self._slots(keys, f, c)
+        h[r:rb] = self.cache.trash_slot
+        h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
+        h[self.r_max + r : self.r_max + rb] = 0
+        np.concatenate(parts, out=self.taps_host_np[:r])
+        self.taps_host_np[r:rb] = 0
         self.ing.copy_(self.ing_host, non_blocking=True)
         self.taps[:rb].copy_(self.taps_host[:rb], non_blocking=True)
         g = self._ingest_graphs.get(rb)
@@ -254,6 +257,23 @@ class FastStep:
             self._ingest_body(rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
+
+    def _slots(self, keys: Sequence[int], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Cache slots of positions firsts[i] .. firsts[i] + counts[i] - 1 of session keys[i], concatenated."""
+        P = self.P
+        page_lists, lp0s = [], []
+        for key, a, c in zip(keys, firsts.tolist(), counts.tolist(), strict=True):
+            lp0, pg = self.cache.pages(key, a, a + c)
+            page_lists.append(pg)
+            lp0s.append(lp0)
+        pages = np.fromiter((p for pg in page_lists for p in pg), dtype=np.int64)
+        offs = np.zeros(len(page_lists), dtype=np.int64)
+        np.cumsum([len(pg) for pg in page_lists[:-1]], out=offs[1:])
+        row_sess = np.repeat(np.arange(len(keys)), counts)
+        starts = np.cumsum(counts) - counts
+        t = firsts[row_sess] + (np.arange(int(counts.sum())) - starts[row_sess])
+        idx = t // P - np.asarray(lp0s, dtype=np.int64)[row_sess] + offs[row_sess]
+        return pages[idx] * P + t % P
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
@@ -266,27 +286,28 @@ class FastStep:
         slots = h[slice(*self._off["slots"])].reshape(self.n_max, B)
         lo, pos, first = (h[slice(*self._off[k])] for k in ("lo", "pos", "first"))
         pages = h[self._pages_at :]
+        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
+        anchor_pos = np.fromiter((it.pos for it in items), dtype=np.int64, count=n)
         used = 0
-        lens = []
-        arange = np.arange(B, dtype=np.int64)
-        for i, it in enumerate(items):
+        for i, it in enumerate(items):  # the ragged page list: each session's pages over [start, pos + B)
             lp0, pg = self.cache.pages(it.key, it.start, it.pos + B)
             if used + len(pg) > self.pages_cap:
                 raise RuntimeError("a batch's pages exceed the fast path's page list")
             pages[used : used + len(pg)] = pg
-            first[i] = lp0 - used  # ragged page list: row stride 0, offset folded into first
+            first[i] = lp0 - used  # row stride 0: the offset is folded into first
             used += len(pg)
-            ids[i, 0] = it.anchor
-            ids[i, 1:] = self.m.cfg.mask_token_id
-            positions[i] = it.pos + arange
-            slots[i] = self.cache.slots(it.key, it.pos + arange)
-            lo[i], pos[i] = it.start, it.pos
-            lens.append(it.pos - it.start)
-        for i in range(n, nb):  # padding sessions
-            ids[i] = 0
-            positions[i] = 0
-            slots[i] = self.cache.trash_slot
-            lo[i], pos[i], first[i] = 1, 0, 0
+        t = anchor_pos[:, None] + np.arange(B)
+        idx = t // P - (first[:n, None].astype(np.int64))  # index into the ragged list
+        slots[:n] = pages[idx] * P + t % P
+        ids[:n, 0] = np.fromiter((it.anchor for it in items), dtype=np.int64, count=n)
+        ids[:n, 1:] = self.m.cfg.mask_token_id
+        positions[:n] = t
+        lo[:n], pos[:n] = starts, anchor_pos
+        lens = (anchor_pos - starts).tolist()
+        ids[n:nb] = 0  # padding sessions
+        positions[n:nb] = 0
+        slots[n:nb] = self.cache.trash_slot
+        lo[n:nb], pos[n:nb], first[n:nb] = 1, 0, 0
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
         capacity = self._capacity(nb)

@@ -226,7 +226,9 @@ def profile_counts(fn: Any) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ presets
 
 
-def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: bool) -> dict[str, Any]:
+def bench_preset(
+    name: str, floors: dict[str, float], dev: torch.device, quick: bool, skip: set[str]
+) -> dict[str, Any]:
     res: dict[str, Any] = {"preset": name}
     t0 = time.perf_counter()
     d = random_drafter(PRESETS[name], dev, 24 << 30, torch.bfloat16, attention="paged")
@@ -328,6 +330,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         log(res["mixed_error"])
     # 32K-row prefill in chunks: the context projection GEMMs against the matmul rate
     try:
+        if "prefill" in skip:
+            raise KeyboardInterrupt
         pre: dict[str, Any] = {}
         key = 5000
         W = d.contract.tap_width
@@ -364,6 +368,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         pre["roofline_ms"] = gemm_flops / floors["bf16_flops_per_s"] * 1e3
         res["prefill_32k"] = pre
         log(f"{name} prefill 32K: {json.dumps({k: round(v, 3) for k, v in pre.items()})}")
+    except KeyboardInterrupt:
+        res["prefill"] = "skipped"
     except Exception:
         res["prefill_error"] = traceback.format_exc()
         log(res["prefill_error"])
@@ -480,6 +486,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/draft_step_h200.json")
     ap.add_argument("--presets", default="k3,qwen3-8b")
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, server, exact")
     args = ap.parse_args()
     dev = torch.device("cuda")
     report: dict[str, Any] = {
@@ -505,17 +512,18 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=float)
 
+    skip = set(filter(None, args.skip.split(",")))
     report["floors"] = measure_floors(dev)
     log(f"floors: {report['floors']}")
     save()
     for name in args.presets.split(","):
         try:
-            report[name] = bench_preset(name, report["floors"], dev, args.quick)
+            report[name] = bench_preset(name, report["floors"], dev, args.quick, skip)
         except Exception:
             report[f"{name}_error"] = traceback.format_exc()
             log(report[f"{name}_error"])
         save()
-    if "k3" in report and "inprocess_ctx256" in report["k3"]:
+    if "server" not in skip and "k3" in report and "inprocess_ctx256" in report["k3"]:
         try:
             report["server_vs_inprocess"] = server_vs_inprocess(report["k3"]["inprocess_ctx256"])
         except Exception:
@@ -523,7 +531,8 @@ def main() -> int:
             log(report["server_vs_inprocess_error"])
         save()
     try:
-        report["float32_exact"] = exact_float32(dev)
+        if "exact" not in skip:
+            report["float32_exact"] = exact_float32(dev)
     except Exception:
         report["float32_exact_error"] = traceback.format_exc()
         log(report["float32_exact_error"])
