@@ -8,9 +8,38 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+DTYPES += ("float64", "fp64", "double")
+# zmq endpoints the server can bind: tcp://HOST:PORT (HOST may be * or an interface), ipc://PATH
+ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s]+):(\d+|\*)|ipc://\S+|inproc://\S+)$")
+
+
+class StartupError(RuntimeError):
+    """A start-up failure an operator fixes (a port in use, no GPU): printed as one line, exit code 2."""
+
+
+def _type_name(typ: type) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[typ]
+
+
+def _check_type(name: str, typ: type, value: Any) -> Any:
+    """The TOML value converted to the field's type, or ValueError naming the key."""
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[typ]
+    if not ok:
+        raise ValueError(f"{name} = {value!r}: expected {_type_name(typ)}")
+    return float(value) if typ is float else value
 
 
 def _f(default: Any, help: str) -> Any:
@@ -58,14 +87,23 @@ class ServerConfig:
 
     @classmethod
     def from_toml(cls, path: str) -> ServerConfig:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        """Load a TOML file; every error (missing file, syntax, unknown key, wrong type) names the file."""
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
         data = data.get("server", data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        types = {f.name: _FIELD_TYPES[str(f.type)] for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(types))
         if unknown:
             raise ValueError(f"{path}: unknown config keys {unknown}")
-        return cls(**data)
+        try:
+            return cls(**{k: _check_type(k, types[k], v) for k, v in data.items()})
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def validate(self) -> None:
         positive = [
@@ -95,6 +133,23 @@ class ServerConfig:
             raise ValueError(f"unknown drafter {self.drafter!r} (dspark, checksum)")
         if self.drafter == "dspark" and not self.model:
             raise ValueError("--model is required with the dspark drafter")
+        if not ENDPOINT.match(self.bind):
+            raise ValueError(
+                f"bind {self.bind!r} is not a ZeroMQ endpoint (tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557)"
+            )
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} is not a port (0 picks one, -1 disables)")
+        if not self.metrics_host.strip():
+            raise ValueError("metrics_host is empty (e.g. 127.0.0.1 or 0.0.0.0)")
+        if not DEVICE.match(self.device):
+            raise ValueError(f"unknown device {self.device!r} (auto, cpu, cuda, cuda:N)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r} (auto, bfloat16, float16, float32)")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"unknown log_level {self.log_level!r} ({', '.join(LOG_LEVELS)})")
+
+
+_FIELD_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +160,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            typ = {"int": int, "float": float, "str": str}[str(f.type)]
+            typ = _FIELD_TYPES[str(f.type)]
             parser.add_argument(flag, type=typ, default=None, help=help_text, metavar=f.name.upper())
 
 

@@ -8,7 +8,9 @@ millisecond. Each server owns its registry, so tests can run several in one proc
 
 from __future__ import annotations
 
+import errno
 import json
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,11 +18,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from draft_server.config import StartupError
 from protocol import ErrorCode, Status
 from protocol.telemetry import LATENCY_BUCKETS
 
 MESSAGE_KINDS = ("hello", "step", "free", "ping")
 EVICTION_REASONS = ("free", "ttl", "lru", "error")
+RESTART_CAUSES = ("gap", "evicted", "ttl", "freed", "error", "unknown")
+DROP_REASONS = ("kv_full", "drafter_error", "released")
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -28,6 +33,7 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.renders = 0  # scrapes served (the watchdog exit waits for one)
         self.info = Info("draft_server", "Server identity", registry=r)
         self.messages = Counter("draft_server_messages_total", "Messages received, by kind", ["kind"], registry=r)
         self.bad_messages = Counter(
@@ -42,6 +48,22 @@ class ServerMetrics:
         self.prefill_chunks = Counter("draft_server_prefill_chunks_total", "Prefill chunks ingested", registry=r)
         self.evictions = Counter(
             "draft_server_session_evictions_total", "Sessions released, by reason", ["reason"], registry=r
+        )
+        self.restarts = Counter(
+            "draft_server_session_restarts_total",
+            "Sessions whose context restarted at a later position, by cause (gap: rows skipped; evicted, ttl, "
+            "freed, error: the server had released it; unknown: the server never had it, e.g. after a restart)",
+            ["cause"],
+            registry=r,
+        )
+        self.rows_dropped = Counter(
+            "draft_server_rows_dropped_total", "Admitted rows never ingested, by reason", ["reason"], registry=r
+        )
+        self.stale_steps = Counter(
+            "draft_server_stale_steps_total",
+            "Steps expired unread (they waited past their budget before the server read them) or superseded",
+            ["why"],
+            registry=r,
         )
         self.replies_dropped = Counter(
             "draft_server_replies_dropped_total", "Replies that could not be sent (peer gone or full)", registry=r
@@ -90,6 +112,12 @@ class ServerMetrics:
             self.entries.labels(status.name.lower())
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason)
+        for cause in RESTART_CAUSES:
+            self.restarts.labels(cause)
+        for reason in DROP_REASONS:
+            self.rows_dropped.labels(reason)
+        for why in ("unread", "superseded"):
+            self.stale_steps.labels(why)
 
     def watch_gpu(self, device: object) -> None:
         """GPU memory gauges, read at scrape time from PyTorch's caching allocator.
@@ -108,6 +136,7 @@ class ServerMetrics:
         ).set_function(lambda: torch.cuda.memory_reserved(device))
 
     def render(self) -> bytes:
+        self.renders += 1
         return generate_latest(self.registry)
 
 
@@ -138,7 +167,10 @@ class MetricsHTTPServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._httpd = ThreadingHTTPServer((host, port), Handler)
+        except OSError as e:  # one line naming the culprit, not a traceback
+            raise StartupError(_listen_error(host, port, e)) from None
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="draft-metrics-http", daemon=True)
@@ -149,3 +181,11 @@ class MetricsHTTPServer:
     def stop(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+def _listen_error(host: str, port: int, e: OSError) -> str:
+    if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+        return f"--metrics-host {host}: not an address of this host ({e.strerror})"
+    if e.errno == errno.EADDRINUSE:
+        return f"--metrics-port {port}: the port is in use on {host} (another draft-server or exporter?)"
+    return f"--metrics-host {host} --metrics-port {port}: cannot listen ({e.strerror or e})"

@@ -70,7 +70,9 @@ def _decode(decoder: msgspec.msgpack.Decoder, header: Buffer) -> Any:
             raise ProtocolError(ErrorCode.UNKNOWN_KIND, f"unknown message kind {kind!r}", call_id) from None
         raise ProtocolError(ErrorCode.BAD_MESSAGE, str(e), call_id) from None
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as e:
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"undecodable header: {e}") from None
+        # e.g. invalid UTF-8 inside a string: the header cannot be decoded, but its call id may
+        # still be readable, so the sender gets an Error instead of silence
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"undecodable header: {e}", _scan_call_id(header)) from None
 
 
 def _peek(header: Buffer) -> dict | None:
@@ -85,6 +87,28 @@ def _peek_call_id(header: Buffer) -> int:
     obj = _peek(header)
     cid = obj.get("call_id") if obj else None
     return cid if isinstance(cid, int) and not isinstance(cid, bool) and -(2**63) <= cid < 2**64 else -1
+
+
+_CALL_ID_KEY = b"\xa7call_id"  # msgpack fixstr "call_id"
+
+
+def _scan_call_id(header: Buffer) -> int:
+    """The integer after the ``call_id`` key, read from the raw msgpack bytes (-1 if there is none)."""
+    b = bytes(header)
+    at = b.find(_CALL_ID_KEY)
+    if at < 0 or at + 8 >= len(b):
+        return -1
+    i = at + 8
+    t = b[i]
+    if t <= 0x7F:
+        return t
+    widths = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False)}
+    widths |= {0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+    if t in widths:
+        n, signed = widths[t]
+        if i + 1 + n <= len(b):
+            return int.from_bytes(b[i + 1 : i + 1 + n], "big", signed=signed)
+    return -1
 
 
 def _peek_kind(header: Buffer) -> str | None:

@@ -167,6 +167,10 @@ class Step(_Message, tag="step"):
     budget_ms: float
     entries: tuple[StepEntry, ...]
     taps: TensorSpec | None = None  # [sum(rows), tap_width]; None when no entry has rows
+    # the sender's monotonic clock at send, in ms (-1: not given). The server learns each
+    # connection's smallest (receive - sent) and expires, unread, a Step that waited longer than its
+    # budget beyond that (queued during a pause or an outage): its rows still commit.
+    sent_ms: float = -1.0
 
 
 class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -178,6 +182,10 @@ class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     confidence: tuple[float, ...] = ()  # per-draft conditional survival, when served
     probs: TensorSpec | None = None  # top-n draft probabilities: frame of [k, n] f32 ...
     prob_ids: TensorSpec | None = None  # ... and their token ids [k, n] i32
+    # the context the session holds after this entry is [start, end): drafts were made from
+    # exactly that. A start later than the client's first row means the server lost the context
+    # before it (eviction, TTL, restart) and restarted the session at a later position.
+    start: int = -1
 
 
 class Timing(msgspec.Struct, frozen=True, array_like=True):

@@ -21,6 +21,9 @@ import zmq
 from draft_tools.common import free_port, scrape
 from protocol import DType, ModelContract, Step, StepEntry, decode_reply, encode, spec_for
 
+# No GPU: the Triton kernels run under Triton's interpreter (read when a kernel module is imported).
+os.environ.setdefault("TRITON_INTERPRET", "0" if os.path.exists("/dev/nvidia0") else "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The checksum drafter's default contract (draft_server.drafters.checksum.ChecksumDrafter).

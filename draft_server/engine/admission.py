@@ -1,8 +1,12 @@
 """Admission: what the server takes on, and the one place that answers ``overloaded``.
 
-Owns the queued-row counter (rows admitted by the I/O thread and not yet ingested: the only
-state both threads touch, under a lock), the retry hint, and KV room for a session (the
-drafter's reservation, evicting idle sessions least recently used first until it fits).
+Owns the queued-row counters (rows admitted by the I/O thread and not yet ingested: the only
+state both threads touch, under a lock), in total and per client, the retry hint, and KV room
+for a session (the drafter's reservation, evicting idle sessions the session table allows).
+
+A client may hold at most its share of the queue: ``max_queue_rows / clients with rows queued``
+(itself counted), so one client's row flood is answered ``overloaded`` to that client while
+another client's rows still get in.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class Admission:
         self.max_batch_rows = max_batch_rows
         self._lock = threading.Lock()
         self._queued_rows = 0
+        self._by_client: dict[bytes, int] = {}
         self.iter_ewma_s = 0.001  # recent engine iteration time (the engine updates it)
 
     # -- queued rows (I/O thread admits, engine thread retires) ------------------------------
@@ -33,17 +38,30 @@ class Admission:
     def queued_rows(self) -> int:
         return self._queued_rows
 
-    def try_admit_rows(self, rows: int) -> bool:
+    def try_admit_rows(self, owner: bytes, rows: int) -> bool:
+        if not rows:
+            return True
         with self._lock:
-            if self._queued_rows + rows > self.max_queue_rows:
+            mine = self._by_client.get(owner, 0)
+            clients = len(self._by_client) + (owner not in self._by_client)
+            share = self.max_queue_rows // clients
+            if self._queued_rows + rows > self.max_queue_rows or (clients > 1 and mine + rows > share):
                 return False
             self._queued_rows += rows
+            self._by_client[owner] = mine + rows
         return True
 
-    def retire_rows(self, rows: int) -> None:
+    def retire_rows(self, owner: bytes, rows: int) -> None:
         """Rows that left the queue: ingested, or dropped with their entry."""
+        if not rows:
+            return
         with self._lock:
             self._queued_rows -= rows
+            left = self._by_client.get(owner, 0) - rows
+            if left > 0:
+                self._by_client[owner] = left
+            else:
+                self._by_client.pop(owner, None)
         self.metrics.queue_rows.set(self._queued_rows)
 
     # -- replies -----------------------------------------------------------------------------
@@ -57,10 +75,10 @@ class Admission:
 
     # -- KV room (engine thread) -------------------------------------------------------------
     def reserve(self, s: Session, start: int, end: int) -> bool:
-        """Make ``s`` hold KV for [start, end), evicting idle sessions LRU-first if needed."""
+        """Make ``s`` hold KV for [start, end), evicting idle sessions the table allows if needed."""
         if self.drafter.reserve(s.handle, start, end):
             return True
-        while self.sessions.evict_idle(protect=s):
+        while self.sessions.evict_idle(s.owner, protect=s):
             if self.drafter.reserve(s.handle, start, end):
                 return True
         return False

@@ -4,14 +4,18 @@ The I/O thread hands over admitted work with ``submit`` / ``submit_free`` and ne
 the engine hands finished replies back through ``send_reply`` (a callback that only queues).
 One engine iteration:
 
-1. take everything that arrived (new work, frees), bind each entry to its session;
+1. take everything that arrived (new work, frees), bind each entry to its session (a newer
+   entry for a session supersedes its older queued one's drafting; an ingest-only entry is
+   acknowledged once its session is admitted);
 2. expire drafting work whose budget cannot be met any more (rows are kept);
-3. decode batch: the head entry of every session whose rows fit a chunk — ingest all of their
-   rows in one ``drafter.ingest``, draft all that want drafts in one ``drafter.draft``;
+3. decode batch: the head entry of every session whose rows fit a chunk, taken round-robin
+   across clients so no client fills the batch alone — ingest all of their rows in one
+   ``drafter.ingest``, draft all that want drafts in one ``drafter.draft``;
 4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
-restarts the session at pos. Sessions are keyed by (client identity, session id).
+restarts the session at pos (counted by cause). Every reply names the context [start, end) its
+session holds. Sessions are keyed by (owner, session id).
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from draft_server.drafters import Drafter, DraftItem, IngestItem
 from draft_server.engine.admission import Admission
 from draft_server.engine.sessions import Session, SessionTable
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
-from protocol import EntryResult, Status, StepResult, Timing
+from protocol import DType, EntryResult, Status, StepResult, Timing, spec_for
 
 log = logging.getLogger("draft_server.engine")
 
@@ -37,7 +43,7 @@ class Engine:
         self,
         drafter: Drafter,
         metrics: ServerMetrics,
-        send_reply: Callable[[bytes, StepResult], None],
+        send_reply: Callable[[bytes, StepResult, list], None],
         epoch: str,
         contract_id: str,
         *,
@@ -67,6 +73,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
+        self._rr = 0  # round-robin start among clients
         self.busy_since: float | None = None  # set while the drafter runs (watchdog)
         self._last_sweep = time.monotonic()
 
@@ -87,8 +94,8 @@ class Engine:
         self._inbox.append(("work", works))
         self._wake.set()
 
-    def submit_free(self, ident: bytes, sessions: tuple[str, ...]) -> None:
-        self._inbox.append(("free", (ident, sessions)))
+    def submit_free(self, owner: bytes, sessions: tuple[str, ...]) -> None:
+        self._inbox.append(("free", (owner, sessions)))
         self._wake.set()
 
     def reply_now(self, call: Call) -> None:
@@ -129,11 +136,19 @@ class Engine:
                         self._release(s, "free")
 
     def _enqueue(self, w: Work) -> None:
-        s = self.sessions.open((w.call.ident, w.sid))
+        s = self.sessions.open((w.call.owner, w.sid))
         if s is None:
             self._resolve(w, self.admission.overloaded("session capacity reached"), rows_done=True)
             return
+        for old in s.pending:  # a newer step for this session: the older one's drafts are moot
+            if old.k:
+                old.k = 0
+                self.metrics.stale_steps.labels("superseded").inc()
+                self._resolve(old, EntryResult(Status.EXPIRED, end=old.end, message="superseded by a newer step"))
         s.pending.append(w)
+        if not w.k:  # ingest only: acknowledged now that its session is admitted
+            start = s.start if s.known and s.start <= w.pos <= s.end else w.pos
+            self._resolve(w, EntryResult(Status.OK, end=w.end, start=start))
 
     def _has_decode_work(self) -> bool:
         return any(s.pending and s.pending[0].rows <= self.chunk for s in self.sessions)
@@ -141,8 +156,7 @@ class Engine:
     def _iteration(self) -> bool:
         now = time.monotonic()
         self._expire(now)
-        decode: list[tuple[Session, Work]] = []
-        rows = 0
+        ready: dict[bytes, list[Session]] = {}
         prefill: Session | None = None
         for s in self.sessions:
             if not s.pending:
@@ -152,10 +166,22 @@ class Engine:
                 if prefill is None or w.call.recv_t < prefill.pending[0].call.recv_t:
                     prefill = s
                 continue
-            if len(decode) >= self.max_batch_sessions or rows + w.rows > self.max_batch_rows - self.chunk:
-                continue
-            decode.append((s, w))
-            rows += w.rows
+            ready.setdefault(s.owner, []).append(s)
+        decode: list[tuple[Session, Work]] = []
+        rows = 0
+        clients = list(ready.values())
+        if clients:
+            self._rr = (self._rr + 1) % len(clients)
+            clients = clients[self._rr :] + clients[: self._rr]  # who goes first rotates
+        for turn in range(max((len(c) for c in clients), default=0)):  # one session per client per turn
+            for c in clients:
+                if turn >= len(c) or len(decode) >= self.max_batch_sessions:
+                    continue
+                w = c[turn].pending[0]
+                if rows + w.rows > self.max_batch_rows - self.chunk:
+                    continue
+                decode.append((c[turn], w))
+                rows += w.rows
         if not decode and prefill is None:
             return False
         t0 = time.monotonic()
@@ -196,17 +222,24 @@ class Engine:
         end = pos + rows
         if not self.admission.reserve(s, start, end + (self.drafter.scratch_rows if w.k else 0)):
             return False
+        if s.known and pos > s.end:
+            self.metrics.restarts.labels("gap").inc()
+        elif not s.known and pos > 0:
+            why = self.sessions.released_as(s.key)
+            cause = {"lru": "evicted", "ttl": "ttl", "free": "freed", "error": "error"}.get(why or "", "unknown")
+            self.metrics.restarts.labels(cause).inc()
         s.start, s.end, s.known = start, end, True
         return True
 
     def _kv_full(self, s: Session, w: Work) -> None:
         """The head entry of ``s`` found no KV room: answer it overloaded, its rows dropped."""
         s.pending.popleft()
-        self._resolve(w, self.admission.overloaded("draft KV cache full"), rows_done=True)
+        self._resolve(w, self.admission.overloaded("draft KV cache full"), rows_done=True, why="kv_full")
 
     def _drafter_failed(self, s: Session, w: Work, e: Exception) -> None:
         s.pending.popleft()
-        self._resolve(w, EntryResult(Status.INTERNAL, message=f"drafter error: {type(e).__name__}"), rows_done=True)
+        err = EntryResult(Status.INTERNAL, message=f"drafter error: {type(e).__name__}")
+        self._resolve(w, err, rows_done=True, why="drafter_error")
         self._release(s, "error")
 
     def _decode_batch(self, batch: list[tuple[Session, Work]], t0: float) -> None:
@@ -249,12 +282,21 @@ class Engine:
             call.compute_s += dt  # once per call: its entries shared this batch
         for s, w in placed:
             s.pending.popleft()
-            self.admission.retire_rows(w.rows)
+            self.admission.retire_rows(w.call.owner, w.rows)
             w.taps = None
-        for (_s, w), out in zip(drafts, outs, strict=True):
+        for (s, w), out in zip(drafts, outs, strict=True):
             conf = tuple(out.confidence) if out.confidence else ()
             self.metrics.drafted_tokens.inc(len(out.tokens))
-            self._resolve(w, EntryResult(Status.OK, drafts=tuple(out.tokens), end=w.end, confidence=conf))
+            probs = prob_ids = None
+            if out.probs is not None and out.prob_ids is not None:  # frames of the reply
+                payloads = w.call.payloads
+                probs = spec_for(out.probs, DType.F32, len(payloads))
+                prob_ids = spec_for(out.prob_ids, DType.I32, len(payloads) + 1)
+                payloads += [np.ascontiguousarray(out.probs, np.float32), np.ascontiguousarray(out.prob_ids, np.int32)]
+            result = EntryResult(
+                Status.OK, tuple(out.tokens), w.end, confidence=conf, probs=probs, prob_ids=prob_ids, start=s.start
+            )
+            self._resolve(w, result)
 
     def _prefill_chunk(self, s: Session, t0: float) -> None:
         w = s.pending[0]
@@ -272,7 +314,7 @@ class Engine:
             return
         self.metrics.prefill_chunks.inc()
         self.metrics.rows_ingested.inc(n)
-        self.admission.retire_rows(n)
+        self.admission.retire_rows(w.call.owner, n)
         w.taps = w.taps[n:]
         w.pos += n
         w.call.compute_s += time.monotonic() - t0
@@ -283,11 +325,13 @@ class Engine:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _resolve(self, w: Work, result: EntryResult, rows_done: bool = False) -> None:
-        """Give entry w its result (once). rows_done: its rows will not be ingested."""
+    def _resolve(self, w: Work, result: EntryResult, rows_done: bool = False, why: str = "released") -> None:
+        """Give entry w its result (once). rows_done: its rows will not be ingested (``why``)."""
         call = w.call
         if rows_done and w.taps is not None:
-            self.admission.retire_rows(len(w.taps))
+            self.admission.retire_rows(call.owner, len(w.taps))
+            if call.results[w.idx] is not None:  # acknowledged already (ingest only): say it in a metric
+                self.metrics.rows_dropped.labels(why).inc(len(w.taps))
             w.taps = None
         if call.results[w.idx] is not None:
             return
@@ -311,7 +355,7 @@ class Engine:
             ),
         )
         self.metrics.step_latency.observe(now - call.recv_t)
-        self.send_reply(call.ident, res)
+        self.send_reply(call.ident, res, call.payloads)
 
     def _release(self, s: Session, reason: str) -> None:
         for w in self.sessions.release(s, reason):

@@ -3,27 +3,36 @@ and ``Work`` (one admitted entry of it, queued on its session)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from protocol import EntryResult, Sampling
 
-SessionKey = tuple[bytes, str]  # (client routing id, session id)
+SessionKey = tuple[bytes, str]  # (owner, session id)
 
 
 @dataclass(eq=False)
 class Call:
-    """One Step message: answered once every entry has a result."""
+    """One Step message: answered once every entry has a result.
+
+    ``ident`` is the ROUTER routing id replies go to; ``owner`` is who its sessions belong to: the
+    connection's routing id, bound to the client's CurveZMQ public key when Curve is on.
+    """
 
     ident: bytes
     call_id: int
     recv_t: float
     deadline: float
     results: list[EntryResult | None]
+    owner: bytes = b""
     remaining: int = 0
     queue_s: float = 0.0
     compute_s: float = 0.0
+    payloads: list[bytes] = field(default_factory=list)  # reply frames (draft probabilities)
+
+    def __post_init__(self) -> None:
+        self.owner = self.owner or self.ident
 
 
 @dataclass(eq=False)

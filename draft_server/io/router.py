@@ -4,6 +4,16 @@ Decodes and validates each message, answers what needs no model (Hello, Ping, ma
 per-entry rejections) at once, and hands admitted entries to the engine without waiting.
 Replies come back from any thread through an outbox and a wake-up pipe registered in the same
 poller, so neither the I/O thread nor the engine ever waits on the other's work.
+
+Ownership: sessions belong to the connection that made them, keyed by its routing id, and by its
+CurveZMQ public key too when Curve is on. ``ROUTER_HANDOVER`` is off, so a second connection
+that presents a routing id already in use is refused by the socket instead of taking over;
+ZeroMQ heartbeats drop dead peers within seconds, so a client that reconnects gets its id back.
+
+Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
+connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
+its budget waited unread (a pause, an outage) and is answered ``expired`` at once, its rows
+still committed.
 """
 
 from __future__ import annotations
@@ -12,8 +22,8 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 
 import zmq
 import zmq.auth
@@ -74,6 +84,7 @@ class Router:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
+        self._min_lag_ms: OrderedDict[bytes, float] = OrderedDict()  # per connection: min (recv - sent)
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.cfg
@@ -81,7 +92,9 @@ class Router:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_mib << 20)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, and is counted
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client keeps its identity
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a routing id in use is refused, never handed over
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # dead peers go within seconds (their id is free again)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         if cfg.curve_secret_key_file:
             public, secret = zmq.auth.load_certificate(cfg.curve_secret_key_file)
             if secret is None:
@@ -115,9 +128,9 @@ class Router:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def queue_reply(self, ident: bytes, msg: object) -> None:
-        """Any thread: queue a reply for the I/O thread (never blocks)."""
-        self._outbox.append((ident, msg))
+    def queue_reply(self, ident: bytes, msg: object, payloads: list | None = None) -> None:
+        """Any thread: queue a reply (and its payload frames) for the I/O thread (never blocks)."""
+        self._outbox.append((ident, msg, payloads or ()))
         try:
             os.write(self._wake_w, b"\0")
         except BlockingIOError:
@@ -153,12 +166,12 @@ class Router:
 
     def _flush_outbox(self) -> None:
         while self._outbox:
-            ident, msg = self._outbox.popleft()
-            self._send(ident, msg)
+            ident, msg, payloads = self._outbox.popleft()
+            self._send(ident, msg, payloads)
 
-    def _send(self, ident: bytes, msg: object) -> None:
+    def _send(self, ident: bytes, msg: object, payloads: Sequence = ()) -> None:
         try:
-            self._sock.send_multipart([ident, *encode(msg)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
+            self._sock.send_multipart([ident, *encode(msg, payloads)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
         except (zmq.Again, zmq.ZMQError):
             self.metrics.replies_dropped.inc()
 
@@ -168,6 +181,10 @@ class Router:
             self.metrics.dropped_messages.inc()
             return
         ident = frames[0].bytes
+        owner = ident
+        if self.cfg.curve_secret_key_file:  # bind sessions to the client's key, not only its routing id
+            key = frames[1].get("User-Id")
+            owner = (key.encode() if isinstance(key, str) else b"") + b"\0" + ident
         header = frames[1].buffer
         payloads = [f.buffer for f in frames[2:]]
         try:
@@ -182,7 +199,7 @@ class Router:
         self.metrics.messages.labels(kind).inc()
         try:
             if isinstance(msg, Step):
-                self._on_step(ident, msg, payloads, recv_t)
+                self._on_step(ident, owner, msg, payloads, recv_t)
             elif isinstance(msg, Hello):
                 self._on_hello(ident, msg, payloads)
             elif isinstance(msg, Ping):
@@ -190,7 +207,7 @@ class Router:
             elif isinstance(msg, Free):
                 if payloads:
                     raise ProtocolError(ErrorCode.BAD_FRAMES, "free carries no payload frames")
-                self.engine.submit_free(ident, msg.sessions)
+                self.engine.submit_free(owner, msg.sessions)
         except ProtocolError as e:
             self._error(ident, e)
 
@@ -232,9 +249,28 @@ class Router:
             ),
         )
 
-    def _on_step(self, ident: bytes, step: Step, payloads: list, recv_t: float) -> None:
+    def _waited_unread_ms(self, ident: bytes, step: Step, recv_t: float) -> float:
+        """How much longer than this connection's fastest delivery the Step took to be read (0 if unknown)."""
+        if step.sent_ms < 0:
+            return 0.0
+        lag = recv_t * 1000.0 - step.sent_ms
+        best = self._min_lag_ms.get(ident)
+        if best is None or lag < best:
+            best = lag
+        self._min_lag_ms[ident] = best
+        self._min_lag_ms.move_to_end(ident)
+        if len(self._min_lag_ms) > 4096:
+            self._min_lag_ms.popitem(last=False)
+        return lag - best
+
+    def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
         taps, errors = validate_step(step, payloads, self.contract, self.limits)
-        call = Call(ident, step.call_id, recv_t, recv_t + step.budget_ms / 1000.0, [None] * len(step.entries))
+        deadline = recv_t + step.budget_ms / 1000.0
+        call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
+        waited = self._waited_unread_ms(ident, step, recv_t)
+        unread = waited > step.budget_ms
+        if unread:
+            self.metrics.stale_steps.labels("unread").inc()
         admission = self.engine.admission
         works: list[Work] = []
         row = 0
@@ -244,17 +280,20 @@ class Router:
             if err is not None:
                 self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
                 continue
-            if not admission.try_admit_rows(e.rows):
+            if not admission.try_admit_rows(owner, e.rows):
                 self._set(call, i, admission.overloaded("queue full"))
                 continue
             end = e.pos + e.rows
-            if e.k == 0:  # ingest only: acknowledged now, applied in order before the session's next entry
-                self._set(call, i, EntryResult(Status.OK, end=end))
-                if rows is None:
-                    continue
+            k = e.k
+            if unread:  # answered now; its rows still commit, in order
+                self._set(call, i, EntryResult(Status.EXPIRED, end=end, message=f"read {waited:.0f} ms late"))
+                k = 0
+            elif e.k == 0 and rows is None:
+                self._set(call, i, EntryResult(Status.OK, end=end))  # nothing to do
             else:
-                call.remaining += 1
-            works.append(Work(call, i, e.session, e.pos, rows, e.anchor, e.k, e.sampling, end))
+                call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
+            if rows is not None or k:
+                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end))
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on

@@ -32,7 +32,7 @@ def test_room_is_made_by_evicting_idle_sessions_least_recently_used_first() -> N
         assert s is not None and adm.reserve(s, 0, 40)
     assert t.open((b"c", "a")) is a  # a is now the most recently used
     c.pending.append(_work("c"))  # c has queued work: never evicted
-    new = t.open((b"c", "new"))
+    new = t.open((b"c", "new"))  # one client: every session is its own
     assert new is not None
     assert adm.reserve(new, 0, 40)  # 40 more: one idle session must go, the oldest idle one (b)
     assert t.get((b"c", "b")) is None and t.get((b"c", "a")) is a and t.get((b"c", "c")) is c
@@ -53,10 +53,10 @@ def test_session_cap_evicts_an_idle_session_or_refuses() -> None:
 
 def test_queued_rows_are_admitted_up_to_the_cap_and_retired_once() -> None:
     _, _, adm = _table(capacity=1000)
-    assert adm.try_admit_rows(60) and adm.try_admit_rows(40)
-    assert not adm.try_admit_rows(1)
-    adm.retire_rows(100)
-    assert adm.queued_rows == 0 and adm.try_admit_rows(100)
+    assert adm.try_admit_rows(b"a", 60) and adm.try_admit_rows(b"a", 40)
+    assert not adm.try_admit_rows(b"a", 1)
+    adm.retire_rows(b"a", 100)
+    assert adm.queued_rows == 0 and adm.try_admit_rows(b"a", 100)
     r = adm.overloaded("queue full")
     assert r.status == Status.OVERLOADED and r.retry_after_ms >= 1.0
 
@@ -68,15 +68,45 @@ def test_kv_full_prefill_retires_its_rows_once() -> None:
     d = ChecksumDrafter(capacity_tokens=8)
     replies: list = []
     eng = Engine(
-        d, ServerMetrics(), lambda ident, msg: replies.append(msg), "e", "c",
+        d, ServerMetrics(), lambda ident, msg, payloads: replies.append(msg), "e", "c",
         max_sessions=4, max_queue_rows=1000, max_batch_rows=64, max_batch_sessions=4,
         prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0,
     )  # fmt: skip
     rows = np.zeros((40, d.contract.tap_width), np.uint16)
-    assert eng.admission.try_admit_rows(40)
+    assert eng.admission.try_admit_rows(b"c", 40)
     call = Call(b"c", 7, 0.0, 1e9, [None], remaining=1)
     eng.submit([Work(call, 0, "s", 0, rows, 1, 2, GREEDY, 40)])
     eng._drain_inbox()
     eng._iteration()
     assert eng.admission.queued_rows == 0
     assert replies and replies[0].results[0].status == Status.OVERLOADED
+
+
+def test_a_client_within_its_share_keeps_its_sessions_when_another_floods() -> None:
+    """Table full: a flooding client may only displace its own idle sessions; a client within
+    its fair share never loses one; a client under its share may displace the flooder's."""
+    _, t, _ = _table(capacity=10_000, max_sessions=8)
+    calm = [t.open((b"calm", f"c{i}")) for i in range(2)]
+    flood = [t.open((b"flood", f"f{i}")) for i in range(6)]
+    assert all(calm) and all(flood) and len(t) == 8
+    for i in range(6, 30):  # the flood keeps opening: it recycles its own idle sessions only
+        assert t.open((b"flood", f"f{i}")) is not None
+        assert all(t.get((b"calm", f"c{j}")) is calm[j] for j in range(2))
+    assert t.client_sessions(b"calm") == 2 and t.client_sessions(b"flood") == 6
+    for s in t:  # every flood session busy: the flood is refused, nothing of calm's goes
+        if s.owner == b"flood":
+            s.pending.append(_work(s.key[1]))
+    assert t.open((b"flood", "more")) is None and t.client_sessions(b"calm") == 2
+    # a third client under its share (8 // 3 = 2) may not take a busy session; once one is idle it may
+    next(s for s in t if s.owner == b"flood").pending.clear()
+    assert t.open((b"new", "n0")) is not None and t.client_sessions(b"flood") == 5
+
+
+def test_a_row_flood_is_held_to_its_share_of_the_queue() -> None:
+    _, _, adm = _table(capacity=1000)
+    assert adm.try_admit_rows(b"flood", 90)  # alone: the whole queue
+    assert not adm.try_admit_rows(b"calm", 20)  # total bound
+    adm.retire_rows(b"flood", 60)
+    assert adm.try_admit_rows(b"calm", 20)  # two clients: 50 each
+    assert not adm.try_admit_rows(b"flood", 30)  # 30 + 30 > 50: the flood is over its share
+    assert adm.try_admit_rows(b"calm", 30)
