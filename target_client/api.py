@@ -155,6 +155,9 @@ class DraftReply:
     prob_ids: np.ndarray | None = None  # [k, n] int32 their token ids
     retry_after_ms: float = 0.0
     message: str = ""
+    # the server's context for the session is [start, end of this step's rows): a start past the
+    # session's first row means the server restarted it there (eviction, TTL, restart); -1: unknown
+    start: int = -1
 
 
 def empty_replies(n: int, status: Status | None = None) -> list[DraftReply]:

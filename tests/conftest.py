@@ -201,10 +201,16 @@ class RawPeer:
         taps: np.ndarray | None,
         budget_ms: float = 5000.0,
         timeout_ms: int = 10000,
+        sent_ms: float = -1.0,
+        wait: bool = True,
     ):
+        """Send a Step (``sent_ms``: the clock stamp it carries) and, if ``wait``, return its reply."""
         self.call_id += 1
         spec = spec_for(taps, DType.BF16, 0) if taps is not None else None
-        self.send(Step(self.call_id, budget_ms, tuple(entries), spec), [taps] if taps is not None else [])
+        msg = Step(self.call_id, budget_ms, tuple(entries), spec, sent_ms=sent_ms)
+        self.send(msg, [taps] if taps is not None else [])
+        if not wait:
+            return None
         while True:
             reply = self.recv(timeout_ms)
             if reply is None or getattr(reply, "call_id", None) == self.call_id:

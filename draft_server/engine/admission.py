@@ -4,9 +4,9 @@ Owns the queued-row counters (rows admitted by the I/O thread and not yet ingest
 state both threads touch, under a lock), in total and per client, the retry hint, and KV room
 for a session (the drafter's reservation, evicting idle sessions the session table allows).
 
-A client may hold at most its share of the queue: ``max_queue_rows / clients with rows queued``
-(itself counted), so one client's row flood is answered ``overloaded`` to that client while
-another client's rows still get in.
+A client may hold at most its share of the queue: ``max_queue_rows / clients`` (clients with
+rows queued or live sessions, itself counted), so one client's row flood is answered
+``overloaded`` to that client and room stays for every other client's rows.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Admission:
             return True
         with self._lock:
             mine = self._by_client.get(owner, 0)
-            clients = len(self._by_client) + (owner not in self._by_client)
+            clients = len(self._by_client.keys() | self.sessions.owners() | {owner})
             share = self.max_queue_rows // clients
             if self._queued_rows + rows > self.max_queue_rows or (clients > 1 and mine + rows > share):
                 return False

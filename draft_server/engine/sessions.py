@@ -60,6 +60,10 @@ class SessionTable:
     def get(self, key: SessionKey) -> Session | None:
         return self._by_key.get(key)
 
+    def owners(self) -> set[bytes]:
+        """Clients with live sessions (a snapshot; safe to take from the I/O thread)."""
+        return set(self._per_client.copy())
+
     def client_sessions(self, owner: bytes) -> int:
         return self._per_client.get(owner, 0)
 

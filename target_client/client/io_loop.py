@@ -492,7 +492,7 @@ class IoLoop:
                 self._c.bad_reply()
                 probs = prob_ids = None
         return DraftReply(
-            tokens, r.status, list(r.confidence[: len(tokens)]), probs, prob_ids, r.retry_after_ms, r.message
+            tokens, r.status, list(r.confidence[: len(tokens)]), probs, prob_ids, r.retry_after_ms, r.message, r.start
         )
 
     def _on_pong(self, msg: Pong, now: float) -> None:

@@ -273,6 +273,7 @@ def step_frames(
         budget_ms=budget_wire,
         entries=tuple(merged.entries),
         taps=spec_for(frame, contract.tap_dtype, 0) if frame is not None else None,
+        sent_ms=time.monotonic() * 1000.0,  # lets the server spot a step it reads after its caller gave up
     )
     return encode(msg, [frame] if frame is not None else [])
 
