@@ -275,6 +275,157 @@ def flood(endpoint: str, sessions: int) -> dict[str, int]:
         peer.close()
 
 
+# ------------------------------------------------------------------------- noisy neighbours
+# Clients that behave badly toward others without breaking the protocol. Each returns counts.
+
+
+def _bf16(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
+    return (rng.standard_normal((rows, width), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def session_flood(endpoint: str, sessions: int, per_step: int = 64) -> dict[str, int]:
+    """Open ``sessions`` new sessions in steps of ``per_step`` without waiting, then Free them all."""
+    peer = Peer(endpoint, "rogue-sflood")
+    try:
+        w = peer.hello()
+        if w is None:
+            return {"sessions": 0}
+        rng = np.random.default_rng(sessions)
+        names = [f"sf{i}" for i in range(sessions)]
+        for a in range(0, sessions, per_step):
+            part = names[a : a + per_step]
+            taps = _bf16(rng, len(part), w.contract.tap_width)
+            peer.call_id += 1
+            step = Step(
+                peer.call_id, 2000.0, tuple(StepEntry(n, 0, 1, 1, 1) for n in part), spec_for(taps, DType.BF16, 0)
+            )
+            peer.send(encode(step, [taps]))
+        time.sleep(0.5)
+        answered = peer.drain()
+        peer.send(encode(Free(tuple(names))))
+        time.sleep(0.05)
+        return {"sessions": sessions, "replies": answered}
+    finally:
+        peer.close()
+
+
+def row_flood(endpoint: str, steps: int, rows: int) -> dict[str, int]:
+    """Queue ``steps`` ingest-only steps of ``rows`` rows each without waiting, then Free."""
+    peer = Peer(endpoint, "rogue-rflood")
+    try:
+        w = peer.hello()
+        if w is None:
+            return {"steps": 0}
+        taps = _bf16(np.random.default_rng(rows), rows, w.contract.tap_width)
+        for i in range(steps):
+            peer.call_id += 1
+            peer.send(
+                encode(
+                    Step(peer.call_id, 2000.0, (StepEntry(f"rf{i}", 0, rows, 1, 0),), spec_for(taps, DType.BF16, 0)),
+                    [taps],
+                )
+            )
+        overloaded = ok = 0
+        deadline = time.monotonic() + 5.0
+        got = 0
+        while got < steps and time.monotonic() < deadline:
+            if not peer.sock.poll(200):
+                continue
+            try:
+                r = decode_reply(peer.sock.recv_multipart()[0])
+            except Exception:
+                continue
+            if isinstance(r, StepResult):
+                got += 1
+                overloaded += sum(1 for e in r.results if e.status == 1)
+                ok += sum(1 for e in r.results if e.status == 0)
+        peer.send(encode(Free(tuple(f"rf{i}" for i in range(steps)))))
+        time.sleep(0.05)
+        return {"steps": steps, "rows": rows, "ok": ok, "overloaded": overloaded}
+    finally:
+        peer.close()
+
+
+def nan_taps(endpoint: str, sessions: int) -> dict[str, int]:
+    """Sessions whose taps hold NaN and Inf, drafting like everyone else; then Free."""
+    peer = Peer(endpoint, "rogue-nan")
+    try:
+        w = peer.hello()
+        if w is None:
+            return {"sessions": 0}
+        rng = np.random.default_rng(sessions + 1)
+        names = [f"nan{i}" for i in range(sessions)]
+        taps = _bf16(rng, 8 * sessions, w.contract.tap_width)
+        taps[::2, ::3] = 0x7FC0  # NaN
+        taps[1::2, ::5] = 0x7F80  # +Inf
+        peer.call_id += 1
+        step = Step(peer.call_id, 2000.0, tuple(StepEntry(n, 0, 8, 1, 2) for n in names), spec_for(taps, DType.BF16, 0))
+        r = peer.call(step, [taps])
+        peer.send(encode(Free(tuple(names))))
+        time.sleep(0.05)
+        res = r.results if isinstance(r, StepResult) else ()
+        return {"sessions": sessions, "answered": len(res)}
+    finally:
+        peer.close()
+
+
+def hijack(endpoint: str, routing_id: bytes, session_prefix: str, sessions: int) -> dict[str, int]:
+    """Connect with another client's routing id and try to Free and overwrite its sessions.
+
+    The server must refuse the connection (its sessions belong to the first one): no reply comes."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    sock.connect(endpoint)
+    try:
+        time.sleep(0.2)
+        names = tuple(f"{session_prefix}{i}" for i in range(sessions))
+        step = Step(1, 500.0, tuple(StepEntry(n, 0, 0, 1, 1) for n in names), None)
+        try:
+            sock.send_multipart(encode(Free(names)), zmq.NOBLOCK)
+            sock.send_multipart(encode(step), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        answered = 1 if sock.poll(1000) else 0
+        return {"sessions": sessions, "answered": answered}
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def stale_storm(endpoint: str, steps: int) -> dict[str, int]:
+    """Steps whose sender's clock says they were sent 10 s ago: all must expire unread."""
+    peer = Peer(endpoint, "rogue-stale")
+    try:
+        w = peer.hello()
+        if w is None:
+            return {"steps": 0}
+        taps = _bf16(np.random.default_rng(steps), 1, w.contract.tap_width)
+        peer.call_id += 1
+        fresh = Step(
+            peer.call_id,
+            2000.0,
+            (StepEntry("st", 0, 1, 1, 0),),
+            spec_for(taps, DType.BF16, 0),
+            time.monotonic() * 1000.0,
+        )
+        peer.call(fresh, [taps])  # the connection's fastest delivery
+        expired = 0
+        for i in range(steps):
+            peer.call_id += 1
+            old = time.monotonic() * 1000.0 - 10_000.0
+            st = Step(peer.call_id, 50.0, (StepEntry("st", 1 + i, 1, 1, 2),), spec_for(taps, DType.BF16, 0), old)
+            r = peer.call(st, [taps], timeout_s=2.0)
+            if isinstance(r, StepResult) and r.results[0].status == 2:
+                expired += 1
+        peer.send(encode(Free(("st",))))
+        time.sleep(0.05)
+        return {"steps": steps, "expired": expired}
+    finally:
+        peer.close()
+
+
 def run_fuzz(endpoint: str, messages: int, rate_per_s: float, seed: int, width: int, stats_path: str) -> None:
     """Process entry: send ``messages`` fuzz messages at ``rate_per_s`` (until SIGTERM), write counts."""
     stop = False

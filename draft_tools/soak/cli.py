@@ -18,6 +18,11 @@ Chaos modes (``--chaos``, each with its own rate flags):
   vanish  a client opens sessions and disconnects without Free     (--vanish-every-s, --vanish-sessions)
   flood   one Step with more sessions than the server's capacity   (--flood-every-s, --flood-sessions)
   fuzz    a steady stream of hostile messages (the decoder fuzz)   (--fuzz-messages)
+  sflood  a client opens twice the session capacity                  (--neighbour-every-s)
+  rflood  a client queues more rows than the whole queue, unawaited  (--neighbour-every-s, --rflood-rows)
+  nan     a client's taps hold NaN and Inf                           (--neighbour-every-s)
+  hijack  a second connection presents an engine's routing id        (--neighbour-every-s)
+  stale   a client's steps say they were sent 10 s ago               (--neighbour-every-s)
 
 Invariants (all must hold for exit code 0):
 
@@ -26,6 +31,8 @@ Invariants (all must hold for exit code 0):
                          bound that this does not explain gets forensics (GC, page faults, the
                          other threads' CPU, the canary, and every thread's stack at the bound)
   drafts_valid           every reply carried k valid token ids when OK, none otherwise
+  drafts_match_context   (checksum) every draft is the checksum of exactly the context its reply
+                         names ([start, end)), faults or not
   resume_after_restart   after each restart, drafting is back within --resume-steps engine
                          steps counted from the first step that started after READY
   zero_sessions_at_end   the server holds no session once the engines finished (Free, TTL)
@@ -132,6 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--flood-every-s", type=float, default=25.0)
     c.add_argument("--flood-sessions", type=int, default=0, help="0: --max-sessions + 64")
     c.add_argument("--fuzz-messages", type=int, default=5000, help="decoder fuzz messages over the run")
+    c.add_argument(
+        "--neighbour-every-s",
+        type=float,
+        default=20.0,
+        help="period of each noisy-neighbour mode: sflood (2 x max-sessions new sessions), rflood (16 "
+        "ingest-only steps of --rflood-rows rows, unawaited), nan (NaN/Inf taps), hijack (an engine's "
+        "routing id from a second connection), stale (steps stamped 10 s old)",
+    )
+    c.add_argument("--rflood-rows", type=int, default=2048, help="rows per step of the row flood")
     i = ap.add_argument_group("invariants")
     i.add_argument("--resume-steps", type=int, default=2, help="drafting must be back within this many steps")
     i.add_argument("--rss-tolerance-mib", type=float, default=48.0, help="server RSS growth allowed after warm-up")

@@ -52,7 +52,8 @@ CALL_COLUMNS = (
     "bad_entry",
     "internal",
     "bad_drafts",  # replies with drafts of the wrong count or outside the vocabulary
-    "mismatch",  # checksum drafter: OK drafts that differ from the fault-free expectation
+    "mismatch",  # checksum drafter: OK drafts that differ from the checksum of the context the reply names
+    "restarted",  # OK entries whose reply names a context starting after row 0 (the server restarted it)
     "epoch_idx",
     "run_delay_ms",  # time the calling thread sat runnable but not running during the call (host CPU)
     "proc_run_delay_ms",  # the same summed over all threads of the process (e.g. the client's I/O thread)
@@ -98,6 +99,7 @@ class _Session:
     end: int = 0
     k_prev: int = 0
     digest_total: int = 0
+    cum: list[int] = field(default_factory=lambda: [0])  # digest sums of rows [0, i), for any named start
     steps: int = 0
     all_ok: bool = True
     checked: int = 0
@@ -108,6 +110,7 @@ class _Session:
     epochs: set[str] = field(default_factory=set)
     long_prefill: bool = False
     k0_then_draft: int = 0  # k=0 steps followed by a checked drafting step
+    restarted: int = 0  # OK replies naming a context that starts after row 0
     tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
 
     def summary(self, finished: bool) -> tuple[Any, ...]:
@@ -127,6 +130,7 @@ class _Session:
             int(finished),
             int(self.long_prefill),
             self.k0_then_draft,
+            self.restarted,
             tuple(self.tokens) if self.tokens is not None else (),
         )
 
@@ -144,6 +148,7 @@ SESSION_COLUMNS = (
     "finished",
     "long_prefill",
     "k0_then_draft",
+    "restarted",
     "tokens",
 )
 
@@ -345,6 +350,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 if spec.checksum:
                     for i in range(req.rows):
                         s.digest_total = (s.digest_total + row_digest(taps[i], req.pos + i)) & ((1 << 64) - 1)
+                        s.cum.append(s.digest_total)
                 s.end += req.rows
                 if s.steps == 0:
                     s.first_t0 = t0
@@ -370,8 +376,13 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 )
                 if not valid:
                     rec["bad_drafts"] += 1
+                if st == Status.OK and rep.start > 0:
+                    rec["restarted"] += 1  # the server named a context that starts after row 0
+                    s.restarted += 1
                 if spec.checksum and st == Status.OK and req.k:
-                    want = drafts_from_digests([s.digest_total], 0, s.end, req.anchor, req.k, vocab)
+                    start = max(rep.start, 0)  # the context the reply names: [start, end)
+                    named = (s.digest_total - s.cum[start]) & ((1 << 64) - 1) if start <= s.end else -1
+                    want = drafts_from_digests([named], start, s.end, req.anchor, req.k, vocab)
                     s.checked += 1
                     if s.k_prev == 0 and s.steps > 1:
                         s.k0_then_draft += 1

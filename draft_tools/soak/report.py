@@ -145,7 +145,7 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
                 continue
             untouched += 1
             checked += s["checked"]
-            if s["mismatched"]:
+            if s["mismatched"] or s.get("restarted"):  # an untouched session must keep all its context
                 mism += 1
                 if len(examples) < 5:
                     examples.append(f"engine {idx} session {s['number']}: {s['mismatched']}/{s['checked']} differ")
@@ -317,6 +317,13 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
 
     bad = total("bad_drafts")
     inv["drafts_valid"] = {"ok": bad == 0 and total("drafted") > 0, "invalid_replies": bad, "drafted": total("drafted")}
+    if args.drafter == "checksum":
+        wrong = total("mismatch")
+        inv["drafts_match_context"] = {
+            "ok": wrong == 0,
+            "mismatched_entries": wrong,
+            "entries_restarted_by_the_server": total("restarted"),
+        }
     resume = _resume(args, res)
     counted = [e for r in resume for e in r["engines"] if e["excluded"] is None]
     late = [e for e in counted if e["steps"] >= args.resume_steps]

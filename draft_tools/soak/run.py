@@ -24,7 +24,11 @@ from draft_tools.soak.engine import EngineSpec, engine_main
 from draft_tools.soak.supervisor import AttachedServer, ServerSupervisor
 
 SLACK_MS = 5.0
-ALL_MODES = ("kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz")
+ALL_MODES = (
+    "kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz",
+    # noisy neighbours: clients that hurt others without breaking the protocol
+    "sflood", "rflood", "nan", "hijack", "stale",
+)  # fmt: skip
 TOUCHING = ("kill", "pause", "flood")  # windows that can change a session's drafts without a failed call
 
 
@@ -150,6 +154,11 @@ class ChaosScheduler(threading.Thread):
             "rogue": a.rogue_every_s,
             "vanish": a.vanish_every_s,
             "flood": a.flood_every_s,
+            "sflood": a.neighbour_every_s,
+            "rflood": a.neighbour_every_s,
+            "nan": a.neighbour_every_s,
+            "hijack": a.neighbour_every_s,
+            "stale": a.neighbour_every_s,
         }
         return {k: v for k, v in p.items() if k in modes and v > 0}
 
@@ -159,7 +168,8 @@ class ChaosScheduler(threading.Thread):
             return
         first = self.t_start + self.args.warmup_s
         # staggered first firings so that modes do not bunch up at the start
-        due = {k: first + (i + self.rng.random()) * min(v, 5.0) for i, (k, v) in enumerate(sorted(periods.items()))}
+        spread = min(5.0, 30.0 / len(periods))  # every mode fires once within the first ~30 s
+        due = {k: first + (i + self.rng.random()) * min(v, spread) for i, (k, v) in enumerate(sorted(periods.items()))}
         while not self.stop_evt.is_set():
             kind = min(due, key=due.__getitem__)
             wait = due[kind] - time.monotonic()
@@ -203,6 +213,28 @@ class ChaosScheduler(threading.Thread):
             from draft_tools.chaos.rogue import flood
 
             detail = flood(self.endpoint, a.flood_sessions or a.max_sessions + 64)
+        elif kind == "sflood":
+            from draft_tools.chaos.rogue import session_flood
+
+            detail = session_flood(self.endpoint, 2 * a.max_sessions)
+        elif kind == "rflood":
+            from draft_tools.chaos.rogue import row_flood
+
+            detail = row_flood(self.endpoint, steps=16, rows=a.rflood_rows)
+        elif kind == "nan":
+            from draft_tools.chaos.rogue import nan_taps
+
+            detail = nan_taps(self.endpoint, 8)
+        elif kind == "hijack":
+            from draft_tools.chaos.rogue import hijack
+
+            victim = int(self.rng.integers(0, a.engines))  # the soak engines' routing ids are soak-e<i>
+            detail = hijack(self.endpoint, f"soak-e{victim}".encode(), f"e{victim}-s", 64)
+            detail["victim"] = victim
+        elif kind == "stale":
+            from draft_tools.chaos.rogue import stale_storm
+
+            detail = stale_storm(self.endpoint, 20)
         self.events.append(ChaosEvent(kind, t0, time.monotonic(), detail))
 
 

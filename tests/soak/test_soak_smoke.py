@@ -3,7 +3,8 @@
 Runs the real command (`python -m draft_tools.soak`) as a subprocess: it starts and supervises
 its own draft server, two engine processes, the fault-injecting proxy, rogue clients and the
 decoder fuzz. Asserts exit code 0, every invariant of the JSON report true, every chaos mode
-exercised, and the PNG plots written. The invariants themselves (waits within budget + 5 ms,
+exercised (the noisy neighbours too: session and row floods, NaN taps, a routing-id hijack, a
+stale-step storm), and the PNG plots written. The invariants themselves (waits within budget + 5 ms,
 valid drafts, resumption after restarts, zero sessions at the end, flat memory, untouched
 sessions equal to the fault-free expectation) are checked by draft-soak; see its docstring.
 """
@@ -18,9 +19,8 @@ import sys
 
 import pytest
 
+from draft_tools.soak.run import ALL_MODES as MODES
 from tests.conftest import ROOT
-
-MODES = ("kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz")
 
 
 @pytest.mark.timeout(240)
@@ -66,6 +66,10 @@ def test_soak_smoke_all_chaos_modes(tmp_path):
         "18",
         "--fuzz-messages",
         "3000",
+        "--neighbour-every-s",
+        "9",
+        "--rflood-rows",
+        "512",
         "--session-ttl-s",
         "4",
         "--max-sessions",
