@@ -177,26 +177,38 @@ class IoLoop:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._rfd, zmq.POLLIN)
         sock_flags = zmq.POLLIN
+        failures = 0  # consecutive iterations that raised
         try:
             while True:
-                want = zmq.POLLIN | (zmq.POLLOUT if self._out_due() else 0)
-                if want != sock_flags:
-                    poller.modify(self._sock, want)
-                    sock_flags = want
-                events = dict(poller.poll(self._poll_timeout_ms(time.monotonic())))
-                if self._rfd in events:
-                    self._drain_wake()
-                now = time.monotonic()
-                if events.get(self._sock, 0) & zmq.POLLIN:
-                    self._recv_all(now)  # replies first: their acks shape the next resend
-                self._drain_commands(now)
-                if self._closing:
-                    break
-                now = time.monotonic()
-                self._expire(now)
-                self._timers(now)
-                if self._out_due() and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
-                    self._send_due(now)
+                try:
+                    want = zmq.POLLIN | (zmq.POLLOUT if self._out_due() else 0)
+                    if want != sock_flags:
+                        poller.modify(self._sock, want)
+                        sock_flags = want
+                    events = dict(poller.poll(self._poll_timeout_ms(time.monotonic())))
+                    if self._rfd in events:
+                        self._drain_wake()
+                    now = time.monotonic()
+                    if events.get(self._sock, 0) & zmq.POLLIN:
+                        self._recv_all(now)  # replies first: their acks shape the next resend
+                    self._drain_commands(now)
+                    if self._closing:
+                        break
+                    now = time.monotonic()
+                    self._expire(now)
+                    self._timers(now)
+                    if self._out_due() and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
+                        self._send_due(now)
+                    failures = 0
+                except zmq.ContextTerminated:
+                    raise
+                except Exception:  # one bad iteration must not end the thread: log it and go on
+                    failures += 1
+                    self._c.add("io_errors")
+                    log.exception("draft client %s: I/O loop iteration failed (%d in a row)", self.cfg.name, failures)
+                    if failures >= 100:
+                        raise
+                    time.sleep(min(0.001 * failures, 0.05))
         except Exception:
             log.exception("draft client %s: I/O thread failed; drafting is off for this client", self.cfg.name)
         finally:

@@ -877,3 +877,23 @@ assert out[0].tokens, out
 assert not new, new
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_an_exception_in_one_io_iteration_does_not_end_the_io_thread(server, clients) -> None:
+    """A bug that raises inside the I/O loop once used to end the thread (drafting off for good)."""
+    c = clients(cfg(server.endpoint))
+    c.connect(wait=True)
+    real = c._io._timers
+    calls = {"n": 0}
+
+    def flaky(now: float) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        real(now)
+
+    c._io._timers = flaky  # type: ignore[method-assign]
+    assert wait_for(lambda: calls["n"] >= 3, 5)
+    assert c._io.thread.is_alive() and c.stats()["io_errors"] == 1
+    r = req("s", 0, 3)
+    assert timed_step(c, [r], taps_for(3, 1))[0].tokens == expected(r)
