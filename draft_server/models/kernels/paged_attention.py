@@ -671,6 +671,35 @@ def _combine(
     )
 
 
+def _stage1(
+    kernel: object,
+    grid: tuple[int, int],
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    cache_strides: tuple[int, ...],
+    block_table: torch.Tensor,
+    first_page: torch.Tensor,
+    lo: torch.Tensor,
+    pos: torch.Tensor,
+    plan: WorkPlan,
+    ws: Workspace,
+    out: torch.Tensor,
+    scale: float,
+    config: KernelConfig,
+    **layout: int,
+) -> None:
+    """Launch a stage-1 kernel: the arguments both layouts share, in their kernels' order."""
+    kernel[grid](  # type: ignore[index]
+        q, cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, ws.partial_out, ws.partial_lse, out,
+        q.stride(0), q.stride(1), q.stride(2), *cache_strides, block_table.stride(0), block_table.shape[1],
+        ws.partial_out.stride(0), ws.partial_out.stride(1), ws.partial_lse.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E,
+        ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages, **layout,
+    )  # fmt: skip
+
+
 def mla_paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -723,47 +752,12 @@ def mla_paged_attention(
         v_dim=kv_lora,
     )
     grid = (triton.cdiv(rows * heads, config.block_m), plan.capacity)
-    _mla_stage1_kernel[grid](
-        q,
-        cache,
-        block_table,
-        first_page,
-        lo,
-        pos,
-        plan.work,
-        plan.nchunks,
-        ws.partial_out,
-        ws.partial_lse,
-        out,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        cache.stride(0),
-        cache.stride(1),
-        block_table.stride(0),
-        block_table.shape[1],
-        ws.partial_out.stride(0),
-        ws.partial_out.stride(1),
-        ws.partial_lse.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        scale * _LOG2E,
-        ROWS=rows,
-        HEADS=heads,
-        KV_LORA=kv_lora,
-        ROPE=rope,
-        PAGE=page_size,
-        CHUNK=plan.chunk,
-        CAUSAL=causal,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_DL=max(16, triton.next_power_of_2(kv_lora)),
-        BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
-        DOT_PREC=_dot_precision(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    _stage1(
+        _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
+        plan, ws, out, scale, config, CAUSAL=causal,
+        HEADS=heads, KV_LORA=kv_lora, ROPE=rope,
+        BLOCK_DL=max(16, triton.next_power_of_2(kv_lora)), BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
+    )  # fmt: skip
     _combine(plan, ws, out, rows=rows, heads=heads, v_dim=kv_lora, config=config)
     return out
 
@@ -817,48 +811,11 @@ def gqa_paged_attention(
     )
     m_blocks = triton.cdiv(group * rows, config.block_m)
     grid = (kv_heads * m_blocks, plan.capacity)
-    _gqa_stage1_kernel[grid](
-        q,
-        cache,
-        block_table,
-        first_page,
-        lo,
-        pos,
-        plan.work,
-        plan.nchunks,
-        ws.partial_out,
-        ws.partial_lse,
-        out,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        cache.stride(0),
-        cache.stride(1),
-        cache.stride(2),
-        cache.stride(3),
-        block_table.stride(0),
-        block_table.shape[1],
-        ws.partial_out.stride(0),
-        ws.partial_out.stride(1),
-        ws.partial_lse.stride(0),
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        scale * _LOG2E,
-        ROWS=rows,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        PAGE=page_size,
-        CHUNK=plan.chunk,
-        CAUSAL=causal,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        M_BLOCKS=m_blocks,
-        DOT_PREC=_dot_precision(q.dtype),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    _stage1(
+        _gqa_stage1_kernel, grid, q, cache, tuple(cache.stride(i) for i in range(4)), block_table, first_page, lo,
+        pos, plan, ws, out, scale, config, CAUSAL=causal,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), M_BLOCKS=m_blocks,
+    )  # fmt: skip
     _combine(plan, ws, out, rows=rows, heads=heads, v_dim=head_dim, config=config)
     return out
 
