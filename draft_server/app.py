@@ -195,7 +195,7 @@ class DraftServer:
         self._overrun = True
         self.metrics.healthy.set(0)
         seen = self.metrics.renders
-        deadline = time.monotonic() + min(self.cfg.watchdog_s, WATCHDOG_EXIT_HOLD_S)
+        deadline = time.monotonic() + WATCHDOG_EXIT_HOLD_S
         if self.http is not None:
             while self.metrics.renders == seen and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -373,7 +373,9 @@ def _checkpoint_format(model_dir: str) -> str:
 
 # ---------------------------------------------------------------------------- systemd
 
-WATCHDOG_EXIT_HOLD_S = 10.0
+# --watchdog-exit waits this long at most for the scrape that records the fired watchdog (a
+# Prometheus scrape interval up to 15 s; compose and the ServiceMonitor scrape every 5 s)
+WATCHDOG_EXIT_HOLD_S = 15.0
 
 
 def sd_notify(state: str) -> bool:

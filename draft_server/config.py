@@ -78,7 +78,11 @@ class ServerConfig:
     batch_window_ms: float = _f(0.0, "wait up to this long for more entries before a batch (0: never wait)")
     session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
     watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")
-    watchdog_exit: bool = _f(False, "exit the process (code 3) when the watchdog fires, for an orchestrator to restart")
+    watchdog_exit: bool = _f(
+        False,
+        "exit the process (code 3) when the watchdog fires, for an orchestrator to restart; it first waits for "
+        "the next /metrics scrape (at most 15 s) so that the alerts see it",
+    )
     # --- security
     curve_secret_key_file: str = _f("", "CurveZMQ: server secret key file (`draft-server keygen`); enables encryption")
     curve_allow_dir: str = _f("", "CurveZMQ: directory of allowed client public key files (empty: any client key)")

