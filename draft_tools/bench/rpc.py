@@ -134,9 +134,11 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iters", type=int, default=300)
-    ap.add_argument("--out", default="bench/results/rpc_loopback.json")
+    ap = argparse.ArgumentParser(
+        prog="draft-bench", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    ap.add_argument("--iters", type=int, default=300, help="timed calls per configuration")
+    ap.add_argument("--out", default="bench/results/rpc_loopback.json", help="JSON file for the results")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
