@@ -33,7 +33,7 @@ from draft_server.drafters import Drafter, warm_up
 from draft_server.engine import Engine
 from draft_server.io.router import Router
 from draft_server.metrics import MetricsHTTPServer, ServerMetrics
-from protocol import ServerLimits
+from protocol import ModelContract, ServerLimits
 
 log = logging.getLogger("draft_server")
 
@@ -57,6 +57,13 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
     )
 
 
+def largest_step_bytes(cfg: ServerConfig, contract: ModelContract) -> int:
+    """The largest valid Step: a full tap frame of max_rows_per_step rows plus a header of
+    max_entries_per_step entries (session ids up to 256 bytes), with 64 KiB to spare."""
+    taps = cfg.max_rows_per_step * contract.tap_width * contract.tap_dtype.itemsize
+    return taps + cfg.max_entries_per_step * (256 + 64) + (64 << 10)
+
+
 class DraftServer:
     def __init__(self, cfg: ServerConfig, drafter: Drafter) -> None:
         self.cfg = cfg
@@ -69,7 +76,7 @@ class DraftServer:
             max_rows_per_step=cfg.max_rows_per_step,
             max_sessions=cfg.max_sessions,
             max_queue_rows=cfg.max_queue_rows,
-            max_message_bytes=cfg.max_message_mib << 20,
+            max_message_bytes=cfg.max_message_mib << 20 or largest_step_bytes(cfg, self.contract),
             max_position=cfg.max_position,
             max_session_id_bytes=256,
             prefill_chunk_rows=cfg.prefill_chunk_rows,

@@ -68,7 +68,9 @@ class ServerConfig:
     max_queue_rows: int = _f(65536, "rows waiting for ingest at most; entries beyond it are answered 'overloaded'")
     max_rows_per_step: int = _f(32768, "rows one Step message may carry")
     max_entries_per_step: int = _f(1024, "entries one Step message may carry")
-    max_message_mib: int = _f(2048, "ZeroMQ MAXMSGSIZE: larger messages are refused at the socket")
+    max_message_mib: int = _f(
+        0, "largest message in MiB (0: the largest valid Step, from the model's tap width and max_rows_per_step)"
+    )
     max_position: int = _f(1 << 24, "largest absolute position accepted")
     max_budget_ms: float = _f(60000.0, "largest per-step budget a client may ask for")
     # --- scheduling
@@ -115,7 +117,6 @@ class ServerConfig:
             "max_queue_rows",
             "max_rows_per_step",
             "max_entries_per_step",
-            "max_message_mib",
             "max_position",
             "max_batch_rows",
             "max_batch_sessions",
@@ -124,6 +125,8 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_message_mib < 0:
+            raise ValueError(f"max_message_mib must be >= 0 (0: sized from the model), got {self.max_message_mib}")
         for name in ["max_budget_ms", "session_ttl_s", "watchdog_s"]:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -72,7 +72,7 @@ def _decode(decoder: msgspec.msgpack.Decoder, header: Buffer) -> Any:
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as e:
         # e.g. invalid UTF-8 inside a string: the header cannot be decoded, but its call id may
         # still be readable, so the sender gets an Error instead of silence
-        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"undecodable header: {e}", _scan_call_id(header)) from None
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"undecodable header: {e}", scan_call_id(header)) from None
 
 
 def _peek(header: Buffer) -> dict | None:
@@ -92,7 +92,7 @@ def _peek_call_id(header: Buffer) -> int:
 _CALL_ID_KEY = b"\xa7call_id"  # msgpack fixstr "call_id"
 
 
-def _scan_call_id(header: Buffer) -> int:
+def scan_call_id(header: Buffer) -> int:
     """The integer after the ``call_id`` key, read from the raw msgpack bytes (-1 if there is none)."""
     b = bytes(header)
     at = b.find(_CALL_ID_KEY)

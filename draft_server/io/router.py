@@ -51,7 +51,7 @@ from protocol import (
     encode,
     validate_step,
 )
-from protocol.codec import check_version
+from protocol.codec import check_version, scan_call_id
 
 log = logging.getLogger("draft_server.io")
 
@@ -90,7 +90,9 @@ class Router:
         cfg = self.cfg
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_mib << 20)
+        # The loop answers a message over the limit with a TOO_LARGE error (and counts it); the socket
+        # itself drops only what is more than twice that, before it is ever held in memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.limits.max_message_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer raises, and is counted
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0)  # a routing id in use is refused, never handed over
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)  # dead peers go within seconds (their id is free again)
@@ -181,6 +183,18 @@ class Router:
             self.metrics.dropped_messages.inc()
             return
         ident = frames[0].bytes
+        size = sum(len(f) for f in frames[1:])
+        if size > self.limits.max_message_bytes:
+            cid = scan_call_id(frames[1].buffer)
+            self._error(
+                ident,
+                ProtocolError(
+                    ErrorCode.TOO_LARGE,
+                    f"message of {size} bytes over the {self.limits.max_message_bytes}-byte limit",
+                    cid,
+                ),
+            )
+            return
         owner = ident
         if self.cfg.curve_secret_key_file:  # bind sessions to the client's key, not only its routing id
             key = frames[1].get("User-Id")

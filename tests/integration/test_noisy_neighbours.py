@@ -330,3 +330,25 @@ def test_invalid_utf8_in_a_session_id_gets_an_error_naming_the_call() -> None:
     finally:
         c.close()
         srv.stop()
+
+
+def test_the_message_cap_follows_the_largest_valid_step_and_a_refusal_is_answered_and_counted() -> None:
+    """The default cap is the largest valid Step (tap width x max_rows_per_step and the entries'
+    header), not 2 GiB; a message over it gets a TOO_LARGE error naming its call, and a metric."""
+    srv = ServerProc("--max-rows-per-step", "64", "--max-entries-per-step", "8").start()
+    c = RawPeer(srv.endpoint)
+    try:
+        from protocol import PROTOCOL_VERSION, Hello
+
+        c.send(Hello(PROTOCOL_VERSION, "t", 1))
+        w = c.recv(5000)
+        assert w.limits.max_message_bytes == 64 * 128 * 2 + 8 * (256 + 64) + (64 << 10)
+        big = np.zeros((4 * 64, 64), np.uint16)  # 4x the rows a step may carry, in bytes
+        header = encode(Step(9, 100.0, (StepEntry("s", 0, 256, 1, 0),), None))[0]
+        c.send_raw([bytes(header), big.tobytes() * 2])
+        err = c.recv(5000)
+        assert err is not None and err.call_id == 9 and err.code == ErrorCode.TOO_LARGE
+        assert srv.metrics()['draft_server_bad_messages_total{code="too_large"}'] == 1
+    finally:
+        c.close()
+        srv.stop()

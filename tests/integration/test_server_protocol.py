@@ -259,8 +259,8 @@ def test_session_capacity_evicts_idle_lru_then_overloads(server_factory):
 def test_oversized_message_refused_at_socket_server_survives(server_factory):
     srv = server_factory("--max-message-mib", "1")
     bad = RawPeer(srv.endpoint)
-    bad.send_raw([encode(Ping(1))[0], b"\0" * (2 << 20)])
-    assert bad.recv(500) is None  # the socket drops it (and the connection)
+    bad.send_raw([encode(Ping(1))[0], b"\0" * (3 << 20)])
+    assert bad.recv(500) is None  # over twice the cap: the socket drops it (and the connection)
     good = RawPeer(srv.endpoint)
     r = good.step([StepEntry("x", 0, 1, 1, 2)], random_taps(np.random.default_rng(8), 1))
     assert r.results[0].status == Status.OK
