@@ -1,4 +1,5 @@
-"""Thin client for the target engine: DraftClient and its value types. Imports protocol only.
+"""Thin client for the target engine: DraftClient (one server), FleetClient (several) and their
+value types. Imports protocol only.
 
 Never imports torch or draft_server: it runs inside the target engine's process (numpy,
 msgspec, pyzmq and prometheus_client only).
@@ -13,6 +14,7 @@ from target_client.api import (
     StepRequest,
 )
 from target_client.client import DraftClient
+from target_client.fleet import FleetClient, FleetOptions, make_client
 
 __all__ = [
     "ClientConfig",
@@ -21,5 +23,8 @@ __all__ = [
     "DraftClient",
     "DraftClientError",
     "DraftReply",
+    "FleetClient",
+    "FleetOptions",
     "StepRequest",
+    "make_client",
 ]

@@ -1,9 +1,10 @@
 """Prometheus metrics of the target-side draft client (``draft_client_*``, base units).
 
 Owns the metric objects. They are created once per CollectorRegistry and shared by every
-DraftClient that uses that registry (label-free apart from small fixed enums), so two clients
-in one process never collide; ``draft_client_breaker_open`` then counts the clients whose
-breaker is open. No per-request or per-session labels.
+DraftClient (and every ``FleetClient``: ``draft_client_fleet_*``) that uses that registry
+(label-free apart from small fixed enums), so two clients in one process never collide;
+``draft_client_breaker_open`` then counts the clients whose breaker is open. No per-request or
+per-session labels.
 """
 
 from __future__ import annotations
@@ -74,17 +75,58 @@ class ClientMetrics:
             self.entries.labels(s)
 
 
+class FleetMetrics:
+    """The draft_client_fleet_* metrics of ``target_client.fleet`` on one registry (its member
+    clients count their own calls in the draft_client_* family on the same registry)."""
+
+    def __init__(self, registry: Any) -> None:
+        kw = {"registry": registry}
+        self.step_duration = Histogram(
+            "draft_client_fleet_step_duration_seconds",
+            "Time a fleet step() blocked the caller (every server of the step together)",
+            buckets=LATENCY_BUCKETS,
+            **kw,
+        )
+        self.servers = Gauge(
+            "draft_client_fleet_servers",
+            "Servers known to the fleet clients of this registry, by whether they take sessions now",
+            ["state"],
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.moves = Counter(
+            "draft_client_fleet_moves", "Sessions moved off a server that was dead, paused, refused or gone", **kw
+        )
+        self.sheds = Counter(
+            "draft_client_fleet_sheds", "New sessions moved on because their server answered overloaded", **kw
+        )
+        self.resolve_failures = Counter(
+            "draft_client_fleet_resolve_failures", "DNS lookups of the fleet's names that failed", **kw
+        )
+        for state in ("usable", "down"):
+            self.servers.labels(state)
+
+
 _lock = threading.Lock()
-_by_registry: dict[int, tuple[Any, ClientMetrics]] = {}
+_by_registry: dict[tuple[type, int], tuple[Any, Any]] = {}
+
+
+def _shared(cls: type, registry: Any) -> Any:
+    reg = REGISTRY if registry is None else registry
+    with _lock:
+        hit = _by_registry.get((cls, id(reg)))
+        if hit is not None and hit[0] is reg:
+            return hit[1]
+        m = cls(reg)
+        _by_registry[(cls, id(reg))] = (reg, m)
+        return m
 
 
 def metrics_for(registry: Any = None) -> ClientMetrics:
     """The shared ClientMetrics of ``registry`` (default REGISTRY), created on first use."""
-    reg = REGISTRY if registry is None else registry
-    with _lock:
-        hit = _by_registry.get(id(reg))
-        if hit is not None and hit[0] is reg:
-            return hit[1]
-        m = ClientMetrics(reg)
-        _by_registry[id(reg)] = (reg, m)
-        return m
+    return _shared(ClientMetrics, registry)
+
+
+def fleet_metrics_for(registry: Any = None) -> FleetMetrics:
+    """The shared FleetMetrics of ``registry`` (default REGISTRY), created on first use."""
+    return _shared(FleetMetrics, registry)

@@ -5,6 +5,6 @@ contract, epoch), ``breaker`` (circuit breaker), ``step_builder`` (requests to S
 the ``resend`` buffers); ``calls`` (what crosses between threads), ``counters`` (metrics, stats).
 """
 
-from target_client.client.facade import DraftClient
+from target_client.client.facade import DraftClient, StepTicket
 
-__all__ = ["DraftClient"]
+__all__ = ["DraftClient", "StepTicket"]

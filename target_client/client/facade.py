@@ -98,6 +98,12 @@ class DraftClient:
         return self._io.advised_k
 
     @property
+    def gate(self) -> str | None:
+        """None while steps are sent; else why a step returns at once without drafts: "not_ready"
+        (no verified Welcome yet), "breaker_open" (misses, or a refused contract), "closed"."""
+        return "closed" if self._closed else self._io.gate
+
+    @property
     def breaker_open(self) -> bool:
         return self._io.gate == "breaker_open"
 
@@ -147,18 +153,27 @@ class DraftClient:
         bit patterns for bf16), or None when no request has rows. Kept by reference until
         acknowledged: do not mutate it afterwards.
         """
-        t0 = time.monotonic()
+        return self.submit_step(requests, taps, budget_ms).collect()
+
+    def submit_step(
+        self,
+        requests: Sequence[StepRequest],
+        taps: np.ndarray | None,
+        budget_ms: float | None = None,
+        t0: float | None = None,
+    ) -> StepTicket:
+        """step() in two halves, for a caller that waits on several clients at once
+        (``target_client.fleet``): the step goes out now; ``collect()`` on the ticket waits for
+        it, at most until its deadline (``t0``, default now, plus the budget). ValueError for a
+        caller bug, as step()."""
+        t0 = time.monotonic() if t0 is None else t0
         call = self._begin(requests, taps, budget_ms, t0)
-        if not isinstance(call, StepCall):
-            return call  # answered without waiting
-        fut = call.future
-        assert fut is not None
-        self._io.submit(call)
-        try:
-            out: Outcome | None = fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
-        except (FutureTimeout, FutureCancelled):
-            out = None
-        return self._end(t0, call, out)
+        if isinstance(call, StepCall):
+            self._io.submit(call)
+            return StepTicket(self, t0, call)
+        ticket = StepTicket(self, t0, None)  # answered without waiting
+        ticket.replies, ticket.outcome = call
+        return ticket
 
     async def astep(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
@@ -167,7 +182,7 @@ class DraftClient:
         t0 = time.monotonic()
         call = self._begin(requests, taps, budget_ms, t0)
         if not isinstance(call, StepCall):
-            return call  # answered without waiting
+            return call[0]  # answered without waiting
         fut = call.future
         assert fut is not None
         afut = asyncio.wrap_future(fut)
@@ -241,30 +256,33 @@ class DraftClient:
 
     def _begin(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, t0: float
-    ) -> list[DraftReply] | StepCall:
-        """The part of a step before the wait: the replies when it is answered at once (no
-        requests; gate closed, rows only buffered), else the call to submit, with its future."""
+    ) -> tuple[list[DraftReply], str] | StepCall:
+        """The part of a step before the wait: the replies and outcome when it is answered at
+        once (no requests; gate closed, rows only buffered), else the call to submit, with its future."""
         budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
         contract = self._io.handshake.pinned
         welcome = self._io.handshake.welcome
         entries, taps = prepare(requests, taps, contract, welcome.limits if welcome is not None else None)
         n = len(entries)
         if n == 0:
-            return []
+            return [], "ok"
         deadline = t0 + budget / 1000.0
         gate = self._call_gate()
         if gate is not None:
             if gate != "closed":
                 self._io.submit(StepCall(entries, taps, deadline, send=False))
-            return self._finish(t0, empty_replies(n), gate)
+            return self._finish(t0, empty_replies(n), gate), gate
         return StepCall(entries, taps, deadline, send=True, future=Future())
 
     def _end(self, t0: float, call: StepCall, out: Outcome | None) -> list[DraftReply]:
         """The part after the wait: the outcome the I/O thread set, or a timeout."""
+        return self._finish(t0, *self._outcome(call, out))
+
+    def _outcome(self, call: StepCall, out: Outcome | None) -> tuple[list[DraftReply], str]:
         if out is not None:
-            return self._finish(t0, out.replies, out.outcome)
+            return out.replies, out.outcome
         assert call.future is not None
-        return self._finish(t0, *self._give_up(call.future, len(call.entries)))
+        return self._give_up(call.future, len(call.entries))
 
     def _call_gate(self) -> str | None:
         if self._closed:
@@ -288,3 +306,39 @@ class DraftClient:
     def _finish(self, t0: float, replies: list[DraftReply], outcome: str) -> list[DraftReply]:
         self._counters.step_done(time.monotonic() - t0, replies, outcome)
         return replies
+
+
+class StepTicket:
+    """A step sent by ``DraftClient.submit_step``. ``future`` (None once answered) resolves when
+    the I/O thread has the outcome; ``collect()`` returns the replies, waiting at most until
+    ``deadline``; ``outcome`` (one of ``metrics.OUTCOMES``) is set by then."""
+
+    __slots__ = ("_call", "_client", "_t0", "outcome", "replies")
+
+    def __init__(self, client: DraftClient, t0: float, call: StepCall | None) -> None:
+        self._client = client
+        self._t0 = t0
+        self._call = call
+        self.replies: list[DraftReply] | None = None
+        self.outcome = ""
+
+    @property
+    def future(self) -> Future | None:
+        return self._call.future if self._call is not None and self.replies is None else None
+
+    @property
+    def deadline(self) -> float:
+        return self._call.deadline if self._call is not None else self._t0
+
+    def collect(self) -> list[DraftReply]:
+        if self.replies is not None:
+            return self.replies
+        call = self._call
+        assert call is not None and call.future is not None
+        try:
+            out: Outcome | None = call.future.result(timeout=max(0.0, call.deadline - time.monotonic()))
+        except (FutureTimeout, FutureCancelled):
+            out = None
+        replies, self.outcome = self._client._outcome(call, out)
+        self.replies = self._client._finish(self._t0, replies, self.outcome)
+        return self.replies

@@ -14,7 +14,12 @@ Use::
 
 Configuration (environment variables, read in the worker process):
 
-``DRAFT_SERVER_ENDPOINT``  required, e.g. ``tcp://127.0.0.1:5557``.
+``DRAFT_SERVER_ENDPOINT``  required: one server, e.g. ``tcp://127.0.0.1:5557``; several, comma-separated
+                           (``tcp://10.0.0.5:5557,tcp://10.0.0.6:5557``); or a DNS name that resolves to
+                           many, re-resolved every 5 s (``dns+tcp://draft-server.ns.svc:5557``, a
+                           Kubernetes headless Service). Several servers: ``target_client.fleet``
+                           places each request's session on one of them and moves it when that one
+                           dies or pauses.
 ``DRAFT_BUDGET_MS``        how long one step may wait for drafts (default 50 on CPU, 20 on GPU);
                            a later reply is dropped and the step decodes without drafts.
 ``DRAFT_CONNECT_TIMEOUT_S`` bounded wait for the server's Welcome at start-up (default 10).
@@ -92,8 +97,10 @@ from target_client import (
     ConnectTimeoutError,
     ContractMismatchError,
     DraftClient,
+    FleetClient,
     StepRequest,
 )
+from target_client.fleet.endpoints import is_fleet
 from target_client.vllm.plugin import RESOLVED_AUX_LAYERS, DraftStepContext, check_runner, parse_layers, register
 
 logger = logging.getLogger(__name__)
@@ -139,7 +146,8 @@ class RemoteDSparkProposer:
         if not endpoint:
             raise ValueError(
                 "RemoteDSparkProposer: DRAFT_SERVER_ENDPOINT is not set; point it at the draft server's "
-                "ZeroMQ endpoint, e.g. DRAFT_SERVER_ENDPOINT=tcp://127.0.0.1:5557"
+                "ZeroMQ endpoint, e.g. DRAFT_SERVER_ENDPOINT=tcp://127.0.0.1:5557 (several: comma-separated, "
+                "or dns+tcp://NAME:PORT for a name that resolves to many)"
             )
         budget_ms = _env_float("DRAFT_BUDGET_MS", 50.0 if device_type == "cpu" else 20.0)
         connect_timeout_s = _env_float("DRAFT_CONNECT_TIMEOUT_S", 10.0)
@@ -147,7 +155,8 @@ class RemoteDSparkProposer:
         tap_override = parse_layers(override) if override else None
         name = os.environ.get("DRAFT_CLIENT_NAME", "") or f"vllm-{socket.gethostname()}-{os.getpid()}"
 
-        self.client = DraftClient(
+        client_cls = FleetClient if is_fleet(endpoint) else DraftClient  # several servers or a DNS name: a fleet
+        self.client = client_cls(
             ClientConfig(
                 endpoint=endpoint,
                 budget_ms=budget_ms,

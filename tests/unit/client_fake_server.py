@@ -88,7 +88,13 @@ Policy = Callable[[Step, int], Any]
 
 
 class FakeServer:
-    def __init__(self, port: int | None = None, epoch: str = "epoch-1", curve_secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        epoch: str = "epoch-1",
+        curve_secret: bytes | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.contract = CONTRACT
         self.limits = LIMITS
         self.contract_id: str | None = None  # None: contract.fingerprint()
@@ -107,7 +113,7 @@ class FakeServer:
         if curve_secret is not None:
             self.sock.curve_server = True
             self.sock.curve_secretkey = curve_secret
-        self.sock.bind(f"tcp://127.0.0.1:{port}" if port else "tcp://127.0.0.1:*")
+        self.sock.bind(f"tcp://{host}:{port}" if port else f"tcp://{host}:*")
         self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.port = int(self.endpoint.rsplit(":", 1)[1])
         self._rfd, self._wfd = _pipe()
