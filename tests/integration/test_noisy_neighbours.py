@@ -247,23 +247,26 @@ def test_steps_queued_during_a_pause_expire_unread_and_their_rows_still_commit()
 
 
 def test_a_newer_step_supersedes_a_sessions_queued_drafting() -> None:
-    srv = ServerProc().start()
+    """While the engine is busy (a slow draft batch), two steps for one session queue up: the
+    older one's drafting is answered expired (superseded), the newer one drafts."""
+    srv = ServerProc("--checksum-delay-ms", "400").start()
     rng = np.random.default_rng(9)
-    c = RawPeer(srv.endpoint)
+    c, other = RawPeer(srv.endpoint), RawPeer(srv.endpoint)
     try:
         c.step([StepEntry("s", 0, 4, 1, K)], random_taps(rng, 4))
-        srv.pause()
+        other.step([StepEntry("o", 0, 1, 1, K)], random_taps(rng, 1), wait=False)  # the engine sleeps 400 ms
+        time.sleep(0.1)
         c.step([StepEntry("s", 4, 1, 1, K)], random_taps(rng, 1), wait=False)
         first = c.call_id
         c.step([StepEntry("s", 5, 1, 2, K)], random_taps(rng, 1), wait=False)
-        time.sleep(0.2)
-        srv.resume()
         replies = {r.call_id: r for r in (c.recv(5000), c.recv(5000)) if r is not None}
         assert replies[first].results[0].status == Status.EXPIRED
         assert "superseded" in replies[first].results[0].message
         assert replies[first + 1].results[0].status == Status.OK
+        assert srv.metrics()['draft_server_stale_steps_total{why="superseded"}'] == 1
     finally:
         c.close()
+        other.close()
         srv.stop()
 
 
