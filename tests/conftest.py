@@ -124,7 +124,15 @@ class ServerProc:
         return self.proc.pid
 
     def pause(self) -> None:
+        """SIGSTOP, and wait until the process is really stopped (the signal lands asynchronously:
+        a message sent right after os.kill could otherwise still be answered)."""
         os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with open(f"/proc/{self.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return
+            time.sleep(0.001)
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
