@@ -237,7 +237,8 @@ def test_steps_queued_during_a_pause_expire_unread_and_their_rows_still_commit()
             time.sleep(0.25)
         srv.resume()
         got = [c.recv(5000) for _ in late]
-        assert all(g is not None and g.results[0].status == Status.EXPIRED for g in got), [(g.call_id, g.results[0].status, g.results[0].message) for g in got if g]
+        seen = [(g.call_id, g.results[0].status, g.results[0].message) for g in got if g]
+        assert all(g is not None and g.results[0].status == Status.EXPIRED for g in got), seen
         assert all("late" in g.results[0].message for g in got)
         assert srv.metrics()['draft_server_stale_steps_total{why="unread"}'] == 3
         r = c.step([StepEntry("s", 10, 0, 3, K)], None, sent_ms=_now_ms())  # the late rows are in
