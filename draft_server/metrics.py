@@ -56,6 +56,11 @@ class ServerMetrics:
             ["cause"],
             registry=r,
         )
+        self.nonfinite_rows = Counter(
+            "draft_server_nonfinite_tap_rows_total",
+            "Tap rows received holding NaN or Inf (sampled); they never reach another session's drafts",
+            registry=r,
+        )
         self.rows_dropped = Counter(
             "draft_server_rows_dropped_total", "Admitted rows never ingested, by reason", ["reason"], registry=r
         )

@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
@@ -34,6 +35,7 @@ from draft_server.engine import Call, Engine, Work
 from draft_server.metrics import ServerMetrics
 from protocol import (
     PROTOCOL_VERSION,
+    DType,
     EntryResult,
     Error,
     ErrorCode,
@@ -54,6 +56,20 @@ from protocol import (
 from protocol.codec import check_version, scan_call_id
 
 log = logging.getLogger("draft_server.io")
+
+
+NONFINITE_STRIDE = 61  # tap values sampled per row for NaN/Inf (a prime: any period shows up)
+
+
+def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
+    """bool [rows]: rows whose sampled values (every NONFINITE_STRIDE-th) hold NaN or Inf.
+
+    A diverged target puts NaN across whole rows, so a sample finds it for a 61st of the cost of
+    a full scan (about 0.1 ms for 64 sessions x 3 rows of K3 taps)."""
+    sample = taps[:, ::NONFINITE_STRIDE]
+    if dtype == DType.BF16:  # bit patterns: exponent all ones
+        return ((sample & 0x7F80) == 0x7F80).any(axis=1)
+    return ~np.isfinite(sample).all(axis=1)
 
 
 class Router:
@@ -85,6 +101,7 @@ class Router:
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
         self._min_lag_ms: OrderedDict[bytes, float] = OrderedDict()  # per connection: min (recv - sent)
+        self._nonfinite_by_client: dict[bytes, int] = {}
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.cfg
@@ -279,6 +296,7 @@ class Router:
 
     def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
         taps, errors = validate_step(step, payloads, self.contract, self.limits)
+        bad_rows = nonfinite_rows(taps, self.contract.tap_dtype) if taps is not None else None
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
         waited = self._waited_unread_ms(ident, step, recv_t)
@@ -294,6 +312,8 @@ class Router:
             if err is not None:
                 self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
                 continue
+            if bad_rows is not None and e.rows and (n_bad := int(bad_rows[row - e.rows : row].sum())):
+                self._count_nonfinite(owner, n_bad)
             if not admission.try_admit_rows(owner, e.rows):
                 self._set(call, i, admission.overloaded("queue full"))
                 continue
@@ -313,6 +333,15 @@ class Router:
             self.engine.submit(works)  # the engine owns `call` from here on
         if answered_here:
             self.engine.reply_now(call)
+
+    def _count_nonfinite(self, owner: bytes, rows: int) -> None:
+        """NaN/Inf taps never reach another session (the attention paths mask at the load); they
+        are counted in a metric and per client, logged at the first and every 1,000th row."""
+        self.metrics.nonfinite_rows.inc(rows)
+        before = self._nonfinite_by_client.get(owner, 0)
+        self._nonfinite_by_client[owner] = before + rows
+        if before == 0 or (before + rows) // 1000 > before // 1000:
+            log.warning("client %r: %d tap rows with NaN/Inf so far", owner[-16:], before + rows)
 
     def _set(self, call: Call, i: int, result: EntryResult) -> None:
         call.results[i] = result

@@ -106,6 +106,7 @@ def test_nan_taps_of_one_client_never_reach_another_clients_drafts(tmp_path) -> 
         # both clients in one batch (batch window): the poisoned session drafts beside the calm ones
         bad.step([StepEntry("x", 40, 0, 2, 7)], None, wait=False)
         r = calm.step([StepEntry("a", 0, 9, 5, 7), StepEntry("b", 0, 17, 6, 7)], np.concatenate(clean))
+        assert srv.metrics()["draft_server_nonfinite_tap_rows_total"] == 40  # every poisoned row, sampled
         local = load_drafter(p.draft, p.target, "cpu", "float32", attention="dense")
         for key, t in enumerate(clean):
             assert local.reserve(key, 0, len(t) + 8)
