@@ -1,8 +1,9 @@
 """`draft-soak`: drive a draft server with synthetic target engines while injecting faults.
 
-Owns the soak command: it starts and supervises a draft server (or attaches to a running one),
-starts several synthetic target engines (``soak_engine``, one process and one DraftClient
-each), optionally a fault-injecting proxy between them and the server (``chaos_proxy``) and
+Owns the soak command: it starts and supervises a draft server (or ``--servers N`` of them side
+by side, or attaches to a running one), starts several synthetic target engines (``soak_engine``,
+one process and one client each: a DraftClient, or a FleetClient over the N servers), optionally
+a fault-injecting proxy between them and the servers (``chaos_proxy``) and
 rogue clients (``chaos_rogue``), runs the chaos schedule, samples the server (RSS, GPU memory,
 live sessions), and then writes a JSON report, PNG plots and a one-screen summary. The exit
 code is 1 when an invariant breaks, 2 when the soak itself could not run.
@@ -35,7 +36,10 @@ Invariants (all must hold for exit code 0):
                          names ([start, end)), faults or not
   resume_after_restart   after each restart, drafting is back within --resume-steps engine
                          steps counted from the first step that started after READY
-  zero_sessions_at_end   the server holds no session once the engines finished (Free, TTL)
+  moved_sessions_resume  (--servers > 1) every session that moved to another server went at
+                         most --resume-steps steps without drafts around the move (a failed
+                         server costs its sessions at most that many steps)
+  zero_sessions_at_end   no server holds a session once the engines finished (Free, TTL)
   memory_flat            server RSS grows less than --rss-tolerance-mib and GPU memory (nvidia-smi,
                          and bytes held by tensors) less than --gpu-tolerance-mib after warm-up,
                          within each server process
@@ -108,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         "of each one's draft tokens that must agree, for drafters that are not batch-invariant (bf16 on a GPU)",
     )
     s = ap.add_argument_group("server (started and supervised by the soak)")
+    s.add_argument(
+        "--servers",
+        type=int,
+        default=1,
+        help="draft servers side by side; above 1 every engine drafts through a FleetClient over all of them, "
+        "each discrete chaos event hits one of them, and sessions moved off a killed or paused server must "
+        "draft again within --resume-steps steps (invariant moved_sessions_resume)",
+    )
     s.add_argument("--drafter", default="checksum", choices=["checksum", "dspark"], help="server --drafter")
     s.add_argument("--model", default="", help="DSpark draft checkpoint (with --drafter dspark)")
     s.add_argument("--target-model", default="", help="target head checkpoint")
@@ -217,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown:
         print(f"draft-soak: unknown chaos modes {unknown} (known: {', '.join(ALL_MODES)})", file=sys.stderr)
+        return 2
+    if args.servers < 1:
+        print("draft-soak: --servers must be >= 1", file=sys.stderr)
+        return 2
+    if args.endpoint and args.servers > 1:
+        print("draft-soak: --servers supervises its own servers; it does not go with --endpoint", file=sys.stderr)
         return 2
     if args.endpoint:
         dropped = [m for m in modes if m in ("kill", "slow") or (m == "pause" and args.server_pid is None)]

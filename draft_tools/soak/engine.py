@@ -1,4 +1,9 @@
-"""One synthetic target engine of draft-soak, run as its own process with its own DraftClient.
+"""One synthetic target engine of draft-soak, run as its own process with its own client.
+
+The client is a DraftClient for one server, a FleetClient when the endpoint names several
+(``target_client.make_client``); with a fleet every session also records the server it is on,
+and every move to another server how many steps it went without drafts until drafts came back
+(``moves``: the must-show of issue 15, at most 2).
 
 Owns ``EngineSpec`` and ``engine_main``. The engine holds up to ``sessions`` concurrent
 sessions; new ones arrive as others finish (at most ``arrivals_per_step`` per step, so arrivals
@@ -111,6 +116,14 @@ class _Session:
     long_prefill: bool = False
     k0_then_draft: int = 0  # k=0 steps followed by a checked drafting step
     restarted: int = 0  # OK replies naming a context that starts after row 0
+    server: str = ""  # fleet: the server the session is on ("" with one server)
+    first_server: str = ""
+    moves: int = 0  # fleet: times it moved to another server
+    miss_run: int = 0  # steps wanting drafts without them, in a row
+    miss_t0: float = 0.0  # start of the first of them
+    moved_in_run: str = ""  # the server it left during the current run ("" if none)
+    left: set[str] = field(default_factory=set)  # servers it moved away from
+    moved_back: int = 0  # moves to a server it had left before (a fleet never does that)
     tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
 
     def summary(self, finished: bool) -> tuple[Any, ...]:
@@ -132,6 +145,9 @@ class _Session:
             self.k0_then_draft,
             self.restarted,
             tuple(self.tokens) if self.tokens is not None else (),
+            self.first_server,
+            self.moves,
+            self.moved_back,
         )
 
 
@@ -150,6 +166,18 @@ SESSION_COLUMNS = (
     "k0_then_draft",
     "restarted",
     "tokens",
+    "first_server",
+    "moves",
+    "moved_back",
+)
+# Columns of a fleet move record: a session changed server and drafted again (or never did).
+MOVE_COLUMNS = (
+    "t_first_miss",  # start of its first step without drafts around the move (or of the step it moved in)
+    "steps_without",  # steps wanting drafts that got none, in a row, until drafts came back
+    "t_back",  # end of the step that brought drafts back (-1: the session ended first)
+    "number",  # the session
+    "from_server",  # the server it left (index in the engine's endpoint list; -1: not in it)
+    "to_server",  # the server it drafted on again (or was on when it ended)
 )
 
 
@@ -244,9 +272,9 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
 
     from draft_server.drafters.checksum import drafts_from_digests, row_digest
     from protocol import Status
-    from target_client import ClientConfig, DraftClient, StepRequest
+    from target_client import ClientConfig, FleetClient, StepRequest, make_client
 
-    client = DraftClient(
+    client = make_client(
         ClientConfig(
             endpoint=spec.endpoint,
             budget_ms=spec.budget_ms,
@@ -267,6 +295,14 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
     late_s = (spec.budget_ms + 5.0) / 1000.0
     sessions_out: list[tuple[Any, ...]] = []
     epochs: list[tuple[float, str]] = []
+    fleet = client if isinstance(client, FleetClient) else None
+    moves: list[tuple[float, int, float, int, int, int]] = []
+    servers = spec.endpoint.split(",")
+
+    def server_index(key: str) -> int:
+        return servers.index(key) if key in servers else -1
+
+    loads: list[tuple[float, dict[str, int]]] = []  # fleet: sessions per server, every 20 steps
     try:
         welcome = client.connect(wait=True)
         assert welcome is not None
@@ -334,6 +370,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
             gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             epoch = client.epoch or ""
+            by_server = fleet.epochs() if fleet is not None else {}
             if epoch not in epoch_idx:
                 epoch_idx[epoch] = len(epoch_idx)
                 epochs.append((t1, epoch))
@@ -356,7 +393,21 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                     s.first_t0 = t0
                 s.last_t1 = t1
                 s.steps += 1
-                s.epochs.add(epoch)
+                if fleet is None:
+                    s.epochs.add(epoch)
+                else:  # the epoch of the session's own server: a restart elsewhere does not touch it
+                    where = fleet.server_of(s.sid) or ""
+                    s.epochs.add(f"{where}={by_server.get(where)}")
+                    if not s.server:
+                        s.first_server = where
+                    elif where != s.server:
+                        s.moves += 1
+                        s.moved_back += where in s.left
+                        s.left.add(s.server)
+                        s.moved_in_run = s.server
+                        if not s.miss_run:
+                            s.miss_t0 = t0
+                    s.server = where
                 st = rep.status
                 key = "none" if st is None else st.name.lower()
                 rec[key] += 1
@@ -364,6 +415,16 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                     s.all_ok = False
                 if req.k:
                     rec["want"] += 1
+                if req.k and fleet is not None:
+                    if rep.tokens:
+                        if s.moved_in_run:
+                            frm, to = server_index(s.moved_in_run), server_index(s.server)
+                            moves.append((s.miss_t0, s.miss_run, t1, s.number, frm, to))
+                        s.miss_run, s.moved_in_run = 0, ""
+                    else:
+                        if not s.miss_run and not s.moved_in_run:
+                            s.miss_t0 = t0
+                        s.miss_run += 1
                 if rep.tokens:
                     rec["drafted"] += 1
                     s.draft_crc = zlib.crc32(np.asarray(rep.tokens, np.int64).tobytes(), s.draft_crc)
@@ -397,8 +458,13 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             if finished:
                 client.free([s.sid for s in finished])
                 for s in finished:
+                    if s.moved_in_run:  # moved, and ended before drafting again
+                        frm, to = server_index(s.moved_in_run), server_index(s.server)
+                        moves.append((s.miss_t0, s.miss_run, -1.0, s.number, frm, to))
                     sessions_out.append(s.summary(True))
                 active = [s for s in active if s.steps_left > 0]
+            if fleet is not None and step_no % 20 == 0:
+                loads.append((t1, fleet.loads()))
             step_no += 1
             if spec.step_ms:
                 time.sleep(spec.step_ms / 1000.0)
@@ -421,3 +487,6 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
         out["sessions"] = sessions_out
         out["session_columns"] = list(SESSION_COLUMNS)
         out["epochs"] = epochs
+        out["moves"] = [list(m) for m in moves]
+        out["loads"] = loads
+        out["move_columns"] = list(MOVE_COLUMNS)

@@ -47,7 +47,7 @@ def _resume(args: argparse.Namespace, res: RunResult, kind: str = "kill") -> lis
     """Steps until drafting was back, per engine, after each restart's READY (kind "kill") or
     after each SIGCONT (kind "pause"), with the reason when a measurement is excluded."""
     budget_s = args.budget_ms / 1000.0
-    proxy_events = [(t, kind, ident) for t, kind, ident in (res.proxy or {}).get("events", [])]
+    proxy_events = [(t, kind, ident) for t, kind, ident, *_server in (res.proxy or {}).get("events", [])]
     out = []
     if kind == "kill":
         marks = [(e, e.detail["ready"]) for e in res.events if e.kind == "kill" and e.detail.get("ready")]
@@ -92,6 +92,65 @@ def _resume(args: argparse.Namespace, res: RunResult, kind: str = "kill") -> lis
             row["engines"].append(entry)
         out.append(row)
     return out
+
+
+def _moves(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
+    """Fleet soaks: how many steps each session that moved to another server went without drafts
+    around the move. A move over ``--resume-steps`` breaks the invariant unless another fault of
+    the server it left or the one it went to excuses it (as ``_resume`` excludes): a proxy drop or
+    delay of this engine's message, an injected slow iteration, a second kill/pause/flood."""
+    budget_s = args.budget_ms / 1000.0
+    # (t, routing id, server) of every proxy drop or delay; server -1: not known
+    proxy_events = [(e[0], e[2], e[3] if len(e) > 3 else -1) for e in (res.proxy or {}).get("events", [])]
+    slow = [(t, i) for i, ts in enumerate(res.slow_events_by_server) for t in ts] or [(t, -1) for t in res.slow_events]
+    windows = [(e.t0, e.t1, e.detail.get("server", -1)) for e in res.events if e.kind in ("kill", "pause", "flood")]
+    measured: list[dict[str, Any]] = []
+    excused: dict[str, int] = {}
+    unrecovered = 0
+    for eng in res.engines:
+        cols = eng.get("move_columns") or []
+        ident = f"soak-e{eng['spec']['index']}"
+        for row in eng.get("moves") or []:
+            m = dict(zip(cols, row, strict=True))
+            if m["t_back"] < 0:
+                unrecovered += 1  # the session ended before drafting again
+                continue
+            t0, t1 = m["t_first_miss"], m["t_back"]
+            steps = int(m["steps_without"])
+            measured.append({"engine": eng["spec"]["index"], "session": int(m["number"]), "steps_without": steps})
+            if steps <= args.resume_steps:
+                continue
+            # over the bound: excused only by a fault of the server it left or the one it went to
+            measured[-1]["t_s"] = round(t0 - res.t_start, 3)
+            mine = {int(m.get("from_server", -1)), int(m.get("to_server", -1))}
+
+            def touches(server: int, mine: set[int] = mine) -> bool:
+                return server < 0 or -1 in mine or server in mine
+
+            reason = None
+            if any(t0 - budget_s - 0.05 <= t <= t1 and i == ident and touches(srv) for t, i, srv in proxy_events):
+                reason = "proxy dropped or delayed this engine's message to one of its servers meanwhile"
+            elif any(t0 <= t <= t1 and touches(srv) for t, srv in slow):
+                reason = "an injected slow iteration of one of its servers meanwhile"
+            elif sum(1 for w0, w1, srv in windows if w0 - budget_s <= t1 and t0 <= w1 and touches(srv)) > 1:
+                reason = "several chaos events on its servers meanwhile"
+            elif any(due <= t1 and due + late >= t0 and late >= 0.010 for due, late in res.host_stalls):
+                reason = "the host stalled a process for >= 10 ms meanwhile (canary)"
+            measured[-1]["excused"] = reason
+            if reason is not None:
+                excused[reason] = excused.get(reason, 0) + 1
+    late = [c for c in measured if c["steps_without"] > args.resume_steps and c.get("excused") is None]
+    steps = [c["steps_without"] for c in measured]
+    return {
+        "ok": not late,
+        "moves_measured": len(measured),
+        "moves_over_excused": excused,
+        "moves_unrecovered_session_ended": unrecovered,
+        "max_steps_without_drafts": max(steps, default=None),
+        "steps_without_drafts_histogram": {str(k): steps.count(k) for k in sorted(set(steps))},
+        "rule": f"at most {args.resume_steps} steps wanting drafts without them around a move to another server",
+        "late": late[:10],
+    }
 
 
 def _memory(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
@@ -336,6 +395,8 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
         "rule": f"drafts on one of the first {args.resume_steps} steps that start after READY",
         "late": late[:10],
     }
+    if getattr(args, "servers", 1) > 1:
+        inv["moved_sessions_resume"] = _moves(args, res)
     live = res.end_sessions.get("live_at_end")
     inv["zero_sessions_at_end"] = {"ok": live == 0, **res.end_sessions}
     mem = _memory(args, res)
@@ -413,6 +474,7 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
                 "wait_ms_max": round(float(w.max()), 3),
                 "epochs_seen": int(c[:, _col(e, "epoch_idx")].max()) + 1,
                 "sessions": len(e.get("sessions") or []),
+                "sessions_by_first_server": _first_servers(e),
                 "client": e.get("client_stats", {}),
             }
         )
@@ -460,6 +522,15 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
         "memory": mem,
         "server_tail": res.server_tail[-20:],
     }
+
+
+def _first_servers(engine: dict[str, Any]) -> dict[str, int] | None:
+    """Fleet soaks: how many of the engine's sessions each server took first (None with one server)."""
+    out: dict[str, int] = {}
+    for s in _sessions(engine):
+        if s.get("first_server"):
+            out[s["first_server"]] = out.get(s["first_server"], 0) + 1
+    return out or None
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -555,7 +626,15 @@ def make_plots(args: argparse.Namespace, res: RunResult, out_dir: str, prefix: s
     if s:
         st = np.array([x[0] - t0 for x in s])
         fig, ax = plt.subplots(figsize=(9, 2.8))
-        ax.plot(st, [np.nan if x[4] is None else x[4] for x in s], lw=1, color="C0", label="live sessions")
+        by_server = sorted({x[8] for x in s if len(x) > 8})
+        if len(by_server) > 1:  # a fleet: one line per server
+            for i in by_server:
+                rows = [x for x in s if x[8] == i]
+                live = [np.nan if x[4] is None else x[4] for x in rows]
+                ax.plot([x[0] - t0 for x in rows], live, lw=1, label=f"server {i}")
+            ax.legend(fontsize=7, loc="upper left")
+        else:
+            ax.plot(st, [np.nan if x[4] is None else x[4] for x in s], lw=1, color="C0", label="live sessions")
         ax.set_ylabel("live sessions", color="C0")
         ax2 = ax.twinx()
         ax2.plot(st, [np.nan if x[5] is None else x[5] for x in s], lw=0.6, color="C1", alpha=0.7)
@@ -582,7 +661,9 @@ def make_plots(args: argparse.Namespace, res: RunResult, out_dir: str, prefix: s
 def summary_text(report: dict[str, Any]) -> str:
     t = report["totals"]
     lines = [
-        f"draft-soak: {report['config']['engines']} engines x {report['config']['sessions']} sessions, "
+        f"draft-soak: {report['config']['engines']} engines x {report['config']['sessions']} sessions"
+        + (f" over {report['config']['servers']} servers" if report["config"].get("servers", 1) > 1 else "")
+        + ", "
         f"{report['duration_s']:.0f} s, drafter {report['config']['drafter']}, "
         f"chaos {','.join(report['chaos']['modes']) or 'none'}",
         f"  calls {t['calls']}  entries {t['entries']}  drafted {t['drafted_entries']}/{t['wanted_entries']}  "
@@ -593,6 +674,13 @@ def summary_text(report: dict[str, Any]) -> str:
         f"  statuses {t['statuses']}",
         f"  chaos {report['chaos']['counts']}",
     ]
+    mv = report["invariants"].get("moved_sessions_resume")
+    if mv is not None:
+        lines.append(
+            f"  sessions moved to another server: {mv['moves_measured']} measured, steps without drafts "
+            f"{mv['steps_without_drafts_histogram']} (over {report['config']['resume_steps']}: "
+            f"{sum(mv['moves_over_excused'].values())} excused by another fault, {len(mv['late'])} not)"
+        )
     for key, what in (("restarts", "after READY"), ("pauses", "after SIGCONT")):
         ms = [e for r in report.get(key, []) for e in r["engines"] if e.get("steps") is not None]
         steps = [e["steps"] for e in ms if e["excluded"] is None]

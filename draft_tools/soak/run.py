@@ -66,12 +66,15 @@ def _gpu_mib_by_pid() -> dict[int, float] | None:
 
 
 class Sampler(threading.Thread):
-    """Every ``period_s``: server RSS, GPU memory of the server pid, live sessions and queue from /metrics."""
+    """Every ``period_s``: server RSS, GPU memory of the server pid, live sessions and queue from /metrics.
 
-    def __init__(self, server: Any, metrics_port: int, period_s: float) -> None:
-        super().__init__(name="soak-sampler", daemon=True)
-        self.server, self.metrics_port, self.period_s = server, metrics_port, period_s
-        # [t, incarnation, rss_mib, gpu_mib (nvidia-smi), sessions, queue_rows, gpu_allocated_mib, gpu_reserved_mib]
+    One per server of the soak; ``index`` is that server's number among them."""
+
+    def __init__(self, server: Any, metrics_port: int, period_s: float, index: int = 0) -> None:
+        super().__init__(name=f"soak-sampler-{index}", daemon=True)
+        self.server, self.metrics_port, self.period_s, self.index = server, metrics_port, period_s, index
+        # [t, incarnation, rss_mib, gpu_mib (nvidia-smi), sessions, queue_rows, gpu_allocated_mib,
+        #  gpu_reserved_mib, server]; the incarnation is this server's until ``merge_servers`` renumbers it
         self.samples: list[list[Any]] = []
         self.last_metrics: dict[int, dict[str, float]] = {}  # per incarnation, the last scrape
         self.stop_evt = threading.Event()
@@ -99,7 +102,7 @@ class Sampler(threading.Thread):
                 if "draft_server_gpu_memory_allocated_bytes" in m:
                     alloc = m["draft_server_gpu_memory_allocated_bytes"] / 2**20
                     reserved = m["draft_server_gpu_memory_reserved_bytes"] / 2**20
-            self.samples.append([t, inc, rss, gpu, sessions, queue, alloc, reserved])
+            self.samples.append([t, inc, rss, gpu, sessions, queue, alloc, reserved, self.index])
 
 
 def run_canary(stop: Any, path: str, period_s: float = 0.002, threshold_s: float = 0.003) -> None:
@@ -133,16 +136,21 @@ class ChaosEvent:
 
 
 class ChaosScheduler(threading.Thread):
-    """Runs the discrete chaos modes one at a time, each on its own seeded period."""
+    """Runs the discrete chaos modes one at a time, each on its own seeded period. With several
+    servers each event picks one of them (seeded; ``detail["server"]``)."""
 
-    def __init__(self, args: argparse.Namespace, server: Any, endpoint: str, t_start: float, t_stop: float) -> None:
+    def __init__(
+        self, args: argparse.Namespace, servers: list[Any], endpoints: list[str], t_start: float, t_stop: float
+    ) -> None:
         super().__init__(name="soak-chaos", daemon=True)
-        self.args, self.server, self.endpoint = args, server, endpoint
+        self.args, self.servers, self.endpoints = args, servers, endpoints
+        self.server, self.endpoint = servers[0], endpoints[0]  # the target of the event being fired
         self.t_start, self.t_stop = t_start, t_stop
         self.events: list[ChaosEvent] = []
         self.errors: list[str] = []
         self.stop_evt = threading.Event()
         self.rng = np.random.default_rng([args.seed, 99])
+        self.server_rng = np.random.default_rng([args.seed, 98])  # which server an event hits
         self.limits: Any = None
         self.width = 128
 
@@ -170,8 +178,14 @@ class ChaosScheduler(threading.Thread):
         # staggered first firings so that modes do not bunch up at the start
         spread = min(5.0, 30.0 / len(periods))  # every mode fires once within the first ~30 s
         due = {k: first + (i + self.rng.random()) * min(v, spread) for i, (k, v) in enumerate(sorted(periods.items()))}
+        fired: set[str] = set()
         while not self.stop_evt.is_set():
             kind = min(due, key=due.__getitem__)
+            # a mode that never fired goes before another one's repeat once both are due: every
+            # mode fires at least once even when the repeats of the frequent ones fill the run
+            waiting = [k for k in due if k not in fired and due[k] <= time.monotonic()]
+            if waiting and kind in fired:
+                kind = min(waiting, key=due.__getitem__)
             wait = due[kind] - time.monotonic()
             if wait > 0:
                 if self.stop_evt.wait(min(wait, 0.2)):
@@ -179,6 +193,7 @@ class ChaosScheduler(threading.Thread):
                 continue
             if time.monotonic() >= self.t_stop:
                 return
+            fired.add(kind)
             try:
                 self._fire(kind)
             except Exception as e:  # recorded; a soak keeps going
@@ -190,6 +205,8 @@ class ChaosScheduler(threading.Thread):
 
     def _fire(self, kind: str) -> None:
         a = self.args
+        which = int(self.server_rng.integers(0, len(self.servers)))
+        self.server, self.endpoint = self.servers[which], self.endpoints[which]
         t0 = time.monotonic()
         detail: dict[str, Any] = {}
         if kind == "kill":
@@ -235,6 +252,8 @@ class ChaosScheduler(threading.Thread):
             from draft_tools.chaos.rogue import stale_storm
 
             detail = stale_storm(self.endpoint, 20)
+        if len(self.servers) > 1:
+            detail["server"] = which
         self.events.append(ChaosEvent(kind, t0, time.monotonic(), detail))
 
 
@@ -258,6 +277,7 @@ class RunResult:
     t_end: float
     server_tail: list[str]
     host_stalls: list[tuple[float, float]]  # (time the canary should have woken, seconds late)
+    slow_events_by_server: list[list[float]] = field(default_factory=list)  # slow_events, per server
 
 
 def _server_cmd(args: argparse.Namespace, port: int, mport: int, chaos: bool) -> list[str]:
@@ -330,24 +350,95 @@ def _late_stacks(path: str, frames: int = 6) -> list[tuple[float, str]]:
     return out
 
 
+def run_proxies(cfgs: list[Any], stats_path: str, ready: Any = None) -> None:
+    """Process entry: one ChaosProxy per server (threads of one process, so that a fleet soak adds
+    one process, not one per server) until SIGTERM; then their stats, summed, to ``stats_path``."""
+    import signal
+
+    from draft_tools.chaos.proxy import ChaosProxy
+
+    proxies = [ChaosProxy(c) for c in cfgs]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: [p.stop() for p in proxies])
+    threads = [threading.Thread(target=p.run, name=f"soak-proxy-{i}", daemon=True) for i, p in enumerate(proxies)]
+    for t in threads:
+        t.start()
+    if ready is not None:
+        ready.set()
+    try:
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(0.2)
+    finally:
+        stats: dict[str, Any] = {}
+        for i, p in enumerate(proxies):
+            d = p.stats.as_dict()
+            d["events"] = [[*e, i] for e in d["events"]]  # (t, kind, routing id, server)
+            for k, v in d.items():
+                stats[k] = stats.get(k, [] if isinstance(v, list) else 0) + v
+        stats["events"] = sorted(stats.get("events", []))
+        tmp = stats_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(stats, f)
+        os.replace(tmp, stats_path)
+
+
+def _merge_servers(servers: list[Any], samplers: list[Sampler]) -> dict[str, Any]:
+    """The servers' incarnations, samples and last scrapes in one numbering (server 0's first, ...).
+
+    Each incarnation dict gets its ``server``; samples and last scrapes are renumbered to match."""
+    offset, incarnations, samples, last = 0, [], [], {}
+    for i, srv in enumerate(servers):
+        for inc in srv.incarnations:
+            inc.setdefault("server", i)
+            incarnations.append(inc)
+        for smp in samplers[i].samples if i < len(samplers) else []:
+            samples.append([smp[0], smp[1] + offset, *smp[2:]])
+        for k, m in (samplers[i].last_metrics if i < len(samplers) else {}).items():
+            last[k + offset] = m
+        offset += len(srv.incarnations)
+    samples.sort(key=lambda x: x[0])
+    tail = [f"[server {i}] {line}" if len(servers) > 1 else line for i, srv in enumerate(servers) for line in srv.tail]
+    return {
+        "incarnations": incarnations,
+        "samples": samples,
+        "last_metrics": last,
+        "slow_events": sorted(t for srv in servers for t in srv.slow_events),
+        "slow_events_by_server": [list(srv.slow_events) for srv in servers],
+        "unexpected_exits": sum(srv.unexpected_exits for srv in servers),
+        "server_tail": tail,
+    }
+
+
 def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: list[int] | None = None) -> RunResult:
-    """One soak pass: server, proxy, rogues, engines, chaos; everything cleaned up on the way out."""
+    """One soak pass: servers, proxy, rogues, engines, chaos; everything cleaned up on the way out.
+
+    With ``--servers N`` (N > 1) N supervised servers run side by side and every engine's client
+    is a FleetClient over all of them (through the proxy when drop/delay is on); each discrete
+    chaos event picks one server."""
     ctx = mp.get_context("spawn")
     modes = set(args.modes) if chaos else set()
     attached = bool(args.endpoint)
-    server: Any
+    servers: list[Any] = []
+    endpoints: list[str] = []
+    mports: list[int] = []
     if attached:
-        server = AttachedServer(args.server_pid)
-        endpoint, mport = args.endpoint, args.metrics_port
+        servers.append(AttachedServer(args.server_pid))
+        endpoints.append(args.endpoint)
+        mports.append(args.metrics_port)
     else:
-        port, mport = free_port(), free_port()
-        server = ServerSupervisor(_server_cmd(args, port, mport, chaos))
-        endpoint = f"tcp://127.0.0.1:{port}"
+        for _ in range(max(1, getattr(args, "servers", 1))):
+            port, mport = free_port(), free_port()
+            servers.append(ServerSupervisor(_server_cmd(args, port, mport, chaos)))
+            endpoints.append(f"tcp://127.0.0.1:{port}")
+            mports.append(mport)
+    endpoint = endpoints[0]
     procs: list[mp.process.BaseProcess] = []
     proxy_proc = fuzz_proc = None
     proxy_stats_path = os.path.join(workdir, f"proxy-{int(chaos)}.json")
     fuzz_stats_path = os.path.join(workdir, f"fuzz-{int(chaos)}.json")
-    sampler = scheduler = None
+    samplers: list[Sampler] = []
+    scheduler = None
     canary_stop = ctx.Event()
     canary_path = os.path.join(workdir, f"canary-{int(chaos)}.json")
     canary = ctx.Process(target=run_canary, args=(canary_stop, canary_path), name="soak-canary")
@@ -356,46 +447,53 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
     end_sessions: dict[str, Any] = {}
     try:
         if not attached:
-            server.start()
+            for srv in servers:
+                srv.start()
         from draft_tools.chaos.rogue import Peer
 
-        peer = Peer(endpoint, "soak-probe")
-        try:
-            welcome = peer.hello(timeout_s=30.0)
-        finally:
-            peer.close()
-        if welcome is None:
-            raise RuntimeError(f"no Welcome from the draft server at {endpoint}")
+        welcome = None
+        for ep in endpoints:
+            peer = Peer(ep, "soak-probe")
+            try:
+                welcome = peer.hello(timeout_s=30.0)
+            finally:
+                peer.close()
+            if welcome is None:
+                raise RuntimeError(f"no Welcome from the draft server at {ep}")
+        assert welcome is not None
         width = welcome.contract.tap_width
-        engine_endpoint = endpoint
+        engine_endpoints = list(endpoints)
         if modes & {"drop", "delay"}:
-            from draft_tools.chaos.proxy import ProxyConfig, run_proxy
+            from draft_tools.chaos.proxy import ProxyConfig
 
-            pport = free_port()
-            pcfg = ProxyConfig(
-                frontend=f"tcp://127.0.0.1:{pport}",
-                backend=endpoint,
-                drop_request_p=args.drop_request_p if "drop" in modes else 0.0,
-                drop_reply_p=args.drop_reply_p if "drop" in modes else 0.0,
-                delay_p=args.delay_p if "delay" in modes else 0.0,
-                delay_ms=args.delay_ms,
-                seed=args.seed,
-            )
+            pcfgs = [
+                ProxyConfig(
+                    frontend=f"tcp://127.0.0.1:{free_port()}",
+                    backend=ep,
+                    drop_request_p=args.drop_request_p if "drop" in modes else 0.0,
+                    drop_reply_p=args.drop_reply_p if "drop" in modes else 0.0,
+                    delay_p=args.delay_p if "delay" in modes else 0.0,
+                    delay_ms=args.delay_ms,
+                    seed=args.seed + 1000 * i,
+                )
+                for i, ep in enumerate(endpoints)
+            ]
             ready = ctx.Event()
-            proxy_proc = ctx.Process(target=run_proxy, args=(pcfg, proxy_stats_path, ready), name="soak-proxy")
+            proxy_proc = ctx.Process(target=run_proxies, args=(pcfgs, proxy_stats_path, ready), name="soak-proxy")
             proxy_proc.start()
             if not ready.wait(30):
                 raise RuntimeError("chaos proxy did not start")
-            engine_endpoint = pcfg.frontend
-        sampler = Sampler(server, mport, args.sample_s)
-        sampler.start()
+            engine_endpoints = [c.frontend for c in pcfgs]
+        for i, (srv, mport) in enumerate(zip(servers, mports, strict=True)):
+            samplers.append(Sampler(srv, mport, args.sample_s, i))
+            samplers[-1].start()
         stop, go = ctx.Event(), ctx.Event()
         readies = []
         specs = []
         for i in range(args.engines):
             spec = EngineSpec(
                 index=i,
-                endpoint=engine_endpoint,
+                endpoint=",".join(engine_endpoints),
                 out_path=os.path.join(workdir, f"engine-{i}-{int(chaos)}.json"),
                 seed=args.seed,
                 sessions=args.sessions,
@@ -435,15 +533,16 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
             )
             fuzz_proc.start()
         if modes:
-            scheduler = ChaosScheduler(args, server, endpoint, t_start, t_stop_chaos)
+            scheduler = ChaosScheduler(args, servers, endpoints, t_start, t_stop_chaos)
             scheduler.limits = welcome.limits
             scheduler.width = width
             scheduler.start()
         # supervise until the duration is over (or, for a reference pass, the engines are done)
         while time.monotonic() < t_start + duration:
-            if not server.check_alive():
-                with contextlib.suppress(RuntimeError):
-                    server.start()  # keep the soak going; the unexpected exit is reported
+            for srv in servers:
+                if not srv.check_alive():
+                    with contextlib.suppress(RuntimeError):
+                        srv.start()  # keep the soak going; the unexpected exit is reported
             if max_steps is not None and not any(p.is_alive() for p in procs):
                 break
             if max_steps is None and not all(p.is_alive() for p in procs):
@@ -462,8 +561,11 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
         deadline = time.monotonic() + args.session_ttl_s + args.end_grace_s
         live = None
         while time.monotonic() < deadline:
-            m = _try_scrape(mport, timeout=2.0) if mport > 0 else None
-            live = m.get("draft_server_sessions") if m else None
+            counts = []
+            for mport in mports:
+                m = _try_scrape(mport, timeout=2.0) if mport > 0 else None
+                counts.append(m.get("draft_server_sessions") if m else None)
+            live = None if None in counts else sum(counts)  # type: ignore[arg-type]
             if live == 0:
                 break
             time.sleep(0.2)
@@ -487,12 +589,13 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
             if proxy_proc.is_alive():
                 proxy_proc.terminate()
             _wait_proc(proxy_proc, 10)
-        if sampler is not None:
+        for sampler in samplers:
             sampler.stop_evt.set()
             sampler.join(10)
         canary_stop.set()
         _wait_proc(canary, 10)
-        server.stop()
+        for srv in servers:
+            srv.stop()
 
     def _load(path: str) -> dict[str, Any] | None:
         try:
@@ -501,22 +604,22 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
         except (OSError, ValueError):
             return None
 
+    merged = _merge_servers(servers, samplers)
     return RunResult(
         engines=engines_out,
         events=scheduler.events if scheduler else [],
         chaos_errors=scheduler.errors if scheduler else [],
-        samples=sampler.samples if sampler else [],
-        incarnations=server.incarnations,
-        slow_events=list(server.slow_events),
+        samples=merged["samples"],
+        incarnations=merged["incarnations"],
+        slow_events=merged["slow_events"],
         proxy=_load(proxy_stats_path) if proxy_proc is not None else None,
         fuzz=_load(fuzz_stats_path) if fuzz_proc is not None else None,
-        last_metrics=sampler.last_metrics if sampler else {},
+        last_metrics=merged["last_metrics"],
         end_sessions=end_sessions,
-        unexpected_exits=server.unexpected_exits,
+        unexpected_exits=merged["unexpected_exits"],
         t_start=t_start,
         t_end=t_end,
-        server_tail=list(server.tail),
+        server_tail=merged["server_tail"],
         host_stalls=[tuple(x) for x in (_load(canary_path) or [])],  # type: ignore[misc]
+        slow_events_by_server=merged["slow_events_by_server"],
     )
-
-

@@ -194,6 +194,13 @@ class DraftClient:
             raise
         return self._end(t0, call, fut.result() if fut.done() and not fut.cancelled() else None)
 
+    def nudge(self) -> None:
+        """An engine is stepping although none of its steps comes here (a fleet moved its sessions
+        to other servers): while the breaker is open, probe at the fast step-probe period, as for
+        a step that finds it open, so that a server that is back is found within a step or two."""
+        if not self._closed and self._io.gate == "breaker_open":
+            self._io.submit(StepCall((), None, time.monotonic(), send=False))
+
     def free(self, sessions: Iterable[str]) -> None:
         """Release sessions on the server (fire-and-forget) and drop their client-side state."""
         names = tuple(sessions)

@@ -19,7 +19,8 @@ its budget; ``ValueError`` only for caller bugs, checked on the whole step befor
 
 Failover cost: a killed server's sessions usually draft again in the same step (rerouted); a
 paused one's after ``miss_limit`` (2) missed steps, when its client's breaker (opened after that
-many misses in a fleet) says so. Servers whose client is not usable take no new session; a
+many misses in a fleet) says so. Servers whose client is not usable take no new session; their
+clients are nudged every step so that an open breaker probes at the fast step-probe period; a
 server that answers pings again (breaker half-open) takes new sessions again, and the sessions
 that left it stay where they went.
 
@@ -159,6 +160,17 @@ class FleetClient:
         with self._lock:
             return self._placement.where(session)
 
+    def loads(self) -> dict[str, int]:
+        """This engine's sessions per server now."""
+        with self._lock:
+            return {k: s.load for k, s in self._placement.servers.items()}
+
+    def epochs(self) -> dict[str, str | None]:
+        """Each server's latest epoch (None before its Welcome)."""
+        with self._lock:
+            members = dict(self._members)
+        return {k: c.epoch for k, c in members.items()}
+
     @property
     def welcome(self) -> Welcome | None:
         """A verified Welcome of a server serving the pinned contract (None before one)."""
@@ -285,6 +297,9 @@ class FleetClient:
                 else:
                     by_key.setdefault(key, []).append(i)
             members = dict(self._members)
+        for key, c in members.items():
+            if key not in by_key:
+                c.nudge()  # an open breaker keeps probing fast while this engine steps
         self._free_moved(frees, members)
         groups = [
             self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0) for key, idx in by_key.items()

@@ -125,6 +125,16 @@ class FakeClient:
         pass
 
 
+def _vllm_config() -> Any:
+    hf = SimpleNamespace(num_hidden_layers=LAYERS)
+    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_vocab_size=lambda: VOCAB, hf_text_config=hf)
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=K),
+        model_config=model,
+        device_config=SimpleNamespace(device_type="cpu"),
+    )
+
+
 @pytest.fixture
 def proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
     from target_client.vllm import proposer as vllm_proposer
@@ -133,16 +143,32 @@ def proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
     monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
     monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
-    hf = SimpleNamespace(num_hidden_layers=LAYERS)
-    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_vocab_size=lambda: VOCAB, hf_text_config=hf)
-    cfg = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=K),
-        model_config=model,
-        device_config=SimpleNamespace(device_type="cpu"),
-    )
-    p = vllm_proposer.RemoteDSparkProposer(cfg)
+    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
     yield p
     p.close()
+
+
+def test_endpoint_list_or_dns_name_drafts_through_a_fleet(monkeypatch: pytest.MonkeyPatch) -> None:
+    from target_client.vllm import proposer as vllm_proposer
+
+    class FakeFleet(FakeClient):
+        pass
+
+    monkeypatch.setattr(vllm_proposer, "DraftClient", FakeClient)
+    monkeypatch.setattr(vllm_proposer, "FleetClient", FakeFleet)
+    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
+    for endpoint, fleet in (
+        ("tcp://10.0.0.5:5557", False),
+        ("tcp://10.0.0.5:5557,tcp://10.0.0.6:5557", True),
+        ("dns+tcp://draft-server.default.svc:5557", True),
+    ):
+        monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", endpoint)
+        p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+        assert isinstance(p.client, FakeFleet) is fleet and p.client.cfg.endpoint == endpoint
+        p.close()
+    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://10.0.0.5:5557,10.0.0.6:5557")  # an item without a scheme
+    with pytest.raises(ValueError, match="no scheme"):
+        vllm_proposer.RemoteDSparkProposer(_vllm_config())
 
 
 def _code(token: np.ndarray | torch.Tensor, col: np.ndarray | torch.Tensor, sign: float) -> Any:

@@ -1,12 +1,14 @@
 """The 60-second draft-soak smoke: every chaos mode on, at modest rates, against the checksum drafter.
 
 Runs the real command (`python -m draft_tools.soak`) as a subprocess: it starts and supervises
-its own draft server, two engine processes, the fault-injecting proxy, rogue clients and the
-decoder fuzz. Asserts exit code 0, every invariant of the JSON report true, every chaos mode
+two draft servers (``--servers 2``: every engine drafts through a FleetClient over both, each
+chaos event hits one of them), two engine processes, the fault-injecting proxy, rogue clients
+and the decoder fuzz. Asserts exit code 0, every invariant of the JSON report true, every chaos mode
 exercised (the noisy neighbours too: session and row floods, NaN taps, a routing-id hijack, a
 stale-step storm), and the PNG plots written. The invariants themselves (waits within budget + 5 ms,
-valid drafts, resumption after restarts, zero sessions at the end, flat memory, untouched
-sessions equal to the fault-free expectation) are checked by draft-soak; see its docstring.
+valid drafts, resumption after restarts, moved sessions drafting again within 2 steps, zero
+sessions at the end, flat memory, untouched sessions equal to the fault-free expectation) are
+checked by draft-soak; see its docstring.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def test_soak_smoke_all_chaos_modes(tmp_path):
         "3",
         "--cooldown-s",
         "6",
+        "--servers",
+        "2",
         "--engines",
         "2",
         "--sessions",
@@ -126,6 +130,7 @@ def test_soak_smoke_all_chaos_modes(tmp_path):
     assert inv["drafts_valid"]["drafted"] > 1000
     assert inv["untouched_equal_reference"]["untouched_entries_checked"] > 100
     assert inv["resume_after_restart"]["restarts"] >= 2
+    assert inv["moved_sessions_resume"]["moves_measured"] >= 1  # sessions left the killed or paused server
     assert report["totals"]["server_incarnations"] >= 3
     assert inv["memory_flat"]["checked"] is True
     assert report["totals"]["long_prefill_sessions"] >= 1 and report["totals"]["k0_then_draft_checked"] >= 1

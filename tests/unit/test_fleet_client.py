@@ -174,6 +174,29 @@ def test_paused_server_sessions_move_after_two_missed_steps_and_stay_moved(serve
         assert any(fc.server_of(s) == paused.endpoint for s in newcomers)  # new ones go there again
 
 
+def test_a_server_out_on_chance_misses_is_back_in_a_step_or_two_for_the_next_failure(servers):
+    a, b = srvs = servers(2)
+    with fleet_of(srvs) as fc:
+        fc.connect(wait=True)
+        names = [f"s{i}" for i in range(20)]
+        eng = Engine(fc, names)
+        assert all(eng.step().values())
+        b.policy = lambda step, n: "drop"  # two lost replies in a row: b's breaker opens, its sessions move
+        for _ in range(3):
+            eng.step(budget_ms=30.0)
+        assert all(fc.server_of(s) == a.endpoint for s in names)
+        b.policy = lambda step, n: "ok"  # b was fine all along; a's turn to fail now
+        eng.step()  # the fleet nudges b's client: its open breaker probes at the fast period
+        a.policy = lambda step, n: "drop"
+        a.answer_pings = False
+        missed = dict.fromkeys(names, 0)
+        for _ in range(4):
+            for s, d in eng.step(budget_ms=30.0).items():
+                missed[s] += not d
+        assert max(missed.values()) <= 2, missed  # b took them back within 2 steps, not after 500 ms
+        assert all(fc.server_of(s) == b.endpoint for s in names)
+
+
 def test_overloaded_server_sheds_new_sessions_to_their_next_server(servers):
     srvs = servers(3)
     full = srvs[2]
