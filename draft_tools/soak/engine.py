@@ -121,6 +121,8 @@ class _Session:
     moves: int = 0  # fleet: times it moved to another server
     miss_run: int = 0  # steps wanting drafts without them, in a row
     miss_t0: float = 0.0  # start of the first of them
+    miss_expired: int = 0  # of them: answered expired
+    miss_overloaded: int = 0  # ... answered overloaded
     moved_in_run: str = ""  # the server it left during the current run ("" if none)
     left: set[str] = field(default_factory=set)  # servers it moved away from
     moved_back: int = 0  # moves to a server it had left before (a fleet never does that)
@@ -178,6 +180,8 @@ MOVE_COLUMNS = (
     "number",  # the session
     "from_server",  # the server it left (index in the engine's endpoint list; -1: not in it)
     "to_server",  # the server it drafted on again (or was on when it ended)
+    "expired",  # of the steps without drafts: answered expired (the server was alive, behind its budget)
+    "overloaded",  # ... answered overloaded
 )
 
 
@@ -296,7 +300,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
     sessions_out: list[tuple[Any, ...]] = []
     epochs: list[tuple[float, str]] = []
     fleet = client if isinstance(client, FleetClient) else None
-    moves: list[tuple[float, int, float, int, int, int]] = []
+    moves: list[tuple[float, int, float, int, int, int, int, int]] = []
     servers = spec.endpoint.split(",")
 
     def server_index(key: str) -> int:
@@ -419,12 +423,15 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                     if rep.tokens:
                         if s.moved_in_run:
                             frm, to = server_index(s.moved_in_run), server_index(s.server)
-                            moves.append((s.miss_t0, s.miss_run, t1, s.number, frm, to))
-                        s.miss_run, s.moved_in_run = 0, ""
+                            run = (s.miss_t0, s.miss_run, t1, s.number, frm, to, s.miss_expired, s.miss_overloaded)
+                            moves.append(run)
+                        s.miss_run, s.moved_in_run, s.miss_expired, s.miss_overloaded = 0, "", 0, 0
                     else:
                         if not s.miss_run and not s.moved_in_run:
                             s.miss_t0 = t0
                         s.miss_run += 1
+                        s.miss_expired += st == Status.EXPIRED
+                        s.miss_overloaded += st == Status.OVERLOADED
                 if rep.tokens:
                     rec["drafted"] += 1
                     s.draft_crc = zlib.crc32(np.asarray(rep.tokens, np.int64).tobytes(), s.draft_crc)
@@ -460,7 +467,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 for s in finished:
                     if s.moved_in_run:  # moved, and ended before drafting again
                         frm, to = server_index(s.moved_in_run), server_index(s.server)
-                        moves.append((s.miss_t0, s.miss_run, -1.0, s.number, frm, to))
+                        run = (s.miss_t0, s.miss_run, -1.0, s.number, frm, to, s.miss_expired, s.miss_overloaded)
+                        moves.append(run)
                     sessions_out.append(s.summary(True))
                 active = [s for s in active if s.steps_left > 0]
             if fleet is not None and step_no % 20 == 0:

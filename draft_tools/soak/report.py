@@ -98,7 +98,9 @@ def _moves(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
     """Fleet soaks: how many steps each session that moved to another server went without drafts
     around the move. A move over ``--resume-steps`` breaks the invariant unless another fault of
     the server it left or the one it went to excuses it (as ``_resume`` excludes): a proxy drop or
-    delay of this engine's message, an injected slow iteration, a second kill/pause/flood."""
+    delay of this engine's message, an injected slow iteration, a second kill/pause/flood; or the
+    host: a canary stall, or the engine's threads on the run queue (plus steal) for half a budget
+    or more during one of the missed steps (then the steps were missed on this side)."""
     budget_s = args.budget_ms / 1000.0
     # (t, routing id, server) of every proxy drop or delay; server -1: not known
     proxy_events = [(e[0], e[2], e[3] if len(e) > 3 else -1) for e in (res.proxy or {}).get("events", [])]
@@ -110,6 +112,14 @@ def _moves(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
     for eng in res.engines:
         cols = eng.get("move_columns") or []
         ident = f"soak-e{eng['spec']['index']}"
+        calls = _calls(eng)
+        if len(calls):  # per call: when it started, and how long the host kept the engine off the CPU
+            cc = eng["call_columns"]
+            starts = calls[:, cc.index("t0")]
+            off_cpu = np.maximum(calls[:, cc.index("run_delay_ms")], calls[:, cc.index("proc_run_delay_ms")])
+            off_cpu = off_cpu + calls[:, cc.index("steal_ms")] / float(eng.get("cpus") or os.cpu_count() or 1)
+        else:
+            starts = off_cpu = np.zeros(0)
         for row in eng.get("moves") or []:
             m = dict(zip(cols, row, strict=True))
             if m["t_back"] < 0:
@@ -136,6 +146,8 @@ def _moves(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
                 reason = "several chaos events on its servers meanwhile"
             elif any(due <= t1 and due + late >= t0 and late >= 0.010 for due, late in res.host_stalls):
                 reason = "the host stalled a process for >= 10 ms meanwhile (canary)"
+            elif (off_cpu[(starts >= t0) & (starts < t1)] >= args.budget_ms / 2).any():
+                reason = "the host kept the engine off the CPU for half a budget or more in a missed step"
             measured[-1]["excused"] = reason
             if reason is not None:
                 excused[reason] = excused.get(reason, 0) + 1
@@ -145,6 +157,7 @@ def _moves(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
         "ok": not late,
         "moves_measured": len(measured),
         "moves_over_excused": excused,
+        "moves_over_not_excused": len(late),
         "moves_unrecovered_session_ended": unrecovered,
         "max_steps_without_drafts": max(steps, default=None),
         "steps_without_drafts_histogram": {str(k): steps.count(k) for k in sorted(set(steps))},
@@ -679,7 +692,7 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(
             f"  sessions moved to another server: {mv['moves_measured']} measured, steps without drafts "
             f"{mv['steps_without_drafts_histogram']} (over {report['config']['resume_steps']}: "
-            f"{sum(mv['moves_over_excused'].values())} excused by another fault, {len(mv['late'])} not)"
+            f"{sum(mv['moves_over_excused'].values())} excused by another fault, {mv['moves_over_not_excused']} not)"
         )
     for key, what in (("restarts", "after READY"), ("pauses", "after SIGCONT")):
         ms = [e for r in report.get(key, []) for e in r["engines"] if e.get("steps") is not None]

@@ -22,7 +22,9 @@ paused one's after ``miss_limit`` (2) missed steps, when its client's breaker (o
 many misses in a fleet) says so. Servers whose client is not usable take no new session; their
 clients are nudged every step so that an open breaker probes at the fast step-probe period; a
 server that answers pings again (breaker half-open) takes new sessions again, and the sessions
-that left it stay where they went.
+that left it stay where they went. A server that restarted before anyone missed it (a new epoch,
+seen by its client) keeps its sessions: they restart there by positional semantics, as they
+would on the next server (the context is gone either way).
 
 DNS: with a ``dns+tcp://`` item the fleet's own thread resolves the names every
 ``resolve_every_s`` (every second while none resolved), adds a client per new address and

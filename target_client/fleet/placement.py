@@ -24,6 +24,10 @@ a session left). The rules (DESIGN.md §6 "Several servers"):
   hint. A session the server already holds stays (and is held back by its client).
 * Failing within a step. A server whose step failed at once (no connection, closed) gets its
   sessions rerouted within the same step (``fail``), and no new session for ``FAIL_HOLD_S``.
+* Missing steps. A server that missed ``miss_limit`` steps in a row loses its sessions at their
+  next step and takes none until its client reports it not usable (its breaker opens on as many
+  misses, once its I/O thread has expired the last call) or ``FAIL_HOLD_S`` passed; from then on
+  the client's breaker (probing) says when it is back.
 """
 
 from __future__ import annotations
@@ -33,8 +37,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-FAIL_HOLD_S = 0.25  # a server whose step failed at once takes no session for this long
-RECENT_MISS_S = 0.05  # misses this recent count although the server's client has not opened its breaker yet
+FAIL_HOLD_S = 0.25  # a server whose step failed at once, or that missed miss_limit steps, takes no session this long
 MAX_SHED_S = 5.0  # cap on a server's retry hint, as the client's
 
 
@@ -60,7 +63,7 @@ class Server:
     shed_until: float = 0.0  # answered overloaded: no new sessions before this
     hold_until: float = 0.0  # a step failed at once: no sessions before this
     misses: int = 0  # consecutive steps without an answer (timeout) or that failed
-    miss_at: float = -math.inf
+    miss_hold_until: float = 0.0  # missed miss_limit steps: no sessions before this, unless its client says so first
 
 
 @dataclass(slots=True)
@@ -113,14 +116,17 @@ class Placement:
         self.servers.pop(key, None)
 
     def set_usable(self, key: str, usable: bool) -> None:
+        """What the server's client says now. Not usable: its breaker governs from here on, and a
+        hold for missed steps ends (so that a half-open breaker brings it back at once)."""
         s = self.servers.get(key)
         if s is not None:
             s.usable = usable
+            if not usable:
+                s.miss_hold_until = 0.0
 
     def can_serve(self, s: Server, now: float) -> bool:
         """Whether steps for ``s``'s sessions go to it now."""
-        recent_misses = s.misses >= self.miss_limit and now - s.miss_at < RECENT_MISS_S
-        return s.usable and not s.gone and now >= s.hold_until and not recent_misses
+        return s.usable and not s.gone and now >= max(s.hold_until, s.miss_hold_until)
 
     def outcome(self, key: str, outcome: str, now: float) -> None:
         """A step to ``key`` ended with ``outcome`` (``target_client.metrics.OUTCOMES``)."""
@@ -131,7 +137,10 @@ class Placement:
             s.misses = 0
         elif outcome in ("timeout", "error", "breaker_open", "not_ready", "closed"):
             s.misses += 1
-            s.miss_at = now
+            if s.misses == self.miss_limit:
+                # its client's breaker opens on these misses too, but only once its I/O thread has
+                # expired the last call, which a loaded host may delay past the engine's next step
+                s.miss_hold_until = now + FAIL_HOLD_S
 
     # -- sessions
 

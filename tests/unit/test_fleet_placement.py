@@ -12,7 +12,7 @@ import collections
 
 import pytest
 
-from target_client.fleet.placement import FAIL_HOLD_S, RECENT_MISS_S, Placement, rank, score
+from target_client.fleet.placement import FAIL_HOLD_S, Placement, rank, score
 
 KEYS = [f"tcp://10.0.0.{i}:5557" for i in range(1, 5)]
 
@@ -159,21 +159,28 @@ def test_fail_within_a_step_reroutes_outside_the_failed_servers_and_holds_the_se
     assert p.fail("other-session-never-placed", order[2], (), 2.0) == (None, None)
 
 
-def test_recent_misses_count_before_the_client_opens_its_breaker():
+def test_miss_limit_misses_move_the_sessions_and_hold_the_server_back():
     p = fleet(slack=1e9)
     order = rank("s", KEYS)
     p.route("s", 0.0)
     p.outcome(order[0], "timeout", 1.0)
     assert p.route("s", 1.001) == (order[0], None)  # one miss: stays
-    p.outcome(order[0], "timeout", 1.02)
-    assert p.route("s", 1.021) == (order[1], order[0])  # miss_limit misses: moves
-    p2 = fleet(slack=1e9)
-    p2.route("s", 0.0)
-    p2.outcome(order[0], "timeout", 1.0)
-    p2.outcome(order[0], "timeout", 1.0)
-    assert p2.route("s", 1.0 + RECENT_MISS_S) == (order[0], None)  # old misses: its breaker decides
-    p2.outcome(order[0], "ok", 2.0)
-    assert p2.servers[order[0]].misses == 0
+    p.outcome(order[0], "ok", 1.02)
+    p.outcome(order[0], "timeout", 1.04)
+    assert p.route("s", 1.041) == (order[0], None)  # an answer in between: the count starts again
+    p.outcome(order[0], "timeout", 1.06)
+    assert p.route("s", 1.061) == (order[1], order[0])  # miss_limit misses in a row: moves
+    # held back while its client still reports it usable (its breaker not open yet) ...
+    assert all(p.route(f"n{i}", 1.06 + FAIL_HOLD_S / 2)[0] != order[0] for i in range(50))
+    assert any(p.route(f"m{i}", 1.06 + FAIL_HOLD_S)[0] == order[0] for i in range(50))
+    # ... and once the client reported it (breaker open), its breaker alone decides: half-open is back
+    p.outcome(order[0], "timeout", 3.0)
+    p.outcome(order[0], "timeout", 3.0)
+    p.set_usable(order[0], False)
+    p.set_usable(order[0], True)
+    assert any(p.route(f"k{i}", 3.01)[0] == order[0] for i in range(50))
+    p.outcome(order[0], "ok", 4.0)
+    assert p.servers[order[0]].misses == 0
 
 
 def test_server_leaving_dns_loses_its_sessions_and_free_forgets():
