@@ -5,6 +5,7 @@ anchor, k)``, so every draft the engine gets is checked exactly, whichever serve
 whether the session restarted there. What is shown: sessions spread and each server gets
 exactly its sessions' rows; a dead server's sessions draft again in the same step (rerouted); a
 paused one's after two missed steps, and never go back once it resumes while new sessions do;
+a server whose breaker opened on chance misses is back within a step or two (nudged probes);
 an overloaded server sheds new sessions; Frees reach the right servers (also the one a session
 left); DNS membership changes; contract refusals; connect outcomes. Every step() is held to its
 budget + 5 ms net of run-queue wait (``assert_on_time``).
