@@ -714,5 +714,3 @@ def summary_text(report: dict[str, Any]) -> str:
         lines.append(f"    {'PASS' if v['ok'] else 'FAIL'}  {name:28s} {detail}")
     lines.append(f"  result: {'OK' if report['ok'] else 'INVARIANT BROKEN'}; report {report['report_path']}")
     return "\n".join(lines)
-
-

@@ -40,7 +40,6 @@ def _try_scrape(port: int, timeout: float = 0.5) -> dict[str, float] | None:
         return None
 
 
-
 # ------------------------------------------------------------------------------------ sampling
 
 
