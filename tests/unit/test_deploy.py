@@ -540,7 +540,8 @@ def test_kubernetes_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     for r in kust["resources"]:
         assert (DEPLOY / r).is_file(), r
     assert {str(p.relative_to(DEPLOY)) for p in (DEPLOY / "kubernetes").glob("*.yaml")} == set(kust["resources"])
-    kinds = {"Namespace", "Deployment", "Service", "ConfigMap", "NetworkPolicy", "ServiceMonitor", "PrometheusRule"}
+    kinds = {"Namespace", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "ServiceMonitor", "PrometheusRule"}
+    kinds.add("PodDisruptionBudget")
     assert kinds <= set(objs)
     assert objs["Namespace"]["metadata"]["name"] == kust["namespace"]
 
@@ -550,7 +551,7 @@ def test_kubernetes_manifests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     conf = tmp_path / toml_key
     conf.write_text(cm["data"][toml_key])
 
-    dep = objs["Deployment"]["spec"]
+    dep = objs["StatefulSet"]["spec"]
     pod = dep["template"]["spec"]
     (ctr,) = pod["containers"]
     cfg = check_invocation(ctr["args"], conf, monkeypatch)

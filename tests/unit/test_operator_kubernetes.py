@@ -10,6 +10,7 @@ from deploy/prometheus/rules.yml after a change of the rules.
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "draft-service.json"
 NAMESPACE = "draft-service"
 # oldest and newest Kubernetes minor versions the manifests are validated against
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
-BUILTIN = {"Namespace", "ConfigMap", "Deployment", "Service", "NetworkPolicy"}
+BUILTIN = {"Namespace", "ConfigMap", "StatefulSet", "Service", "NetworkPolicy", "PodDisruptionBudget"}
 CRDS = {"ServiceMonitor", "PrometheusRule"}
 
 
@@ -131,7 +132,7 @@ def test_dashboard_configmap_and_image(rendered: list[dict]) -> None:
     dash = maps["draft-service-dashboard"]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dash["data"]["draft-service.json"]) == json.loads(DASHBOARD.read_text())
-    (dep,) = by_kind(rendered)["Deployment"]
+    (dep,) = by_kind(rendered)["StatefulSet"]
     (ctr,) = dep["spec"]["template"]["spec"]["containers"]
     registry = ctr["image"].split("/", 1)[0]
     assert "." in registry or ":" in registry, f"{ctr['image']}: no registry host"
@@ -141,3 +142,36 @@ def test_dashboard_configmap_and_image(rendered: list[dict]) -> None:
 if __name__ == "__main__":
     PROMETHEUS_RULE.write_text(render_prometheus_rule())
     print(f"wrote {PROMETHEUS_RULE.relative_to(ROOT)}", file=sys.stderr)
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_three_servers_render_and_validate(tmp_path: Path, version: str) -> None:
+    """Issue 15: N = 3 draft servers (a kustomize overlay on deploy/), every built-in object valid,
+    one GPU each, readiness on /healthz, a headless Service that lists exactly those pods."""
+    kubectl = require_tool("kubectl", "the Google Cloud CLI's kubectl, or kubectl from your distribution")
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(DEPLOY, tmp_path)}\n"
+        "replicas:\n  - name: draft-server\n    count: 3\n"
+    )
+    docs = [d for d in yaml.safe_load_all(run_tool([kubectl, "kustomize", str(tmp_path)])) if d]
+    for d in docs:
+        if d["kind"] in BUILTIN:
+            kubernetes_validate.validate(d, version, strict=True)
+    kinds = by_kind(docs)
+    (sts,) = kinds["StatefulSet"]
+    (svc,) = kinds["Service"]
+    (pdb,) = kinds["PodDisruptionBudget"]
+    spec = sts["spec"]
+    assert spec["replicas"] == 3 and spec["podManagementPolicy"] == "Parallel"
+    assert spec["updateStrategy"] == {"type": "RollingUpdate"}
+    pod_labels = spec["template"]["metadata"]["labels"]
+    # the headless Service the engines resolve (dns+tcp://draft-server.draft-service.svc:5557)
+    assert spec["serviceName"] == svc["metadata"]["name"] == "draft-server"
+    assert svc["spec"]["clusterIP"] == "None" and not svc["spec"].get("publishNotReadyAddresses", False)
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["rpc"] == 5557
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    (ctr,) = spec["template"]["spec"]["containers"]
+    assert ctr["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert ctr["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
