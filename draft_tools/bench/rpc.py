@@ -79,14 +79,14 @@ def pct(xs: list[float], q: float) -> float:
     return round(float(np.percentile(np.asarray(xs), q)), 4)
 
 
-def bench_floor(endpoint: str, n: int, rows: int, iters: int) -> dict:
+def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.tap_width) -> dict:
     from protocol import Step, StepEntry, encode, spec_for
 
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
-    taps = np.ones((n * rows, K3.tap_width), np.uint16) if rows else None
+    taps = np.ones((n * rows, width), np.uint16) if rows else None
     entries = tuple(StepEntry(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n))
     waits = []
     for it in range(iters + 20):
@@ -105,16 +105,17 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int) -> dict:
     from target_client import ClientConfig, DraftClient, StepRequest
 
     client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench"))
-    client.connect(wait=True)
-    taps = np.ones((n * rows, K3.tap_width), np.uint16) if rows else None
+    welcome = client.connect(wait=True)
+    contract = welcome.contract if welcome is not None else K3  # a running server: its own contract
+    taps = np.ones((n * rows, contract.tap_width), np.uint16) if rows else None
     # every step overwrites positions [0, rows): context stays small, so compute stays flat
-    reqs = [StepRequest(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n)]
+    reqs = [StepRequest(f"s{i}", 0, rows, 1, contract.block_size) for i in range(n)]
     waits, server, compute = [], [], []
     for it in range(iters + 20):
         t = time.perf_counter()
         replies = client.step(reqs, taps)
         wait = (time.perf_counter() - t) * 1000
-        assert all(len(r.tokens) == K3.block_size for r in replies), "bench step failed"
+        assert all(len(r.tokens) == contract.block_size for r in replies), "bench step failed"
         timing = client.last_timing
         if it >= 20:
             waits.append(wait)
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--iters", type=int, default=300, help="timed calls per configuration")
     ap.add_argument("--out", default="bench/results/rpc_loopback.json", help="JSON file for the results")
+    ap.add_argument(
+        "--endpoint",
+        default="",
+        help="measure a running draft server at this endpoint (its own contract) instead of starting a "
+        "checksum server; the bare-ZeroMQ echo floor still runs locally",
+    )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -148,15 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.echo:
         serve_echo(args.echo)
         return 0
-    ep_srv, ep_echo = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    srv, echo = spawn("serve", ep_srv), spawn("echo", ep_echo)
+    ep_echo = f"tcp://127.0.0.1:{free_port()}"
+    ep_srv = args.endpoint or f"tcp://127.0.0.1:{free_port()}"
+    echo = spawn("echo", ep_echo)
+    srv = None if args.endpoint else spawn("serve", ep_srv)
     results = []
+    width = K3.tap_width
+    if args.endpoint:  # the same bytes as the running server's contract asks for
+        from target_client import ClientConfig, DraftClient
+
+        probe = DraftClient(ClientConfig(endpoint=ep_srv, name="bench-probe"))
+        w = probe.connect(wait=True)
+        probe.close()
+        width = w.contract.tap_width if w is not None else width
     try:
         for payload, rows in ROWS.items():
             for n in SESSIONS:
-                floor = bench_floor(ep_echo, n, rows, args.iters)
+                floor = bench_floor(ep_echo, n, rows, args.iters, width)
                 prod = bench_product(ep_srv, n, rows, args.iters)
-                mb = n * rows * K3.tap_width * 2 / 1e6
+                mb = n * rows * width * 2 / 1e6
                 results.append(
                     {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "floor": floor, "product": prod}
                 )
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         for p in (srv, echo):
-            p.kill()
+            if p is not None:
+                p.kill()
     out = {
         "benchmark": "rpc_loopback",
         "command": "python -m draft_tools.bench.rpc " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -180,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m_at_end": os.getloadavg()[0],
         },
         "iters": args.iters,
-        "transport": "tcp loopback",
+        "transport": "tcp loopback" if not args.endpoint else f"running server at {args.endpoint}",
         "results": results,
     }
     with open(args.out, "w") as f:
