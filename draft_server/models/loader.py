@@ -7,6 +7,7 @@ import torch
 
 from draft_server.models.config import K3, CheckpointError, DSparkConfig, load_config
 from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.exl3 import Exl3Checkpoint, WeightInfo, attach_linears, detect_format
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.layers.gqa import Qwen3DSpark
 from draft_server.models.layers.mla import K3DSpark
@@ -70,6 +71,9 @@ def load_drafter(
     if kv_budget_bytes is not None and kv_budget_bytes < page_bytes:
         raise CheckpointError(f"kv_budget_bytes {kv_budget_bytes} is below one KV page ({page_bytes} bytes)")
     ck = Checkpoint(model_dir)
+    fmt = detect_format(model_dir, ck.names())
+    if fmt.exl3:  # quantized modules appear under their dense names, decoded at load
+        ck = Exl3Checkpoint(ck, cfg, fmt)
     names = validate_draft(ck, cfg)
     # Which embedding / lm_head, as vLLM 0.32 does it: K3 drops the draft's frozen copies and
     # uses the target's (its weight mapper maps them to None); Qwen3 DSpark keeps the draft's own
@@ -96,7 +100,13 @@ def load_drafter(
             w[name] = t.to(dev, acc)
         else:
             w[name] = t.to(dev, tdtype)
+    given = dict(w)  # the model pops the sources of the projections it stacks
     model = build_model(cfg, w, dev, tdtype)
+    if isinstance(ck, Exl3Checkpoint):
+        attach_linears(model, ck, given)
+    else:
+        nbytes = sum(t.numel() * t.element_size() for t in given.values())
+        model.weight_info = WeightInfo("dense", 8.0 * torch.empty((), dtype=tdtype).element_size(), nbytes, nbytes)
     return DSparkDrafter(
         model, kv_budget_bytes, page_size=page_size, sts_temperatures=sts_temperatures, attention=attention
     )

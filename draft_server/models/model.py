@@ -11,6 +11,8 @@ H hidden. Weights are plain tensors (``self.w`` by checkpoint name) used with ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -42,11 +44,15 @@ class DSparkModel:
         self.conf_w = w.get("confidence_head.proj.weight") if cfg.confidence else None
         self.conf_b = w.get("confidence_head.proj.bias") if cfg.confidence else None
         self.mask_cache: dict[int, torch.Tensor] = {}
+        self.stacked: dict[str, list[str]] = {}  # stacked weight -> its sources (EXL3 keeps one GEMM per source)
+        self.linears: dict[str, Any] = {}  # EXL3: runtime weight name -> module holding the packed tensors
+        self.weight_info: Any = None  # format, bits, weight bytes (set by the loader)
 
     def _stack(self, fused: str, parts: list[str]) -> torch.Tensor:
         """Replace weights that read the same input by one stacked weight (one GEMM), named as vLLM names it."""
         t = torch.cat([self.w.pop(p) for p in parts])
         self.w[fused] = t
+        self.stacked[fused] = list(parts)
         return t
 
     # -- per-variant -------------------------------------------------------------------------

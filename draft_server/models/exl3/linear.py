@@ -1,0 +1,182 @@
+"""Linear modules over EXL3 weights: one packed source (``Exl3Linear``), several (``FusedLinear``).
+
+Owns the packed tensors of a quantized linear and the interface every backend implements:
+``forward(x) -> x @ W.T (+ bias)`` in ``nn.Linear`` orientation, with ``in_features`` /
+``out_features`` the model's (unpadded) sizes. The CPU backend (``DequantBackend``) decodes the
+weight once into the compute dtype and runs a GEMM; a GPU backend (exllamav3's ``exl3_gemm`` per
+source, fp16 in, fp32 out, ``EXL3_INT8_GEMV=0``) slots in through ``set_backend`` with the same
+call. Fused projections (``fused_qkv_a_proj``, ``gate_up_proj``, ``qkv_proj``) whose parts are
+separate EXL3 tensors never concatenate trellises: each source has its own K, suh and svh, so a
+``FusedLinear`` runs one GEMM per source and concatenates the outputs.
+
+Padding: exllamav3 pads both dims to multiples of 128 at conversion. The input is zero-extended
+(padded ``suh`` rows meet zeros) and padded outputs (noise) are trimmed.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from draft_server.models.exl3.decode import HAD, decode_inner, dense_weight, trellis_bits, unpack_signs
+
+
+def pad128(n: int) -> int:
+    return -(-n // HAD) * HAD
+
+
+class Linear(Protocol):
+    in_features: int
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def stored_bytes(self) -> int: ...
+
+
+class Exl3Backend(Protocol):
+    """How an ``Exl3Linear`` multiplies (CPU dequantize + GEMM; later exllamav3 kernels on CUDA)."""
+
+    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DequantBackend:
+    """Decode once into x's dtype and device, cache the dense weight, run ``F.linear``."""
+
+    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, lin.weight(x.dtype, x.device), lin.bias_as(x))
+
+
+_backend: Exl3Backend = DequantBackend()
+
+
+def set_backend(backend: Exl3Backend) -> Exl3Backend:
+    """Install the backend every ``Exl3Linear`` uses; returns the previous one."""
+    global _backend
+    prev, _backend = _backend, backend
+    return prev
+
+
+class Exl3Linear:
+    """One EXL3 linear as stored: ``trellis`` [k/16, n/16, 16K] int16, ``suh`` [k], ``svh`` [n] fp16."""
+
+    def __init__(
+        self,
+        key: str,
+        in_features: int,
+        out_features: int,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        codebook: str,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        self.key, self.codebook = key, codebook
+        self.in_features, self.out_features = in_features, out_features
+        self.K = trellis_bits(trellis)
+        k, n = pad128(in_features), pad128(out_features)
+        if tuple(trellis.shape[:2]) != (k // 16, n // 16):
+            raise ValueError(
+                f"{key}.trellis {list(trellis.shape)} is not [{k // 16}, {n // 16}, {16 * self.K}] padded to 128"
+                f" for in {in_features} x out {out_features}"
+            )
+        if suh.dtype == torch.int16:  # legacy packed sign words
+            suh = unpack_signs(suh)
+        if svh.dtype == torch.int16:
+            svh = unpack_signs(svh)
+        if suh.shape != (k,) or svh.shape != (n,) or suh.dtype != torch.float16 or svh.dtype != torch.float16:
+            raise ValueError(
+                f"{key}: suh {list(suh.shape)} {suh.dtype} / svh {list(svh.shape)} {svh.dtype},"
+                f" expected fp16 [{k}] / [{n}]"
+            )
+        if bias is not None and bias.shape not in ((out_features,), (n,)):
+            raise ValueError(f"{key}.bias has shape {list(bias.shape)}, expected [{out_features}]")
+        self.trellis, self.suh, self.svh = trellis, suh, svh
+        self.bias = None if bias is None else bias[:out_features]
+        self._dense: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    # -- decode --------------------------------------------------------------------------------
+    def inner(self) -> torch.Tensor:
+        """fp16 Wq [k_pad, n_pad], bit-exact with exllamav3's ``reconstruct``."""
+        return decode_inner(self.trellis, self.codebook)
+
+    def exact_weight(self) -> torch.Tensor:
+        """The dense weight in float64, ``nn.Linear`` orientation [out, in] (padding trimmed)."""
+        w = dense_weight(self.inner(), self.suh, self.svh)  # (in_pad, out_pad)
+        return w[: self.in_features, : self.out_features].t()
+
+    def weight(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Dense [out, in] in ``dtype`` on ``device``, decoded once and cached."""
+        key = (dtype, torch.device(device))
+        if key not in self._dense:
+            self._dense[key] = self.exact_weight().to(dtype).to(device).contiguous()
+        return self._dense[key]
+
+    def drop_cache(self) -> None:
+        self._dense.clear()
+
+    def bias_as(self, x: torch.Tensor) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.to(x.dtype).to(x.device)
+
+    # -- module interface ----------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _backend.forward(self, x)
+
+    __call__ = forward
+
+    def stored_bytes(self) -> int:
+        """Bytes of the packed tensors (trellis, suh, svh, bias, the 4-byte codebook marker)."""
+        ts = [self.trellis, self.suh, self.svh] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts) + (4 if self.codebook != "3inst" else 0)
+
+    def to(self, device: torch.device | str) -> Exl3Linear:
+        self.trellis, self.suh, self.svh = (t.to(device) for t in (self.trellis, self.suh, self.svh))
+        if self.bias is not None:
+            self.bias = self.bias.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Exl3Linear({self.key}, in={self.in_features}, out={self.out_features}, K={self.K}, {self.codebook})"
+
+
+class DenseLinear:
+    """A plain weight [out, in] behind the same interface (the dense part of a mixed fused layer)."""
+
+    def __init__(self, key: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.key, self.w, self.bias = key, weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    __call__ = forward
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w, self.bias) if t is not None)
+
+    def __repr__(self) -> str:
+        return f"DenseLinear({self.key}, in={self.in_features}, out={self.out_features}, {self.w.dtype})"
+
+
+class FusedLinear:
+    """Several sources reading the same input: one GEMM each, outputs concatenated in order."""
+
+    def __init__(self, key: str, parts: list[Exl3Linear | DenseLinear]) -> None:
+        if len({p.in_features for p in parts}) != 1:
+            raise ValueError(f"{key}: parts read different input widths {[p.in_features for p in parts]}")
+        self.key, self.parts = key, parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+
+    __call__ = forward
+
+    def stored_bytes(self) -> int:
+        return sum(p.stored_bytes() for p in self.parts)
+
+    def __repr__(self) -> str:
+        return f"FusedLinear({self.key}, {self.parts})"
