@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from draft_server.config import ServerConfig, StartupError
@@ -33,7 +34,8 @@ from draft_server.drafters import Drafter, warm_up
 from draft_server.engine import Engine
 from draft_server.io.router import Router
 from draft_server.metrics import MetricsHTTPServer, ServerMetrics
-from protocol import ModelContract, ServerLimits
+from protocol import ModelContract, ServerLimits, WireOffer
+from protocol.wire import row_layout
 
 log = logging.getLogger("draft_server")
 
@@ -57,11 +59,29 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
     )
 
 
-def largest_step_bytes(cfg: ServerConfig, contract: ModelContract) -> int:
-    """The largest valid Step: a full tap frame of max_rows_per_step rows plus a header of
-    max_entries_per_step entries (session ids up to 256 bytes), with 64 KiB to spare."""
-    taps = cfg.max_rows_per_step * contract.tap_width * contract.tap_dtype.itemsize
-    return taps + cfg.max_entries_per_step * (256 + 64) + (64 << 10)
+def wire_offer(cfg: ServerConfig, drafter: Drafter) -> WireOffer:
+    """The wire formats the drafter takes, narrowed to ``cfg.wire_formats`` when it names some
+    (StartupError for one the drafter cannot take)."""
+    offer = drafter.wire_offer()
+    want = tuple(dict.fromkeys(f.strip() for f in cfg.wire_formats.split(",") if f.strip()))
+    if not want:
+        return offer
+    missing = [f for f in want if f not in offer.formats]
+    if missing:
+        raise StartupError(
+            f"--wire-formats {cfg.wire_formats}: the {cfg.drafter} drafter does not take {', '.join(missing)} "
+            f"(it takes {', '.join(offer.formats)})"
+        )
+    return msgspec.structs.replace(offer, formats=want)
+
+
+def largest_step_bytes(cfg: ServerConfig, contract: ModelContract, offer: WireOffer | None = None) -> int:
+    """The largest valid Step: a full row frame of max_rows_per_step rows (in the widest format
+    offered) plus a header of max_entries_per_step entries (session ids up to 256 bytes), with
+    64 KiB to spare."""
+    offer = offer or WireOffer()
+    row = max(w * d.itemsize for d, w in (row_layout(f, contract, offer) for f in offer.formats))
+    return cfg.max_rows_per_step * row + cfg.max_entries_per_step * (256 + 64) + (64 << 10)
 
 
 class DraftServer:
@@ -70,13 +90,14 @@ class DraftServer:
         self.drafter = drafter
         self.contract = drafter.contract
         self.contract_id = self.contract.fingerprint()
+        self.offer = wire_offer(cfg, drafter)
         self.epoch = f"{uuid.uuid4().hex[:12]}-{os.getpid()}"
         self.limits = ServerLimits(
             max_entries_per_step=cfg.max_entries_per_step,
             max_rows_per_step=cfg.max_rows_per_step,
             max_sessions=cfg.max_sessions,
             max_queue_rows=cfg.max_queue_rows,
-            max_message_bytes=cfg.max_message_mib << 20 or largest_step_bytes(cfg, self.contract),
+            max_message_bytes=cfg.max_message_mib << 20 or largest_step_bytes(cfg, self.contract, self.offer),
             max_position=cfg.max_position,
             max_session_id_bytes=256,
             prefill_chunk_rows=cfg.prefill_chunk_rows,
@@ -105,7 +126,14 @@ class DraftServer:
             session_ttl_s=cfg.session_ttl_s,
         )
         self.router = Router(
-            cfg, self.engine, m, epoch=self.epoch, contract=self.contract, limits=self.limits, healthy=self._healthy
+            cfg,
+            self.engine,
+            m,
+            epoch=self.epoch,
+            contract=self.contract,
+            limits=self.limits,
+            healthy=self._healthy,
+            offer=self.offer,
         )
         self.endpoint = self.router.endpoint
         self._running = threading.Event()
@@ -129,11 +157,13 @@ class DraftServer:
         if self.http:
             self.http.start()
         log.info(
-            "draft server %s serving %s on %s (contract %s, metrics port %s)",
+            "draft server %s serving %s on %s (contract %s, wire formats %s, projection %s, metrics port %s)",
             self.epoch,
             self.contract.model_name,
             self.endpoint,
             self.contract_id,
+            ", ".join(self.offer.formats),
+            self.offer.projection_id or "-",
             self.http.port if self.http else "off",
         )
 

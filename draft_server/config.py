@@ -18,6 +18,7 @@ DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 DTYPES += ("float64", "fp64", "double")
 # zmq endpoints the server can bind: tcp://HOST:PORT (HOST may be * or an interface), ipc://PATH
+WIRE_FORMATS = ("bf16", "projected", "fp8")  # protocol.wire.FORMATS (the config imports nothing of the runtime)
 ENDPOINT = re.compile(r"^(tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s]+):(\d+|\*)|ipc://\S+|inproc://\S+)$")
 
 
@@ -61,6 +62,11 @@ class ServerConfig:
     kv_budget_mib: int = _f(0, "memory for the draft KV cache in MiB; 0 sizes it from free device memory")
     attention: str = _f(
         "auto", "auto (paged Triton kernels + CUDA graphs on CUDA, dense on CPU), paged, or dense (eager reference)"
+    )
+    wire_formats: str = _f(
+        "",
+        "wire formats clients may send, comma-separated from bf16, projected, fp8 (empty: every one the drafter "
+        "takes; the checksum drafter takes bf16 and fp8)",
     )
     checksum_delay_ms: float = _f(0.0, "checksum drafter only: sleep this long in every draft batch (fault tests)")
     # --- limits and admission
@@ -152,6 +158,9 @@ class ServerConfig:
             raise ValueError(f"unknown device {self.device!r} (auto, cpu, cuda, cuda:N)")
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r} (auto, bfloat16, float16, float32)")
+        unknown = [f for f in (x.strip() for x in self.wire_formats.split(",")) if f and f not in WIRE_FORMATS]
+        if unknown:
+            raise ValueError(f"unknown wire formats {unknown} (bf16, projected, fp8)")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"unknown log_level {self.log_level!r} ({', '.join(LOG_LEVELS)})")
 

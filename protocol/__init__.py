@@ -1,7 +1,8 @@
 """The wire contract between target engines and the draft server.
 
 Owns message structs (``messages``), the zero-copy frame codec (``codec``), Step validation
-(``validate``) and the histogram layouts both sides export (``telemetry``). Imports numpy and
+(``validate``), the row layouts of the negotiated wire formats (``wire``) and the histogram
+layouts both sides export (``telemetry``). Imports numpy and
 msgspec only: both sides import it, and the client side lives inside the target engine's process.
 """
 
@@ -27,6 +28,8 @@ from protocol.messages import (
     TensorSpec,
     Timing,
     Welcome,
+    WireFormat,
+    WireOffer,
 )
 from protocol.validate import check_entry, validate_step
 
@@ -52,6 +55,8 @@ __all__ = [
     "TensorSpec",
     "Timing",
     "Welcome",
+    "WireFormat",
+    "WireOffer",
     "check_entry",
     "decode_any",
     "decode_reply",

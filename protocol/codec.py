@@ -33,6 +33,7 @@ NUMPY_DTYPE: dict[DType, np.dtype] = {
     DType.F32: np.dtype(np.float32),
     DType.I32: np.dtype(np.int32),
     DType.I64: np.dtype(np.int64),
+    DType.U8: np.dtype(np.uint8),
 }
 
 MAX_DIMS = 4

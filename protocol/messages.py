@@ -37,6 +37,7 @@ class ErrorCode(enum.IntEnum):
     CONTRACT_MISMATCH = 6
     NOT_READY = 7
     INTERNAL = 8
+    WIRE_FORMAT = 9  # a wire format (or projection) this server does not accept (see ``protocol.wire``)
 
 
 class DType(enum.StrEnum):
@@ -47,13 +48,14 @@ class DType(enum.StrEnum):
     F32 = "f32"
     I32 = "i32"
     I64 = "i64"
+    U8 = "u8"  # raw bytes (fp8 rows: e4m3 codes followed by a float32 scale)
 
     @property
     def itemsize(self) -> int:
         return _ITEMSIZE[self]
 
 
-_ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8}
+_ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.U8: 1}
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
@@ -99,6 +101,24 @@ class ModelContract(msgspec.Struct, frozen=True):
             if f != "model_name" and a != b:
                 out.append(f"{f}: {a!r} != {b!r}")
         return out
+
+
+class WireFormat(enum.StrEnum):
+    """How a Step's rows travel (``protocol.wire`` has the layouts and their sizes)."""
+
+    BF16 = "bf16"  # raw taps, [rows, tap_width] bf16 (the default: what a client that names none sends)
+    PROJECTED = "projected"  # context rows the client projected and normed itself, [rows, hidden_size]
+    FP8 = "fp8"  # taps as e4m3 codes with a per-row float32 scale, [rows, tap_width + 4] bytes
+
+
+class WireOffer(msgspec.Struct, frozen=True):
+    """The wire formats a server accepts (in its Welcome). The defaults are what a server that
+    predates wire formats offers: bf16 only."""
+
+    formats: tuple[str, ...] = (WireFormat.BF16.value,)
+    projection_id: str = ""  # ``wire.projection_id`` of the server's context projection ("" : none)
+    projected_width: int = 0  # values per projected row (the draft's hidden_size)
+    projected_dtype: DType = DType.BF16  # how they travel: bf16, or f32 when the drafter computes in f32/f64
 
 
 class ServerLimits(msgspec.Struct, frozen=True):
@@ -151,6 +171,8 @@ class Hello(_Message, tag="hello"):
     client_name: str
     call_id: int = 0
     expect: ModelContract | None = None  # None: take whatever the server serves
+    wire_format: str = WireFormat.BF16.value  # the row format this client sends (refused if not offered)
+    projection_id: str = ""  # with "projected": ``wire.projection_id`` of the client's projection weights
 
 
 class Welcome(_Message, tag="welcome"):
@@ -160,6 +182,7 @@ class Welcome(_Message, tag="welcome"):
     contract: ModelContract
     contract_id: str
     limits: ServerLimits
+    wire: WireOffer = WireOffer()
 
 
 class Step(_Message, tag="step"):
@@ -171,6 +194,7 @@ class Step(_Message, tag="step"):
     # connection's smallest (receive - sent) and expires, unread, a Step that waited longer than its
     # budget beyond that (queued during a pause or an outage): its rows still commit.
     sent_ms: float = -1.0
+    wire: str = WireFormat.BF16.value  # the format of ``taps`` (one the server's Welcome offered)
 
 
 class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

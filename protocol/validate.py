@@ -3,7 +3,8 @@
 Whole-message faults (budget, frame layout, totals) raise ``ProtocolError``; per-entry faults
 are returned as messages so the server can answer BAD_ENTRY for that entry alone and serve
 the rest. The client runs the same checks before sending, so a bug on the target side shows
-up as a clear local error instead of a remote one.
+up as a clear local error instead of a remote one. The row frame is checked against the Step's
+own wire format (``protocol.wire``), which must be one the server offers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from protocol.codec import Buffer, ProtocolError, tensor
-from protocol.messages import GREEDY, ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry
+from protocol.messages import GREEDY, ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry, WireOffer
+from protocol.wire import BF16_ONLY, refusal, row_layout
 
 
 def check_sampling(s: Sampling, vocab_size: int) -> str | None:
@@ -56,10 +58,17 @@ def check_entry(e: StepEntry, contract: ModelContract, limits: ServerLimits) -> 
 
 
 def validate_step(
-    step: Step, payloads: Sequence[Buffer], contract: ModelContract, limits: ServerLimits
+    step: Step,
+    payloads: Sequence[Buffer],
+    contract: ModelContract,
+    limits: ServerLimits,
+    offer: WireOffer = BF16_ONLY,
 ) -> tuple[np.ndarray | None, list[str | None]]:
-    """Check a Step; return its tap rows (a view, or None) and a per-entry error list."""
+    """Check a Step; return its rows (a view in ``step.wire``'s layout, or None) and a per-entry
+    error list. A format ``offer`` does not hold is a WIRE_FORMAT error."""
     cid = step.call_id
+    if step.wire not in offer.formats:
+        raise ProtocolError(ErrorCode.WIRE_FORMAT, refusal(step.wire, "", offer) or step.wire, cid)
     if not (math.isfinite(step.budget_ms) and 0.0 < step.budget_ms <= limits.max_budget_ms):
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE, f"budget_ms must be in (0, {limits.max_budget_ms}], got {step.budget_ms}", cid
@@ -82,15 +91,18 @@ def validate_step(
             raise ProtocolError(ErrorCode.BAD_FRAMES, f"{total_rows} rows announced but no tap tensor", cid)
     else:
         spec = step.taps
-        if spec.dtype != contract.tap_dtype:
+        dtype, width = row_layout(step.wire, contract, offer)
+        if spec.dtype != dtype:
             raise ProtocolError(
-                ErrorCode.BAD_FRAMES, f"taps dtype {spec.dtype.value}, server expects {contract.tap_dtype.value}", cid
+                ErrorCode.BAD_FRAMES, f"{step.wire} rows of dtype {spec.dtype.value}, server expects {dtype.value}", cid
             )
         if spec.frame != 0:
             raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps must be payload frame 0, got {spec.frame}", cid)
-        want = (total_rows, contract.tap_width)
+        want = (total_rows, width)
         if tuple(spec.shape) != want:
-            raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps shape {list(spec.shape)}, expected {list(want)}", cid)
+            raise ProtocolError(
+                ErrorCode.BAD_FRAMES, f"{step.wire} rows of shape {list(spec.shape)}, expected {list(want)}", cid
+            )
         taps = tensor(spec, payloads, cid)
         expected_frames = 1
     if len(payloads) != expected_frames:

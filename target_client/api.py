@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from protocol import GREEDY, ModelContract, Sampling, Status
+from protocol import GREEDY, ModelContract, Sampling, Status, WireFormat
+from protocol.wire import FORMATS
 
 
 class DraftClientError(Exception):
@@ -79,6 +80,12 @@ class ClientConfig:
     session_idle_s: float = 600.0  # client-side session state not touched this long is dropped
     close_timeout_s: float = 2.0  # join bound for the I/O thread in close()
     routing_id: bytes | None = None  # ZMQ IDENTITY; None = random per client instance
+    # The rows step() is given (protocol.wire): "bf16" taps, "fp8" taps (e4m3 + per-row scale), or
+    # "projected" context rows, with ``projection_id`` = target_client.projection.Projection.id of
+    # the weights they were projected with (target_client.vllm.wire encodes all three). A server
+    # that does not accept the format, or projects with other weights, is refused at Hello.
+    wire_format: str = WireFormat.BF16.value
+    projection_id: str = ""
 
     def __post_init__(self) -> None:
         def positive(name: str, value: float) -> None:
@@ -120,6 +127,12 @@ class ClientConfig:
             raise ValueError("ClientConfig.curve_public_key and curve_secret_key come together")
         if self.curve_public_key is not None and self.curve_server_key is None:
             raise ValueError("ClientConfig.curve_public_key needs curve_server_key")
+        if self.wire_format not in FORMATS:
+            raise ValueError(f"ClientConfig.wire_format must be one of {', '.join(FORMATS)}, got {self.wire_format!r}")
+        if self.wire_format == WireFormat.PROJECTED and not self.projection_id:
+            raise ValueError(
+                "ClientConfig.wire_format 'projected' needs projection_id (target_client.projection.Projection.id)"
+            )
 
 
 @dataclass(frozen=True, slots=True)

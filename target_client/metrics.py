@@ -56,6 +56,13 @@ class ClientMetrics:
             "draft_client_contract_changes", "Replies whose contract_id differed from the verified one", **kw
         )
         self.breaker_opens = Counter("draft_client_breaker_opens", "Times the circuit breaker opened", **kw)
+        self.refusals = Counter(
+            "draft_client_handshake_refusals",
+            "Handshakes refused, drafting off: another model contract or protocol version (contract), or a wire "
+            "format or projection the server does not accept (wire_format)",
+            ["reason"],
+            **kw,
+        )
         # multiprocess_mode only matters under PROMETHEUS_MULTIPROC_DIR (vLLM's API server export).
         self.breaker_open = Gauge(
             "draft_client_breaker_open",
@@ -73,6 +80,8 @@ class ClientMetrics:
             self.steps.labels(o)
         for s in ENTRY_STATUSES:
             self.entries.labels(s)
+        for r in ("contract", "wire_format"):
+            self.refusals.labels(r)
 
 
 class FleetMetrics:

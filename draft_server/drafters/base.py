@@ -8,6 +8,8 @@ ingest, so a gap restart is simply a new ``start``.
 
 Call order inside one engine iteration: ``reserve`` (per session, may fail -> overloaded),
 ``ingest`` (all sessions' new rows at once), ``draft`` (all sessions wanting drafts at once).
+Rows reach ``ingest`` in the wire format their client negotiated (``IngestItem.fmt``, one of
+``wire_offer().formats``; layouts in ``protocol.wire``).
 All calls come from the engine thread only.
 """
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import ModelContract, Sampling
+from protocol import ModelContract, Sampling, WireFormat, WireOffer
 
 
 @dataclass(slots=True)
@@ -27,7 +29,8 @@ class IngestItem:
     key: int
     start: int  # context start of the session after this ingest
     pos: int  # absolute position of taps[0]; context becomes [start, pos + len(taps))
-    taps: np.ndarray  # [rows, tap_width], wire storage dtype (uint16 bit patterns for bf16)
+    taps: np.ndarray  # [rows, width] of ``fmt``'s layout, as received (uint16 bit patterns for bf16)
+    fmt: str = WireFormat.BF16.value  # the wire format of the rows
 
 
 @dataclass(slots=True)
@@ -81,6 +84,11 @@ class Drafter(ABC):
     @abstractmethod
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Draft ``k`` tokens after each anchor, batched over sessions."""
+
+    def wire_offer(self) -> WireOffer:
+        """The wire formats ``ingest`` takes (and, with ``projected``, the projection's id, width
+        and dtype). Default: bf16 taps only."""
+        return WireOffer()
 
     def prepare(self, max_batch_sessions: int, max_batch_rows: int) -> dict[str, float]:
         """Get ready for traffic at these batch limits (compiled kernels, CUDA graphs and their

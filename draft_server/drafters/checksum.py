@@ -5,6 +5,10 @@ hash of the session's whole context digest, the anchor, its position and the dra
 A test that keeps what it sent computes the same drafts with ``expected_drafts`` and so
 proves the server holds exactly those rows at exactly those positions (appends, overwrites
 and gap restarts included). ``delay_ms`` makes each draft call slow on purpose.
+
+Wire formats: bf16 and fp8. A row's digest is over its bytes as they arrived (fp8: the e4m3 codes
+and the scale), so the proof is the same in either; projected rows are not taken (the checksum
+drafter has no context projection for a client to match).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from draft_server.drafters.base import Drafter, DraftItem, DraftOut, IngestItem
-from protocol import DType, ModelContract
+from protocol import DType, ModelContract, WireFormat, WireOffer
 
 _M64 = (1 << 64) - 1
 
@@ -70,6 +74,9 @@ class ChecksumDrafter(Drafter):
         # per session: (start, list of digests for positions start..)
         self._sessions: dict[int, tuple[int, list[int]]] = {}
         self._reserved: dict[int, int] = {}
+
+    def wire_offer(self) -> WireOffer:
+        return WireOffer(formats=(WireFormat.BF16.value, WireFormat.FP8.value))
 
     def capacity_tokens(self) -> int:
         return self._capacity

@@ -251,7 +251,7 @@ class Engine:
                 self._kv_full(s, w)
                 continue
             if w.rows:
-                ingest.append(IngestItem(s.handle, s.start, w.pos, w.taps))  # type: ignore[arg-type]
+                ingest.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
             placed.append((s, w))
             if w.k:
                 drafts.append((s, w))
@@ -306,7 +306,7 @@ class Engine:
             self._kv_full(s, w)
             return
         try:
-            self.drafter.ingest([IngestItem(s.handle, s.start, w.pos, w.taps[:n])])
+            self.drafter.ingest([IngestItem(s.handle, s.start, w.pos, w.taps[:n], w.fmt)])
         except Exception as e:
             log.exception("drafter failed on a prefill chunk")
             self.metrics.engine_errors.inc()

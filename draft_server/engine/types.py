@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import EntryResult, Sampling
+from protocol import EntryResult, Sampling, WireFormat
 
 SessionKey = tuple[bytes, str]  # (owner, session id)
 
@@ -48,6 +48,7 @@ class Work:
     k: int  # 0 once resolved (no drafting left to do)
     sampling: Sampling
     end: int  # session end once all rows are in
+    fmt: str = WireFormat.BF16.value  # the wire format of ``taps`` (the Step's)
 
     @property
     def rows(self) -> int:

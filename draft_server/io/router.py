@@ -10,6 +10,12 @@ CurveZMQ public key too when Curve is on. ``ROUTER_HANDOVER`` is off, so a secon
 that presents a routing id already in use is refused by the socket instead of taking over;
 ZeroMQ heartbeats drop dead peers within seconds, so a client that reconnects gets its id back.
 
+Wire formats (``protocol.wire``): the Welcome lists the formats the server accepts (the
+drafter's, narrowed by ``--wire-formats``); a Hello asking for another one, or for projected rows
+with another projection's id, is refused with one WIRE_FORMAT line naming both sides (counted in
+``draft_server_bad_messages_total{code="wire_format"}``). Each Step names its format; its rows are
+checked against that format's layout and travel to the drafter as they came.
+
 Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
 connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
 its budget waited unread (a pause, an outage) and is answered ``expired`` at once, its rows
@@ -49,11 +55,13 @@ from protocol import (
     Status,
     Step,
     Welcome,
+    WireOffer,
     decode_request,
     encode,
     validate_step,
 )
 from protocol.codec import check_version, scan_call_id
+from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
 log = logging.getLogger("draft_server.io")
 
@@ -65,7 +73,12 @@ def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
     """bool [rows]: rows whose sampled values (every NONFINITE_STRIDE-th) hold NaN or Inf.
 
     A diverged target puts NaN across whole rows, so a sample finds it for a 61st of the cost of
-    a full scan (about 0.1 ms for 64 sessions x 3 rows of K3 taps)."""
+    a full scan (about 0.1 ms for 64 sessions x 3 rows of K3 taps). ``dtype`` U8: fp8 rows, whose
+    NaN is the e4m3 code S.1111.111, or whose float32 scale is not finite."""
+    if dtype == DType.U8:
+        w = taps.shape[1] - SCALE_BYTES
+        scale = np.ascontiguousarray(taps[:, w:]).view(np.float32)[:, 0]
+        return ((taps[:, :w:NONFINITE_STRIDE] & 0x7F) == 0x7F).any(axis=1) | ~np.isfinite(scale)
     sample = taps[:, ::NONFINITE_STRIDE]
     if dtype == DType.BF16:  # bit patterns: exponent all ones
         return ((sample & 0x7F80) == 0x7F80).any(axis=1)
@@ -83,8 +96,10 @@ class Router:
         contract: ModelContract,
         limits: ServerLimits,
         healthy: Callable[[], bool],
+        offer: WireOffer = BF16_ONLY,
     ) -> None:
         self.cfg = cfg
+        self.offer = offer
         self.engine = engine
         self.metrics = metrics
         self.epoch = epoch
@@ -268,6 +283,9 @@ class Router:
                     f"server serves {self.contract.model_name}; differing fields: " + "; ".join(diff),
                     msg.call_id,
                 )
+        why = refusal(msg.wire_format, msg.projection_id, self.offer)
+        if why is not None:
+            raise ProtocolError(ErrorCode.WIRE_FORMAT, why, msg.call_id)
         self._send(
             ident,
             Welcome(
@@ -277,6 +295,7 @@ class Router:
                 contract=self.contract,
                 contract_id=self.contract_id,
                 limits=self.limits,
+                wire=self.offer,
             ),
         )
 
@@ -295,8 +314,9 @@ class Router:
         return lag - best
 
     def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
-        taps, errors = validate_step(step, payloads, self.contract, self.limits)
-        bad_rows = nonfinite_rows(taps, self.contract.tap_dtype) if taps is not None else None
+        taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer)
+        dtype = row_layout(step.wire, self.contract, self.offer)[0]
+        bad_rows = nonfinite_rows(taps, dtype) if taps is not None else None
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
         waited = self._waited_unread_ms(ident, step, recv_t)
@@ -327,7 +347,7 @@ class Router:
             else:
                 call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
             if rows is not None or k:
-                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end))
+                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire))
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on

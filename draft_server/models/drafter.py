@@ -1,7 +1,10 @@
 """``DSparkDrafter``: the DSpark model as a ``Drafter`` backend.
 
 Owns the glue between the scheduler's calls and the model: batched ingest into the paged cache,
-batched block forward + sequential stage, and the KV budget. ``draft_debug`` returns the
+batched block forward + sequential stage, and the KV budget. Ingest takes rows in every wire
+format (``protocol.wire``; ``wire_offer``): bf16 and fp8 taps (dequantized on the device) go
+through the context projection, projected rows (the client applied it, with the weights that
+``projection_id`` names) skip it. ``draft_debug`` returns the
 per-step logits as well (the numerics tests compare them with the float64 reference).
 
 Context for a draft is exactly [DraftItem.start, DraftItem.pos): positions outside it are
@@ -26,7 +29,9 @@ from draft_server.models.config import CheckpointError, DSparkConfig
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.model import DSparkModel
 from draft_server.models.sampling import Sampler
-from draft_server.models.staging import taps_to_tensor
+from draft_server.models.staging import context_rows, rows_to_device, torch_projection_id
+from protocol import DType, WireOffer
+from protocol.wire import FORMATS, row_layout
 
 if TYPE_CHECKING:
     from draft_server.models.step import FastStep
@@ -43,7 +48,10 @@ class DSparkDrafter(Drafter):
         page_size: int = 16,
         sts_temperatures: list[float] | None = None,
         attention: str = "auto",
+        projection_id: str | None = None,
     ) -> None:
+        """``projection_id``: of the context projection as stored in its checkpoint (default: of
+        the weights as held, the same unless a wider checkpoint dtype was narrowed at load)."""
         if attention not in ("auto", "paged", "dense"):
             raise CheckpointError(f"attention '{attention}' is not one of auto, paged, dense")
         self.model = model
@@ -64,6 +72,19 @@ class DSparkDrafter(Drafter):
             self.cfg.num_layers, model.token_shape, int(num_pages), page_size, model.dtype, model.device
         )
         self.sampler = Sampler(model, sts_temperatures)
+        if projection_id is None:
+            projection_id = torch_projection_id(model.ctx_proj, model.ctx_norm, self.cfg.rms_norm_eps)
+        wide = model.dtype in (torch.float32, torch.float64)
+        self.offer = WireOffer(
+            formats=FORMATS,
+            projection_id=projection_id,
+            projected_width=self.cfg.hidden_size,
+            projected_dtype=DType.F32 if wide else DType.BF16,
+        )
+        self._row_width = {f: row_layout(f, self.contract, self.offer)[1] for f in FORMATS}
+
+    def wire_offer(self) -> WireOffer:
+        return self.offer
 
     def cuda_device(self) -> object | None:
         dev = torch.device(self.model.device)
@@ -96,6 +117,7 @@ class DSparkDrafter(Drafter):
             max_rows=max_batch_rows,
             graphs=True,
             sts=self.sampler.sts,
+            offer=self.offer,
         )
         report = fast.capture()
         self.fast = fast
@@ -115,7 +137,7 @@ class DSparkDrafter(Drafter):
                 if not self.reserve(key, 0, 4 + B):
                     break
                 keys.append(key)
-            bits = (rng.standard_normal((4, self.contract.tap_width), dtype=np.float32).view(np.uint32) >> 16)
+            bits = rng.standard_normal((4, self.contract.tap_width), dtype=np.float32).view(np.uint32) >> 16
             for j, key in enumerate(keys):
                 fast.ingest([IngestItem(key, 0, 0, np.roll(bits, j, axis=1).astype(np.uint16))])
             return fast.self_test(keys)
@@ -133,28 +155,34 @@ class DSparkDrafter(Drafter):
             for it in pending:
                 (rest if it.key in seen else batch).append(it)
                 seen.add(it.key)
-            if self.fast is not None:
-                self.fast.ingest(batch)
-            else:
-                self._ingest_once(batch)
+            by_format: dict[str, list[IngestItem]] = {}
+            for it in batch:  # distinct keys: the formats' groups are independent
+                by_format.setdefault(it.fmt, []).append(it)
+            for fmt, group in by_format.items():
+                if self.fast is not None:
+                    self.fast.ingest(group)
+                else:
+                    self._ingest_once(fmt, group)
             pending = rest
 
-    def _ingest_once(self, items: list[IngestItem]) -> None:
+    def _ingest_once(self, fmt: str, items: list[IngestItem]) -> None:
         m = self.model
         pos = np.concatenate([np.arange(it.pos, it.pos + len(it.taps), dtype=np.int64) for it in items])
         slots = np.concatenate(
             [self.cache.slots(it.key, np.arange(it.pos, it.pos + len(it.taps), dtype=np.int64)) for it in items]
         )
-        width = self.contract.tap_width
+        width = self._row_width.get(fmt)
+        if width is None:
+            raise ValueError(f"unknown wire format {fmt!r}")
         for it in items:
             if it.taps.ndim != 2 or it.taps.shape[1] != width:
-                raise ValueError(f"session {it.key}: taps of shape {it.taps.shape}, expected [rows, {width}]")
-        taps = taps_to_tensor([it.taps for it in items], m.device, m.dtype)
+                raise ValueError(f"session {it.key}: {fmt} rows of shape {it.taps.shape}, expected [rows, {width}]")
+        rows = rows_to_device([it.taps for it in items], m.device)
         pos_t = torch.from_numpy(pos).to(m.device)
         slots_t = torch.from_numpy(slots).to(m.device)
         for a in range(0, len(pos), INGEST_CHUNK_ROWS):
             b = a + INGEST_CHUNK_ROWS
-            c = m.context(taps[a:b])
+            c = context_rows(m, rows[a:b], fmt)
             self.cache.write(slots_t[a:b], m.context_kv(c, pos_t[a:b]))
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.layers.gqa import Qwen3DSpark
 from draft_server.models.layers.mla import K3DSpark
 from draft_server.models.model import DSparkModel
+from draft_server.models.staging import torch_projection_id
 from draft_server.models.weights import Checkpoint, load_target_head, validate_draft
 
 DTYPES = {
@@ -27,6 +28,7 @@ DTYPES = {
     "float64": torch.float64,
     "double": torch.float64,
 }
+
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when a GPU is visible, else the CPU."""
@@ -91,6 +93,10 @@ def load_drafter(
         target = load_target_head(target_model_dir, cfg, need_head, need_embed)
     raw = ck.load(names)
     raw.update(target)
+    proj, norm = (
+        ("context_proj.weight", "context_norm.weight") if cfg.variant == K3 else ("fc.weight", "hidden_norm.weight")
+    )
+    projection_id = torch_projection_id(raw[proj], raw[norm], cfg.rms_norm_eps)  # as stored, as clients read it
     w: dict[str, torch.Tensor] = {}
     acc = torch.float64 if tdtype == torch.float64 else torch.float32
     for name, t in raw.items():
@@ -108,5 +114,10 @@ def load_drafter(
         nbytes = sum(t.numel() * t.element_size() for t in given.values())
         model.weight_info = WeightInfo("dense", 8.0 * torch.empty((), dtype=tdtype).element_size(), nbytes, nbytes)
     return DSparkDrafter(
-        model, kv_budget_bytes, page_size=page_size, sts_temperatures=sts_temperatures, attention=attention
+        model,
+        kv_budget_bytes,
+        page_size=page_size,
+        sts_temperatures=sts_temperatures,
+        attention=attention,
+        projection_id=projection_id,
     )

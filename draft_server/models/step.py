@@ -10,7 +10,9 @@ ragged page list) to the device in one copy. Greedy draft steps run the same bod
 either captured as a CUDA graph per session bucket (1, 2, 4, ... sessions, each with a fixed
 work capacity) or, on the CPU (Triton's interpreter) and for batches whose contexts exceed the
 bucket's capacity, run eagerly with the same kernels. Results come back in one device-to-host
-copy into pinned memory and one wait. Context ingest has its own graphs, bucketed by row count.
+copy into pinned memory and one wait. Context ingest has its own graphs, per wire format and row
+bucket (``protocol.wire``: bf16 or fp8 taps, or projected context rows); the formats share one
+pinned staging buffer and one device buffer (ingests run one at a time, in stream order).
 
 Nothing in a step reads the device from the host before its end: no ``.item()``, no
 ``.tolist()``, no host-built tensors. Every captured bucket is replayed once against the eager
@@ -24,6 +26,7 @@ zero output), their block rows and padding ingest rows write into the cache's tr
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +38,9 @@ from draft_server.models.attention import PagedBatch, PagedContext
 from draft_server.models.kernels import paged_attention as pa
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.model import DSparkModel
-from protocol import GREEDY
+from draft_server.models.staging import STORAGE, context_rows
+from protocol import GREEDY, WireOffer
+from protocol.wire import BF16_ONLY, row_layout
 
 MLA_CHUNK = 2048  # one chunk covers a 1-2K context: no split-K partials at large batches
 GQA_CHUNK = 1024
@@ -71,6 +76,7 @@ class FastStep:
         graphs: bool,
         sts: torch.Tensor,
         max_context: int = 1 << 20,
+        offer: WireOffer = BF16_ONLY,  # the wire formats ingested
     ) -> None:
         self.m, self.cache, self.sts = model, cache, sts
         cfg = model.cfg
@@ -102,11 +108,15 @@ class FastStep:
         # outputs: tokens [n, B] int64, confidence [n, B] float32, packed for one D2H
         self.out = torch.zeros(n, 2 * B, dtype=torch.float64, device=self.dev)
         self.out_host = torch.empty(n, 2 * B, dtype=torch.float64, pin_memory=pin)
-        # ingest: taps (wire bf16 bit patterns) + slots + positions
-        width = cfg.n_taps * cfg.target_hidden_size
-        self.taps_host = torch.empty(self.r_max, width, dtype=torch.int16, pin_memory=pin)
-        self.taps_host_np = self.taps_host.numpy().view(np.uint16)
-        self.taps = torch.empty(self.r_max, width, dtype=torch.int16, device=self.dev)
+        # ingest: rows in their wire storage (one byte buffer, pinned and on the device, viewed per
+        # format as [r_max, width] of its dtype: ``_rows``) + slots + positions
+        self.formats: dict[str, tuple[torch.dtype, int]] = {}
+        for f in offer.formats:
+            dtype, width = row_layout(f, cfg.contract(), offer)
+            self.formats[f] = (STORAGE[dtype], width)
+        row_bytes = max(w * t.itemsize for t, w in self.formats.values())
+        self.rows_host = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.rows = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, device=self.dev)
         self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
         self.ing_host_np = self.ing_host.numpy()
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
@@ -116,7 +126,7 @@ class FastStep:
         v_dim = model.layout.value_dims
         self._out_shape = (B, H, v_dim)
         self._draft_graphs: dict[int, _DraftGraph] = {}
-        self._ingest_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._ingest_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # by (format, row bucket)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_s = 0.0
         self.graph_steps = 0
@@ -160,12 +170,17 @@ class FastStep:
         if conf is not None:
             self.out[:n, self.B :].copy_(conf)
 
-    def _ingest_body(self, r: int) -> None:
+    def _rows(self, buf: torch.Tensor, fmt: str) -> torch.Tensor:
+        """``buf`` (rows_host or rows) as [r_max, width] rows of ``fmt``'s wire storage."""
+        dtype, width = self.formats[fmt]
+        return buf[: self.r_max * width * dtype.itemsize].view(dtype).view(self.r_max, width)
+
+    def _ingest_body(self, fmt: str, r: int) -> None:
         m = self.m
-        taps = self.taps[:r].view(torch.bfloat16).to(m.dtype)
+        c = context_rows(m, self._rows(self.rows, fmt)[:r], fmt)
         self.ing_slots64[:r].copy_(self.ing[:r])
         positions = self.ing[self.r_max : self.r_max + r]
-        self.cache.write(self.ing_slots64[:r], m.context_kv(m.context(taps), positions))
+        self.cache.write(self.ing_slots64[:r], m.context_kv(c, positions))
 
     # ------------------------------------------------------------------ capture
 
@@ -187,12 +202,13 @@ class FastStep:
                 with torch.cuda.graph(g, pool=self._pool, stream=s):
                     self._draft_body(n, batch)
                 self._draft_graphs[n] = _DraftGraph(n, batch, g)
-            for r in reversed(self.row_buckets):
-                self._ingest_body(r)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self._pool, stream=s):
-                    self._ingest_body(r)
-                self._ingest_graphs[r] = g
+            for fmt in self.formats:
+                for r in reversed(self.row_buckets):
+                    self._ingest_body(fmt, r)
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self._pool, stream=s):
+                        self._ingest_body(fmt, r)
+                    self._ingest_graphs[fmt, r] = g
         torch.cuda.current_stream(self.dev).wait_stream(s)
         torch.cuda.synchronize(self.dev)
         self.capture_s = time.perf_counter() - t0
@@ -213,19 +229,24 @@ class FastStep:
         self.ing_host_np[: self.r_max] = self.cache.trash_slot
         self.ing_host_np[self.r_max :] = 0
         self.ing.copy_(self.ing_host)
-        self.taps.zero_()
+        self.rows.zero_()
         del n, B
 
     # ------------------------------------------------------------------ per step
 
     def ingest(self, items: Sequence[IngestItem]) -> None:
-        """Write the rows of several sessions (distinct keys) through the ingest graph of their row bucket."""
-        rows = sum(len(it.taps) for it in items)
-        for a in range(0, rows, self.r_max):
-            self._ingest_rows(items, a, min(rows, a + self.r_max))
+        """Write the rows of several sessions (distinct keys) through the ingest graph of their
+        wire format and row bucket."""
+        by_format: dict[str, list[IngestItem]] = {}
+        for it in items:
+            by_format.setdefault(it.fmt, []).append(it)
+        for fmt, group in by_format.items():
+            rows = sum(len(it.taps) for it in group)
+            for a in range(0, rows, self.r_max):
+                self._ingest_rows(fmt, group, a, min(rows, a + self.r_max))
 
-    def _ingest_rows(self, items: Sequence[IngestItem], a: int, b: int) -> None:
-        """Rows a..b (in item order) through the ingest graph of their bucket."""
+    def _ingest_rows(self, fmt: str, items: Sequence[IngestItem], a: int, b: int) -> None:
+        """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
         if self._ingest_done is not None:
@@ -246,15 +267,20 @@ class FastStep:
         h[r:rb] = self.cache.trash_slot
         h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
         h[self.r_max + r : self.r_max + rb] = 0
-        np.concatenate(parts, out=self.taps_host_np[:r])
-        self.taps_host_np[r:rb] = 0
+        host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
+        # the one host copy, socket frames -> pinned staging, on torch's intra-op threads (numpy's is serial);
+        # frames are read-only buffers and torch only reads them here
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cat([torch.from_numpy(p.view(np.int16) if p.dtype == np.uint16 else p) for p in parts], out=host[:r])
+        host[r:rb] = 0
         self.ing.copy_(self.ing_host, non_blocking=True)
-        self.taps[:rb].copy_(self.taps_host[:rb], non_blocking=True)
-        g = self._ingest_graphs.get(rb)
+        dev[:rb].copy_(host[:rb], non_blocking=True)
+        g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
             g.replay()
         else:
-            self._ingest_body(rb)
+            self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
 

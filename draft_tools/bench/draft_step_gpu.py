@@ -352,7 +352,7 @@ def bench_preset(
             r = timed(run, 3, warm=1)
             pre[f"chunk_{chunk}_ms"] = r["median_ms"]  # host copy into pinned memory included
             pre[f"chunk_{chunk}_roofline"] = gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
-            g = fast._ingest_graphs.get(chunk)  # the GPU alone: the last chunk's graph, its inputs staged
+            g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the last chunk's graph, its inputs staged
             if g is not None:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()

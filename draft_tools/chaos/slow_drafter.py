@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 from draft_server.drafters import Drafter, DraftItem, DraftOut, IngestItem
+from protocol import WireOffer
 
 
 class SlowDrafter(Drafter):
@@ -51,6 +52,9 @@ class SlowDrafter(Drafter):
 
     def cuda_device(self) -> object | None:
         return self.inner.cuda_device()
+
+    def wire_offer(self) -> WireOffer:
+        return self.inner.wire_offer()
 
     def close(self) -> None:
         self.inner.close()

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from protocol import ModelContract, Pong, ServerLimits, Timing, Welcome
+from protocol.wire import RowLayout
 from target_client.api import (
     ClientConfig,
     ConnectTimeoutError,
@@ -93,6 +94,11 @@ class DraftClient:
         return self._io.handshake.epoch
 
     @property
+    def row_layout(self) -> RowLayout | None:
+        """(dtype, width) of the rows step() takes in this client's wire format (None until known)."""
+        return self._io.handshake.layout
+
+    @property
     def advised_k(self) -> int:
         """The server's latest load-aware k advice (-1: none)."""
         return self._io.advised_k
@@ -149,9 +155,10 @@ class DraftClient:
     ) -> list[DraftReply]:
         """Drafts for one engine step: one DraftReply per request, in order, within the budget.
 
-        ``taps``: C-contiguous [sum(rows), contract.tap_width] in the wire storage dtype (uint16
-        bit patterns for bf16), or None when no request has rows. Kept by reference until
-        acknowledged: do not mutate it afterwards.
+        ``taps``: C-contiguous [sum(rows), width] rows of the client's wire format in their wire
+        storage dtype (bf16: [rows, contract.tap_width] uint16 bit patterns; see ``row_layout``
+        and ``target_client.vllm.wire``), or None when no request has rows. Kept by reference
+        until acknowledged: do not mutate it afterwards.
         """
         return self.submit_step(requests, taps, budget_ms).collect()
 
@@ -269,7 +276,8 @@ class DraftClient:
         budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
         contract = self._io.handshake.pinned
         welcome = self._io.handshake.welcome
-        entries, taps = prepare(requests, taps, contract, welcome.limits if welcome is not None else None)
+        limits = welcome.limits if welcome is not None else None
+        entries, taps = prepare(requests, taps, contract, limits, self._io.handshake.layout)
         n = len(entries)
         if n == 0:
             return [], "ok"

@@ -1,10 +1,12 @@
 """The Hello/Welcome handshake: which server the client talks to and which contract it pinned.
 
 Owns ``Handshake``: the verified Welcome, the pinned contract (``ClientConfig.expect``, else the
-first verified one) and its ``contract_id``, the server's epoch, the refusal (a server serving
-another contract or protocol version: drafting stays off, the Hello is retried every
-``breaker_backoff_ms``), re-verification after a reply names another contract, the Hello retry
-timer and the callers waiting in ``connect()``.
+first verified one) and its ``contract_id``, the layout of the rows this client sends (its wire
+format under that contract and the Welcome's offer), the server's epoch, the refusal (a server
+serving another contract or protocol version, or not accepting this client's wire format or
+projection: drafting stays off, the Hello is retried every ``breaker_backoff_ms``),
+re-verification after a reply names another contract, the Hello retry timer and the callers
+waiting in ``connect()``.
 
 Only the I/O thread writes it; callers read ``welcome``, ``pinned`` and ``epoch`` (single
 attribute reads of immutable values). No socket: the I/O loop sends the Hello this builds,
@@ -17,7 +19,8 @@ import logging
 import math
 from concurrent.futures import Future
 
-from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Welcome
+from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Welcome, WireFormat, WireOffer
+from protocol.wire import RowLayout, refusal, row_layout
 from target_client.api import ClientConfig, ContractMismatchError
 from target_client.client.calls import set_future
 from target_client.client.counters import Counters
@@ -46,6 +49,10 @@ class Handshake:
         self.hello_due = False  # a Hello should go out as soon as the socket is writable
         self.next_hello_at = math.inf
         self.waiters: list[Future] = []  # connect(wait=True) callers
+        # (dtype, width) of the rows step() takes; None until known (projected: from the Welcome)
+        self.layout: RowLayout | None = None
+        if cfg.expect is not None and cfg.wire_format != WireFormat.PROJECTED:
+            self.layout = row_layout(cfg.wire_format, cfg.expect, WireOffer())
 
     @property
     def ready(self) -> bool:
@@ -66,8 +73,14 @@ class Handshake:
         self.hello_due = True
 
     def hello(self, call_id: int) -> Hello:
+        cfg = self.cfg
         return Hello(
-            protocol_version=PROTOCOL_VERSION, client_name=self.cfg.name, call_id=call_id, expect=self.cfg.expect
+            protocol_version=PROTOCOL_VERSION,
+            client_name=cfg.name,
+            call_id=call_id,
+            expect=cfg.expect,
+            wire_format=cfg.wire_format,
+            projection_id=cfg.projection_id,
         )
 
     def hello_sent(self, now: float, sent: bool) -> float | None:
@@ -108,6 +121,9 @@ class Handshake:
                     f"(expected != served): {'; '.join(diffs)}",
                     tuple(d.split(":", 1)[0] for d in diffs),
                 )
+        why = refusal(self.cfg.wire_format, self.cfg.projection_id, w.wire)
+        if why is not None:
+            return f"draft server {self.cfg.endpoint}: {why}", ("wire_format",)
         return None
 
     def accept(self, w: Welcome) -> bool:
@@ -116,6 +132,7 @@ class Handshake:
         self.welcome = w
         if self.pinned is None:
             self.pinned = w.contract
+        self.layout = row_layout(self.cfg.wire_format, self.pinned, w.wire)
         self.contract_id = w.contract_id
         self.need_hello = self.hello_due = self.verifying = False
         lifted = self.refused is not None
@@ -139,14 +156,16 @@ class Handshake:
 
     def hello_error(self, err: Error) -> Refusal | None:
         """The refusal an Error answering a Hello means, or None (e.g. NOT_READY: retry on the timer)."""
-        if err.code not in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.UNSUPPORTED_VERSION):
+        if err.code not in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.WIRE_FORMAT):
             return None
         named = tuple(f for f in _CONTRACT_FIELDS if f in err.message)
         if err.code == ErrorCode.UNSUPPORTED_VERSION:
             named = ("protocol_version",)
+        elif err.code == ErrorCode.WIRE_FORMAT:
+            named = ("wire_format",)
         return f"draft server {self.cfg.endpoint} refused the handshake: {err.message}", named
 
-    def refuse(self, message: str, now: float) -> None:
+    def refuse(self, message: str, now: float, fields: tuple[str, ...] = ()) -> None:
         """Turn drafting off for a server this client cannot use; retry the Hello slowly."""
         if self.refused != message:
             log.error("draft client %s: %s; drafting stays off (breaker open)", self.cfg.name, message)
@@ -155,7 +174,9 @@ class Handshake:
         self.need_hello = True
         self.hello_due = False
         self.next_hello_at = now + self.cfg.breaker_backoff_ms / 1000.0
-        self._c.add("contract_refusals")
+        why = "wire_format" if "wire_format" in fields else "contract"
+        self._c.m.refusals.labels(why).inc()
+        self._c.add(f"{why}_refusals")
 
     def fail_waiters(self, message: str, fields: tuple[str, ...]) -> None:
         """Raise ContractMismatchError in the connect() callers (after the gate has closed)."""

@@ -275,13 +275,13 @@ class IoLoop:
         n = len(call.entries)
         welcome = hs.welcome
         send = call.send and self.gate is None and welcome is not None
-        contract = hs.pinned
+        layout = hs.layout
         room = _NO_ROOM_LIMIT
         if send:
-            assert contract is not None and welcome is not None
-            room = room_for_resend(cfg, call, contract, welcome.limits)
+            assert layout is not None and welcome is not None
+            room = room_for_resend(cfg, call, layout, welcome.limits)
         cid = next(self._ids) if send else None
-        merged = merge_rows(call, self.sessions, now, cid, contract, room, cfg.resend_rows_limit)
+        merged = merge_rows(call, self.sessions, now, cid, layout, room, cfg.resend_rows_limit)
         if merged.skipped:
             self._c.entries_skipped.inc(merged.skipped)
         self._c.dropped_rows(merged.dropped)
@@ -292,8 +292,8 @@ class IoLoop:
         if not merged.entries:  # everything held back
             resolve(call.future, merged.replies(n), "overloaded")
             return
-        assert contract is not None and cid is not None and welcome is not None
-        frames = step_frames(merged, call, cid, contract, welcome.limits, cfg.reply_margin_ms)
+        assert layout is not None and cid is not None and welcome is not None
+        frames = step_frames(merged, call, cid, layout, cfg.wire_format, welcome.limits, cfg.reply_margin_ms)
         if not self._try_send(frames):
             for sess in merged.sessions:
                 self.sessions[sess].unsent()
@@ -549,7 +549,7 @@ class IoLoop:
                 self._late(p, now, True)
             else:
                 self._failed_step(p, now, False)
-            if err.code == ErrorCode.CONTRACT_MISMATCH:
+            if err.code in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.WIRE_FORMAT):  # the Hello says why
                 self._contract_changed("")
         elif p.kind == "ping" and p.future is not None:
             set_future(p.future, None)
@@ -574,7 +574,7 @@ class IoLoop:
             self._set_gate()
 
     def _refuse(self, message: str, fields: tuple[str, ...], now: float) -> None:
-        self.handshake.refuse(message, now)
+        self.handshake.refuse(message, now, fields)
         self._set_gate()
         self.handshake.fail_waiters(message, fields)
 

@@ -5,7 +5,8 @@ Owns the two halves of building a step and the budget of a step:
 * ``check_budget`` and ``prepare`` (caller thread): the caller's arguments checked locally
   (``ValueError`` for a caller bug, before anything is sent): request types, entries against the
   pinned contract and the server's limits (full ``protocol.validate`` checks once both are
-  known), the taps array's shape, dtype and layout, the per-step limits.
+  known), the rows array's shape, dtype and memory layout against the row layout of the
+  client's wire format (``protocol.wire``; once known), the per-step limits.
 * ``merge_rows`` and ``step_frames`` (I/O thread): each session's unacknowledged rows
   (``resend.SessionRows``) merged in front of its new rows within the resend bound and the
   step's room, sessions the server asked to hold back answered locally, the rows of a step that
@@ -30,6 +31,7 @@ import numpy as np
 from protocol import ModelContract, Sampling, ServerLimits, Status, Step, StepEntry
 from protocol.codec import NUMPY_DTYPE, encode, spec_for
 from protocol.validate import check_entry, check_sampling
+from protocol.wire import RowLayout
 from target_client.api import ClientConfig, DraftReply, StepRequest
 from target_client.client.calls import StepCall
 from target_client.client.resend import SessionRows, chunk_rows, keep_newest
@@ -73,10 +75,12 @@ def prepare(
     taps: np.ndarray | None,
     contract: ModelContract | None,
     limits: ServerLimits | None,
+    layout: RowLayout | None,
 ) -> tuple[tuple[StepEntry, ...], np.ndarray | None]:
     """Check the caller's arguments (ValueError on a caller bug); build the wire entries.
 
-    Returns the entries and the taps (None when no request has rows)."""
+    ``layout``: (dtype, width) of the client's rows, None while unknown. Returns the entries and
+    the taps (None when no request has rows)."""
     entries: list[StepEntry] = []
     seen: set[str] = set()
     total = 0
@@ -110,18 +114,16 @@ def prepare(
             raise ValueError(f"taps has shape {tuple(taps.shape)}, requests announce {total} rows")
         if not taps.flags.c_contiguous:
             raise ValueError("taps must be C-contiguous (the client sends it without copying)")
-        if contract is not None:
-            want = NUMPY_DTYPE[contract.tap_dtype]
+        if layout is not None:
+            dtype, width = layout
+            want = NUMPY_DTYPE[dtype]
             if taps.dtype != want:
                 raise ValueError(
-                    f"taps dtype {taps.dtype} does not carry {contract.tap_dtype.value} (want {want}: "
-                    "bf16 travels as its uint16 bit pattern)"
+                    f"taps dtype {taps.dtype} does not carry {dtype.value} (want {want}: "
+                    "bf16 travels as its uint16 bit pattern, fp8 rows as uint8)"
                 )
-            if taps.shape[1] != contract.tap_width:
-                raise ValueError(
-                    f"taps width {taps.shape[1]} != contract tap_width {contract.tap_width} "
-                    f"({len(contract.tap_layer_ids)} taps x {contract.target_hidden_size})"
-                )
+            if taps.shape[1] != width:
+                raise ValueError(f"taps width {taps.shape[1]} != {width}, the row width of this client's wire format")
         elif taps.dtype not in NUMPY_DTYPE.values():
             raise ValueError(f"taps dtype {taps.dtype} is no wire dtype")
         if total == 0:
@@ -142,9 +144,9 @@ def prepare(
 # ---------------------------------------------------------------- I/O thread side
 
 
-def fits(arr: np.ndarray, contract: ModelContract | None) -> bool:
-    """Whether rows (validated or buffered before the contract was known) fit the contract."""
-    return contract is None or (arr.shape[1] == contract.tap_width and arr.dtype == NUMPY_DTYPE[contract.tap_dtype])
+def fits(arr: np.ndarray, layout: RowLayout | None) -> bool:
+    """Whether rows (validated or buffered before the row layout was known) fit it."""
+    return layout is None or (arr.shape[1] == layout[1] and arr.dtype == NUMPY_DTYPE[layout[0]])
 
 
 @dataclass(slots=True, eq=False)
@@ -167,11 +169,11 @@ class MergedStep:
         return [self.local.get(i) or DraftReply([]) for i in range(n)]
 
 
-def room_for_resend(cfg: ClientConfig, call: StepCall, contract: ModelContract, limits: ServerLimits) -> int:
+def room_for_resend(cfg: ClientConfig, call: StepCall, layout: RowLayout, limits: ServerLimits) -> int:
     """Resent rows the step may carry besides its new rows (server limits, ``resend_ratio``)."""
     n = len(call.entries)
     new_total = sum(e.rows for e in call.entries)
-    row_bytes = contract.tap_width * contract.tap_dtype.itemsize
+    row_bytes = layout[1] * layout[0].itemsize
     room = limits.max_rows_per_step - new_total
     if row_bytes:
         room = min(room, (limits.max_message_bytes - 4096 - 256 * n) // row_bytes - new_total)
@@ -183,7 +185,7 @@ def merge_rows(
     sessions: dict[str, SessionRows],
     now: float,
     call_id: int | None,
-    contract: ModelContract | None,
+    layout: RowLayout | None,
     room: int,
     limit: int,
 ) -> MergedStep:
@@ -206,10 +208,10 @@ def merge_rows(
         s.last_used = now
         prev, d = s.take(e.pos, limit)
         out.dropped += d
-        if prev and not fits(prev[0][1], contract):  # buffered before the contract was known
+        if prev and not fits(prev[0][1], layout):  # buffered before the row layout was known
             out.dropped += chunk_rows(prev)
             prev = []
-        if new is not None and not fits(new, contract):  # validated before the contract was known
+        if new is not None and not fits(new, layout):  # validated before the row layout was known
             out.dropped += len(new)
             local[i] = DraftReply([], None, message="taps do not fit the server's contract")
             out.zero_copy = False
@@ -251,11 +253,12 @@ def step_frames(
     merged: MergedStep,
     call: StepCall,
     call_id: int,
-    contract: ModelContract,
+    layout: RowLayout,
+    wire_format: str,
     limits: ServerLimits,
     reply_margin_ms: float,
 ) -> list[Any]:
-    """The frames of the Step message carrying ``merged`` (header, then at most one tap frame)."""
+    """The frames of the Step message carrying ``merged`` (header, then at most one row frame)."""
     parts = merged.parts
     frame: np.ndarray | None
     if not parts:
@@ -272,8 +275,9 @@ def step_frames(
         call_id=call_id,
         budget_ms=budget_wire,
         entries=tuple(merged.entries),
-        taps=spec_for(frame, contract.tap_dtype, 0) if frame is not None else None,
+        taps=spec_for(frame, layout[0], 0) if frame is not None else None,
         sent_ms=time.monotonic() * 1000.0,  # lets the server spot a step it reads after its caller gave up
+        wire=wire_format,
     )
     return encode(msg, [frame] if frame is not None else [])
 

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from protocol import ModelContract, Pong, ServerLimits, Status, Timing, Welcome
+from protocol.wire import RowLayout, row_layout
 from target_client.api import (
     ClientConfig,
     ConnectTimeoutError,
@@ -195,6 +196,14 @@ class FleetClient:
         return w.limits if w is not None else None
 
     @property
+    def row_layout(self) -> RowLayout | None:
+        """(dtype, width) of the rows step() takes (every server verified the same contract and
+        accepted the same wire format); None until a server's Welcome."""
+        w = self.welcome
+        contract = self.contract
+        return row_layout(self.cfg.wire_format, contract, w.wire) if w is not None and contract is not None else None
+
+    @property
     def epoch(self) -> str | None:
         """The servers' epochs, joined (changes when any server restarts); None before any Welcome."""
         with self._lock:
@@ -275,7 +284,7 @@ class FleetClient:
         if budget_ms is not None:
             budget_ms = check_budget(budget_ms)
         limits = self.limits
-        _entries, taps = prepare(requests, taps, self.contract, limits)  # caller bugs, before any send
+        _entries, taps = prepare(requests, taps, self.contract, limits, self.row_layout)  # caller bugs, before any send
         n = len(requests)
         if n == 0:
             return []

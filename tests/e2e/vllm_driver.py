@@ -12,6 +12,10 @@ scenarios. It reads JSON commands on stdin and answers each with one stdout line
     ``{"op": "abort", "indices": [..]}`` aborts those requests of the current batch (their
     outputs come back as null).
 ``{"op": "stats"}``  the proposer's ``stats()`` and vLLM's spec-decode counters.
+``{"op": "ranks", "port": P}``  every worker's proposer ``stats()`` (one per rank, in rank order)
+    and how many TCP connections that worker process holds to port P (the draft server).
+``generate``/``start`` take an optional ``"sampling": {"temperature": T, "seed": S}``: request i
+gets ``SamplingParams(temperature=T, seed=S + i)`` instead of greedy.
 ``{"op": "exit"}``
 
 Configuration comes as one JSON argument: ``{"model": DIR, "spec_k": 3 | null, "llm": {...}}``
@@ -42,6 +46,33 @@ def _drafter_stats(worker: Any) -> dict[str, Any]:
     return drafter.stats() if drafter is not None and hasattr(drafter, "stats") else {}
 
 
+def _tcp_connections_to(port: int) -> int:
+    """TCP connections of THIS process (its socket fds) whose remote port is ``port``."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    n = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if int(f[2].rsplit(":", 1)[1], 16) == port and f[9] in inodes:
+                n += 1
+    return n
+
+
+def _rank_report(worker: Any, port: int) -> dict[str, Any]:
+    return {"pid": os.getpid(), "stats": _drafter_stats(worker), "server_connections": _tcp_connections_to(port)}
+
+
 class Driver:
     def __init__(self, cfg: dict[str, Any]) -> None:
         from vllm import LLM
@@ -69,7 +100,9 @@ class Driver:
         self.order: list[str] = []
         self.done: dict[str, list[int]] = {}
 
-    def start(self, prompts: list[list[int]], max_tokens: int | list[int], tag: str) -> None:
+    def start(
+        self, prompts: list[list[int]], max_tokens: int | list[int], tag: str, sampling: dict[str, Any] | None = None
+    ) -> None:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -78,7 +111,16 @@ class Driver:
         self.done = {}
         for i, (p, mt) in enumerate(zip(prompts, mts, strict=True)):
             rid = f"{tag}-{i}"
-            sp = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True, detokenize=False)
+            if sampling:
+                sp = SamplingParams(
+                    temperature=float(sampling["temperature"]),
+                    seed=int(sampling["seed"]) + i,
+                    max_tokens=mt,
+                    ignore_eos=True,
+                    detokenize=False,
+                )
+            else:
+                sp = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True, detokenize=False)
             self.engine.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
             self.order.append(rid)
 
@@ -126,6 +168,9 @@ class Driver:
                 metrics[m.name] = getattr(m, "value", None) if hasattr(m, "value") else getattr(m, "values", None)
         return {"drafter": drafter[0] if drafter else {}, "vllm": metrics}
 
+    def ranks(self, port: int) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc(_rank_report, args=(port,)))
+
 
 def main() -> int:
     cfg = json.loads(sys.argv[1])
@@ -143,10 +188,10 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             if op == "generate":
-                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"))
+                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"), cmd.get("sampling"))
                 res: dict[str, Any] = {"outputs": drv.drain()}
             elif op == "start":
-                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"))
+                drv.start(cmd["prompts"], cmd["max_tokens"], cmd.get("tag", "r"), cmd.get("sampling"))
                 res = {}
             elif op == "steps":
                 res = {"ran": drv.steps(int(cmd["n"]))}
@@ -157,6 +202,8 @@ def main() -> int:
                 res = {"outputs": drv.drain()}
             elif op == "stats":
                 res = drv.stats()
+            elif op == "ranks":
+                res = {"ranks": drv.ranks(int(cmd["port"]))}
             elif op == "exit":
                 _reply({"ok": True})
                 break
