@@ -40,6 +40,7 @@ from tests.e2e.test_vllm_e2e import (  # noqa: F401  (tiny_target is a fixture)
     tiny_target,
     wait_sessions_zero,
 )
+from tests.e2e.test_vllm_plugin import _vllm_config as fake_vllm_config
 
 K = 3
 # Two CPU workers on a host with one NUMA node: vLLM's automatic binding refuses, so bind by hand.
@@ -94,14 +95,14 @@ def test_tp2_only_the_driver_rank_talks(tiny_target: str) -> None:  # noqa: F811
 
 
 def _vllm_config(**parallel: Any) -> Any:
-    hf = SimpleNamespace(num_hidden_layers=LAYERS)
-    model = SimpleNamespace(get_hidden_size=lambda: HIDDEN, get_vocab_size=lambda: VOCAB, hf_text_config=hf)
-    return SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=K),
-        model_config=model,
-        device_config=SimpleNamespace(device_type="cpu"),
-        parallel_config=SimpleNamespace(**parallel),
-    )
+    """The checksum contract's target (hidden 64, vocab 32000, 4 layers) with a parallel_config."""
+    cfg = fake_vllm_config()
+    cfg.model_config.get_hidden_size = lambda: HIDDEN
+    cfg.model_config.get_vocab_size = lambda: VOCAB
+    cfg.model_config.hf_text_config.num_hidden_layers = LAYERS
+    cfg.speculative_config.num_speculative_tokens = K
+    cfg.parallel_config = SimpleNamespace(**parallel)
+    return cfg
 
 
 def test_layout_rules(monkeypatch: pytest.MonkeyPatch) -> None:
