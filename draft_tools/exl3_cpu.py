@@ -266,6 +266,32 @@ def dequantized_error(q: dict[str, torch.Tensor], weight: torch.Tensor, codebook
     return ((w - weight.double()).norm() / weight.double().norm()).item()
 
 
+def write_cpu_fixtures(out: str, seed: int = 0) -> list[str]:
+    """Regression fixtures for the decoder, made on the CPU (``source=draft_tools-cpu``): random trellis bits
+    for every codebook and K in 1..8 at [128, 256], with the sha256 of the decoded fp16 ``Wq`` in the metadata.
+    They pin this decoder against itself over time; exllamav3's own goldens come from ``exl3_golden``."""
+    import hashlib
+
+    os.makedirs(out, exist_ok=True)
+    written = []
+    for cb in ("3inst", "mcg", "mul1"):
+        for K in range(1, 9):
+            t = random_linear(256, 128, K, cb, seed=seed + K)
+            inner = decode_inner(t["trellis"], cb)
+            meta = {
+                "source": "draft_tools-cpu",
+                "codebook": cb,
+                "K": str(K),
+                "in": "128",
+                "out": "256",
+                "inner_sha256": hashlib.sha256(inner.view(torch.int16).numpy().tobytes()).hexdigest(),
+            }
+            path = os.path.join(out, f"cpu_{cb}_k{K}_128x256.safetensors")
+            save_file({k: v.contiguous() for k, v in t.items()}, path, metadata=meta)
+            written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m draft_tools.exl3_cpu", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="dense DSpark draft checkpoint directory")
