@@ -105,6 +105,7 @@ class DraftServer:
         )
         self.metrics = m = ServerMetrics()
         m.info.info({"epoch": self.epoch, "model": self.contract.model_name, "contract": self.contract_id})
+        m.set_weights(describe(drafter))
         m.kv_capacity.set(drafter.capacity_tokens())
         m.healthy.set(1)
         m.max_sessions.set(cfg.max_sessions)
@@ -362,6 +363,8 @@ def load_with_progress(cfg: ServerConfig) -> Drafter:
     finally:
         done.set()
     d = describe(drafter)
+    if d["format"] == "exl3":
+        fmt = f"EXL3 {d['bits']:g} bpw ({d['quantized']} quantized linears, {'/'.join(d['codebooks'])})"
     log.info(
         "loaded %s (%s) in %.1f s: device %s, dtype %s, weights %s, KV cache %s (%d tokens)",
         cfg.model,
@@ -377,14 +380,23 @@ def load_with_progress(cfg: ServerConfig) -> Drafter:
 
 
 def describe(drafter: Drafter) -> dict:
-    """Device, dtype, weight and KV bytes of a model drafter (what its tensors hold)."""
+    """Device, dtype, weight format, bits and bytes, KV bytes of a model drafter.
+
+    Weight bytes are what the format holds (EXL3: the packed tensors plus the dense ones), from
+    the loader's ``weight_info``; without it (random presets), what the model's tensors hold."""
     model = getattr(drafter, "model", None)
     weights = list(getattr(model, "w", {}).values())
     cache = getattr(getattr(drafter, "cache", None), "data", None)
+    info = getattr(model, "weight_info", None)
+    dense = sum(t.numel() * t.element_size() for t in weights)
     return {
         "device": str(getattr(model, "device", "?")),
         "dtype": str(getattr(model, "dtype", "?")).replace("torch.", ""),
-        "weight_bytes": sum(t.numel() * t.element_size() for t in weights),
+        "format": info.format if info else ("dense" if model is not None else "none"),
+        "bits": info.bits if info else 8.0 * (weights[0].element_size() if weights else 0),
+        "quantized": info.quantized if info else 0,
+        "codebooks": info.codebooks if info else (),
+        "weight_bytes": info.weight_bytes if info else dense,
         "kv_bytes": 0 if cache is None else cache.numel() * cache.element_size(),
     }
 
@@ -394,8 +406,9 @@ def _bytes(n: int) -> str:
 
 
 def _checkpoint_format(model_dir: str) -> str:
-    """'safetensors, bf16' from the shards' headers (8-byte length + JSON; no tensor is read)."""
+    """'safetensors, bf16' (or ', exl3') from the shards' headers (8-byte length + JSON; no tensor is read)."""
     dtypes: set[str] = set()
+    exl3 = False
     try:
         for name in sorted(os.listdir(model_dir)):
             if name.endswith(".safetensors"):
@@ -403,8 +416,11 @@ def _checkpoint_format(model_dir: str) -> str:
                     (n,) = struct.unpack("<Q", f.read(8))
                     header = json.loads(f.read(n))
                 dtypes |= {v["dtype"].lower() for k, v in header.items() if k != "__metadata__"}
+                exl3 = exl3 or any(k.endswith(".trellis") for k in header)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return "checkpoint"
+    if exl3 or os.path.exists(os.path.join(model_dir, "quantization_config.json")):
+        return "safetensors, exl3"
     return f"safetensors, {'/'.join(sorted(dtypes))}" if dtypes else "checkpoint"
 
 

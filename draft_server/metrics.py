@@ -106,6 +106,13 @@ class ServerMetrics:
         )
 
         self.max_sessions = Gauge("draft_server_max_sessions", "Configured session capacity", registry=r)
+        self.model = Info("draft_server_model", "Drafter weights: format (dense/exl3), bits, codebooks", registry=r)
+        self.weight_bytes = Gauge(
+            "draft_server_model_weight_bytes",
+            "Drafter weight bytes as the format holds them (EXL3: packed)",
+            registry=r,
+        )
+        self.weight_bits = Gauge("draft_server_model_weight_bits", "Average bits per weight of the drafter", registry=r)
         self.max_queue_rows = Gauge("draft_server_max_queue_rows", "Configured ingest queue bound in rows", registry=r)
         ProcessCollector(namespace="draft_server", registry=r)  # RSS, CPU, fds of the server process
         # label children exist from the start, so rate() and increase() see the first event
@@ -123,6 +130,13 @@ class ServerMetrics:
             self.rows_dropped.labels(reason)
         for why in ("unread", "superseded"):
             self.stale_steps.labels(why)
+
+    def set_weights(self, d: dict) -> None:
+        """Format, bits and weight bytes of the loaded drafter (``app.describe``)."""
+        codebooks = ",".join(d.get("codebooks", ()))
+        self.model.info({"format": str(d["format"]), "bits": f"{d['bits']:g}", "codebooks": codebooks})
+        self.weight_bytes.set(d["weight_bytes"])
+        self.weight_bits.set(d["bits"])
 
     def watch_gpu(self, device: object) -> None:
         """GPU memory gauges, read at scrape time from PyTorch's caching allocator.

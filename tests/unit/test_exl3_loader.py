@@ -292,3 +292,22 @@ def test_exl3_drafts_equal_dense_drafts_of_the_decoded_weights(dense, tmp_path) 
     rows = torch.randn(9, d.contract.tap_width, generator=torch.Generator().manual_seed(4))
     assert drafts(load(dd, target), rows) == drafts(d, rows)
     assert load(dd, target).model.weight_info.format == "dense"
+
+
+def test_describe_and_metrics_report_format_bits_and_bytes(dense, tmp_path) -> None:
+    from draft_server.app import _checkpoint_format, describe
+    from draft_server.metrics import ServerMetrics
+
+    draft, target = dense["qwen3"]
+    q = exl3(draft, str(tmp_path / "q"))
+    d = describe(load(q, target))
+    assert (d["format"], d["bits"], d["codebooks"]) == ("exl3", 4.0, ("mul1",))
+    assert _checkpoint_format(q) == "safetensors, exl3" and _checkpoint_format(draft) == "safetensors, bf16"
+    m = ServerMetrics()
+    m.set_weights(d)
+    text = m.render().decode()
+    assert 'draft_server_model_info{bits="4",codebooks="mul1",format="exl3"} 1.0' in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("draft_server_model_weight_bytes "))
+    assert float(line.split()[1]) == d["weight_bytes"]
+    dd = describe(load(draft, target))
+    assert dd["format"] == "dense" and dd["bits"] == 32.0 and dd["weight_bytes"] > d["weight_bytes"]
