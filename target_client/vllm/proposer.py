@@ -44,6 +44,15 @@ Configuration (environment variables, read in the worker process):
                            n tokens it reports). Only with ``tensor_parallel_size == 1``; otherwise,
                            or when 0, sampled requests get greedy drafts and vLLM verifies them as
                            point masses (``draft_probs=None``; see "Sampled requests" below).
+``DRAFT_WIRE_FORMAT``      how a step's rows travel (``protocol.wire``; default ``bf16``): ``bf16`` raw taps
+                           (n_taps x hidden bf16 values per row), ``fp8`` taps (e4m3 codes plus a float32
+                           scale per row, half the bytes), or ``projected``: the draft's context projection
+                           and norm applied here on the target's device (hidden_size values per row, a
+                           fifth of the bytes at K3 size). The server must accept it (its Welcome lists
+                           what it does), else start-up fails with one line saying what it accepts.
+``DRAFT_MODEL_DIR``        with ``projected``: the draft checkpoint directory (config.json + safetensors)
+                           whose ``context_proj``/``context_norm`` (Qwen3: ``fc``/``hidden_norm``) are
+                           applied; read once at start-up, and checked against the server's own by id.
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
 ``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
@@ -56,8 +65,9 @@ Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1
 * the anchor is ``sampled[i][-1]`` (bonus/correction token) at ``pos+n_valid``, ``k`` drafts wanted;
 * a chunked-prefill row with no sample is sent with ``k=0`` (ingest only; anchor = next prompt
   token) and gets ``[]``;
-* the valid rows of the aux hidden states are gathered on the device, cast to bf16, copied to
-  the host once and viewed as uint16 (no further copy) as the step's taps frame.
+* the valid rows of the aux hidden states are gathered on the device, encoded there in the wire
+  format (``target_client.vllm.wire``: cast to bf16, quantized to fp8, or projected), copied to
+  the host once and viewed (no further copy) as the step's rows frame.
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
 
@@ -124,7 +134,8 @@ from typing import Any
 
 import numpy as np
 
-from protocol import GREEDY, Sampling
+from protocol import GREEDY, DType, Sampling, WireFormat
+from protocol.wire import FORMATS
 from target_client import (
     ClientConfig,
     ConnectTimeoutError,
@@ -134,6 +145,7 @@ from target_client import (
     StepRequest,
 )
 from target_client.fleet.endpoints import is_fleet
+from target_client.projection import Projection
 from target_client.vllm.plugin import (
     RESOLVED_AUX_LAYERS,
     DraftStepContext,
@@ -144,6 +156,7 @@ from target_client.vllm.plugin import (
     register,
     runner_takes_draft_probs,
 )
+from target_client.vllm.wire import WireEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +168,24 @@ if os.environ.get("DRAFT_VLLM_REGISTER_ON_IMPORT", "1") != "0":
 
 CLASS_PATH = f"{__name__}.RemoteDSparkProposer"
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+
+
+def wire_encoder() -> WireEncoder:
+    """The encoder ``DRAFT_WIRE_FORMAT`` names (with ``DRAFT_MODEL_DIR``'s projection for projected
+    rows); ValueError in one line for a setting that cannot work."""
+    fmt = os.environ.get("DRAFT_WIRE_FORMAT", "").strip() or WireFormat.BF16.value
+    if fmt not in FORMATS:
+        raise ValueError(f"DRAFT_WIRE_FORMAT={fmt!r} is not one of {', '.join(FORMATS)}")
+    projection = None
+    if fmt == WireFormat.PROJECTED:
+        model_dir = os.environ.get("DRAFT_MODEL_DIR", "").strip()
+        if not model_dir:
+            raise ValueError(
+                "DRAFT_WIRE_FORMAT=projected needs DRAFT_MODEL_DIR: the draft checkpoint directory whose "
+                "context projection the target applies"
+            )
+        projection = Projection.load(model_dir)
+    return WireEncoder(fmt, projection)
 
 
 def _env_number(name: str, default: float, kind: type = float) -> Any:
@@ -216,6 +247,8 @@ class RemoteDSparkProposer:
         self._probs_top_n = top_n if self.layout.tp_size * self.layout.pcp_size == 1 else 0
         self._pending_probs: Any = None
 
+        self._wire = wire_encoder()
+        projection = self._wire.projection
         client_cls = FleetClient if is_fleet(endpoint) else DraftClient  # several servers or a DNS name: a fleet
         self.client = client_cls(
             ClientConfig(
@@ -224,6 +257,8 @@ class RemoteDSparkProposer:
                 name=name,
                 expect=None,
                 connect_timeout_s=connect_timeout_s,
+                wire_format=self._wire.fmt,
+                projection_id=projection.id if projection is not None else "",
             )
         )
         self._contract_checked = False
@@ -442,15 +477,12 @@ class RemoteDSparkProposer:
         else:
             idx_np = np.concatenate([np.arange(s, s + m, dtype=np.int64) for s, m in zip(starts, lengths, strict=True)])
             idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
-        parts = []
-        for a in taps_dev:
-            rows = a[:total] if idx is None else a.index_select(0, idx)
-            parts.append(rows.to(torch.bfloat16))
-        # torch.cat allocates, so the frame never aliases the runner's activation buffers (the
-        # client keeps it by reference until the server acknowledges the rows).
-        taps_bf16 = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].clone()
-        taps_host = self._to_host(taps_bf16)
-        taps = taps_host.view(torch.int16).numpy().view(np.uint16)  # zero-copy
+        parts = [a[:total] if idx is None else a.index_select(0, idx) for a in taps_dev]
+        # The encoder always writes fresh rows, so the frame never aliases the runner's activation
+        # buffers (the client keeps it by reference until the server acknowledges the rows).
+        layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
+        rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
         t0 = time.perf_counter()
         replies = self.client.step(requests, taps)
         wait = time.perf_counter() - t0
@@ -547,16 +579,6 @@ class RemoteDSparkProposer:
         if not bool((dense[torch.arange(m), torch.tensor(tokens)] > 0).all()):
             return None  # a draft the reported distribution gives no mass: not drawn from it
         return dense
-
-    @staticmethod
-    def _to_host(t: Any) -> Any:
-        """The step's one device-to-host copy (nothing to do on CPU).
-
-        Into a fresh host tensor: the client keeps the frame by reference until the server has
-        acknowledged its rows, so a reused (pinned) staging buffer would need acknowledgement
-        tracking; at ~6-20 MiB per step a pageable copy costs a few ms at most on a GPU host.
-        """
-        return t if t.device.type == "cpu" else t.to("cpu")
 
     def _track(self, rid: str, pos: int, rows: int) -> None:
         end = self._sent.get(rid)

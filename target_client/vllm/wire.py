@@ -49,14 +49,15 @@ class WireEncoder:
         return to_host(self.device_rows(taps, projected_dtype))
 
     def device_rows(self, taps: torch.Tensor, projected_dtype: DType = DType.BF16) -> torch.Tensor:
-        """The rows in wire storage, still on the taps' device: bf16 and f32 as such, fp8 as uint8."""
+        """The rows in wire storage, still on the taps' device (bf16 and f32 as such, fp8 as uint8),
+        always in a fresh tensor: the client keeps the frame by reference until it is acknowledged."""
         import torch
 
         if self.fmt == WireFormat.FP8:
             return quantize_fp8(taps)
         if self.fmt == WireFormat.PROJECTED:
             return self.project(taps, torch.float32 if projected_dtype == DType.F32 else torch.bfloat16)
-        return taps.to(torch.bfloat16).contiguous()
+        return taps.to(torch.bfloat16, copy=True).contiguous()  # fresh: never the caller's buffer
 
     def project(self, taps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The fused context c [rows, hidden] in ``dtype``, as the server's ``DSparkModel.context``."""

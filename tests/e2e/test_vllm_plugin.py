@@ -7,7 +7,9 @@
 * the step logic against a fake client: rows per request (rejected drafts excluded), positions,
   anchors, chunked-prefill rows as k=0 ingest, tap columns in contract order (vLLM hands aux
   states in ascending layer order), bf16 bit patterns, lifecycle (free on finish, rollback and
-  prefix-start counting), and that a client fault or an internal error yields [] drafts.
+  prefix-start counting), and that a client fault or an internal error yields [] drafts;
+* ``DRAFT_WIRE_FORMAT``: fp8 rows and projected rows (with ``DRAFT_MODEL_DIR``'s projection, its
+  id in the client's config) of the same step, and the one-line errors of a bad setting.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ def test_compute_hash_key() -> None:
 
 class FakeClient:
     contract: Any = None
+    row_layout: Any = None
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -229,6 +232,56 @@ def test_step_rows_anchors_taps(proposer: Any) -> None:
     col = np.arange(HIDDEN, dtype=np.float32)[None, :]
     expect = np.concatenate([_code(tok, col, -1.0), _code(tok, col, 1.0)], axis=1)  # contract order: tap 3, tap 1
     np.testing.assert_array_equal(vals, expect)
+
+
+def test_wire_formats_encode_the_steps_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    from draft_server.models.staging import dequantize_fp8
+    from target_client.projection import Projection
+    from target_client.vllm import proposer as vllm_proposer
+
+    monkeypatch.setattr(vllm_proposer, "DraftClient", FakeClient)
+    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
+    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
+    table = np.arange(4 * 64, dtype=np.int32).reshape(4, 64) % VOCAB
+    flat_rows = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    tok, col = np.array(flat_rows, np.float32)[:, None], np.arange(HIDDEN, dtype=np.float32)[None, :]
+    want = torch.from_numpy(np.concatenate([_code(tok, col, -1.0), _code(tok, col, 1.0)], axis=1))
+
+    def rows(fmt: str, layout: Any = None) -> tuple[Any, np.ndarray]:
+        monkeypatch.setenv("DRAFT_WIRE_FORMAT", fmt)
+        p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+        p.client.row_layout = layout
+        try:
+            ctx = _ctx(["a", "b", "c"], [0, 4, 9, 15], [3, 0, 0], [[11, 77], [42], []], [20, 30, 6], table)
+            assert p.propose_remote(ctx) == [[78, 79, 80], [43, 44, 45], []]
+            return p.client.cfg, p.client.calls[0][1]
+        finally:
+            p.close()
+
+    cfg, taps = rows("fp8")
+    assert cfg.wire_format == "fp8" and taps.dtype == np.uint8 and taps.shape == (13, 2 * HIDDEN + 4)
+    back = dequantize_fp8(torch.from_numpy(taps), torch.float32)
+    assert ((back - want).abs() <= want.abs() / 16 + want.abs().amax(1, keepdim=True) / 448 / 1024).all()
+
+    g = torch.Generator().manual_seed(0)
+    fc, norm = torch.randn(16, 2 * HIDDEN, generator=g) / 8, 1 + torch.randn(16, generator=g) / 10
+    save_file(
+        {"fc.weight": fc.to(torch.bfloat16), "hidden_norm.weight": norm.to(torch.bfloat16)}, tmp_path / "m.safetensors"
+    )
+    (tmp_path / "config.json").write_text('{"rms_norm_eps": 1e-6}')
+    with pytest.raises(ValueError, match="DRAFT_WIRE_FORMAT=projected needs DRAFT_MODEL_DIR"):
+        rows("projected")
+    monkeypatch.setenv("DRAFT_MODEL_DIR", str(tmp_path))
+    cfg, taps = rows("projected", (DType.F32, 16))
+    assert cfg.wire_format == "projected" and cfg.projection_id == Projection.load(str(tmp_path)).id
+    y = want.to(torch.bfloat16).float() @ fc.to(torch.bfloat16).float().T
+    c = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.to(torch.bfloat16).float()
+    assert taps.dtype == np.float32 and taps.shape == (13, 16)
+    torch.testing.assert_close(torch.from_numpy(taps), c, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="DRAFT_WIRE_FORMAT='fp4' is not one of bf16, projected, fp8"):
+        rows("fp4")
 
 
 def test_lifecycle_and_faults(proposer: Any) -> None:
