@@ -27,11 +27,13 @@ import torch
 
 from draft_server.models.layers.ops import block_attention
 
+Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # MLA may pass (q_lat, q_pe) apart
+
 
 class AttentionContext(Protocol):
     """Where a layer's block rows find their context."""
 
-    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -76,16 +78,17 @@ class PagedContext:
     def __init__(self, cache: object, batch: PagedBatch, layout: TokenLayout, scale: float, causal: bool) -> None:
         self.cache, self.batch, self.layout, self.scale, self.causal = cache, batch, layout, scale, causal
 
-    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
         from draft_server.models.kernels.paged_attention import gqa_paged_attention, mla_paged_attention
 
         b, cache = self.batch, self.cache
         cache.write_layer(layer, b.slots, blk.reshape(-1, *blk.shape[2:]))  # type: ignore[attr-defined]
         kv = cache.layer(layer)  # type: ignore[attr-defined]
-        args = (q.contiguous(), kv, b.pages, b.first, b.lo, b.pos)
+        q, q_rope = q if isinstance(q, tuple) else (q, None)
+        args = (q, kv, b.pages, b.first, b.lo, b.pos)
         common = dict(scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out)
-        if self.layout.mla:
-            return mla_paged_attention(*args, kv_lora=self.layout.value_dims, **common)  # type: ignore[arg-type]
+        if self.layout.mla:  # the kernel reads q and q_rope through their strides
+            return mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
         return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
 
 
@@ -97,7 +100,9 @@ class DenseContext:
     ) -> None:
         self.ctx, self.mask, self.layout, self.scale = ctx, mask, layout, scale
 
-    def attend(self, layer: int, q: torch.Tensor, blk: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
         tokens = torch.cat([self.ctx(layer), blk.to(q.dtype)], dim=1)
         # Tokens no row may see (padding, stale or foreign pages) are zeroed, not only masked: a zero
         # attention weight times a NaN value is still NaN.

@@ -32,9 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from draft_server.drafters.base import DraftItem, IngestItem
 from draft_server.models.attention import PagedBatch, PagedContext
+from draft_server.models.kernels import fused
 from draft_server.models.kernels import paged_attention as pa
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.model import DSparkModel
@@ -42,9 +44,13 @@ from draft_server.models.staging import STORAGE, context_rows
 from protocol import GREEDY, WireOffer
 from protocol.wire import BF16_ONLY, row_layout
 
-MLA_CHUNK = 2048  # one chunk covers a 1-2K context: no split-K partials at large batches
-GQA_CHUNK = 1024
 GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up to this context
+# Split-K chunk per batch: about WORK_ITEMS chunks over all its tokens, so one session still spreads
+# over the SMs and 64 of 1K need no partials at all. Graph buckets are planned for TYPICAL_CONTEXT.
+# Swept on one H200 (bench/results/mla_sweep_h200.json, K3 MLA): the best chunk was 64-128 for
+# 1 x 1K, 256 for 8 x 1K, 2048 for 64 x 1K and 32K + 63 x 1K, which is what 40 items gives.
+TYPICAL_CONTEXT, WORK_ITEMS = 1024, 40
+MIN_CHUNK, MAX_CHUNK = 64, 2048
 
 
 def _buckets(top: int) -> list[int]:
@@ -63,6 +69,8 @@ class _DraftGraph:
     n: int
     batch: PagedBatch
     graph: torch.cuda.CUDAGraph | None
+    chunk: int  # of its work plan
+    capacity: int  # work items its plan holds
 
 
 class FastStep:
@@ -83,7 +91,6 @@ class FastStep:
         self.B = cfg.block_size
         self.P = cache.page_size
         self.dev = model.device
-        self.chunk = MLA_CHUNK if model.layout.mla else GQA_CHUNK
         self.use_graphs = graphs and self.dev.type == "cuda"
         self.session_buckets = _buckets(max_sessions)
         self.row_buckets = [r for r in _buckets(max(16, max_rows)) if r >= 16]
@@ -125,6 +132,7 @@ class FastStep:
         H = cfg.num_heads
         v_dim = model.layout.value_dims
         self._out_shape = (B, H, v_dim)
+        self._ws: pa.Workspace | None = None
         self._draft_graphs: dict[int, _DraftGraph] = {}
         self._ingest_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # by (format, row bucket)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -139,29 +147,47 @@ class FastStep:
     def _pages(self) -> torch.Tensor:
         return self.stage[self._pages_at :]
 
+    def _chunk(self, tokens: int) -> int:
+        """Split-K chunk for a batch of ``tokens`` context rows in all: about WORK_ITEMS chunks
+        (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
+        want = max(1, tokens // WORK_ITEMS)
+        return max(MIN_CHUNK, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
+
     def _capacity(self, n: int) -> int:
-        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self.chunk)
+        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B)))
         return 1 << max(0, (n * per - 1).bit_length())
 
     # ------------------------------------------------------------------ body (captured or eager)
 
-    def _batch(self, n: int, capacity: int) -> PagedBatch:
+    def _workspace(self, capacity: int) -> pa.Workspace:
+        """One split-K workspace for every bucket (graphs replay one at a time), grown on demand."""
+        _, H, v = self._out_shape
+        if self._ws is None or self._ws.partial_out.shape[0] < capacity:
+            self._ws = pa.Workspace.allocate(capacity, self.B * H, v, self.dev)
+        return self._ws
+
+    def _batch(self, n: int, capacity: int, chunk: int) -> PagedBatch:
         B, (_, H, v) = self.B, self._out_shape
+        if self.m.layout.mla:  # head-major, so the W_UV product reads it without a copy
+            out = torch.empty((H, n, B, v), dtype=self.m.dtype, device=self.dev).permute(1, 2, 0, 3)
+        else:
+            out = torch.empty((n, B, H, v), dtype=self.m.dtype, device=self.dev)
         return PagedBatch(
             pages=self._pages().as_strided((n, self.pages_cap), (0, 1)),  # ragged: first[] carries the offsets
             first=self._view("first")[:n],
             lo=self._view("lo")[:n],
             pos=self._view("pos")[:n],
             slots=self.slots64[: n * B],
-            plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=self.chunk, page_size=self.P, device=self.dev),
-            workspace=pa.Workspace.allocate(capacity, B * H, v, self.dev),
-            out=torch.empty((n, B, H, v), dtype=self.m.dtype, device=self.dev),
+            plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
+            workspace=self._workspace(capacity),
+            out=out,
         )
 
     def _draft_body(self, n: int, batch: PagedBatch) -> None:
         m = self.m
         self.slots64[: n * self.B].copy_(self._view("slots")[: n * self.B])
-        pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=self.chunk, page_size=self.P, out=batch.plan)  # type: ignore[arg-type]
+        plan: pa.WorkPlan = batch.plan  # type: ignore[assignment]
+        pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
         ctx = PagedContext(self.cache, batch, m.layout, m.cfg.softmax_scale, m.cfg.causal)
         ids = self.ids[:n]
         z = m.block(ids, self.positions[:n], ctx)
@@ -195,13 +221,14 @@ class FastStep:
         s.wait_stream(torch.cuda.current_stream(self.dev))
         with torch.cuda.stream(s), torch.inference_mode():
             for n in reversed(self.session_buckets):
-                batch = self._batch(n, self._capacity(n))
+                chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B)), self._capacity(n)
+                batch = self._batch(n, capacity, chunk)
                 for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
                     self._draft_body(n, batch)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self._pool, stream=s):
                     self._draft_body(n, batch)
-                self._draft_graphs[n] = _DraftGraph(n, batch, g)
+                self._draft_graphs[n] = _DraftGraph(n, batch, g, chunk, capacity)
             for fmt in self.formats:
                 for r in reversed(self.row_buckets):
                     self._ingest_body(fmt, r)
@@ -336,14 +363,15 @@ class FastStep:
         lo[n:nb], pos[n:nb], first[n:nb] = 1, 0, 0
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
-        capacity = self._capacity(nb)
-        need = pa.max_work_items(lens, rows=B, chunk=self.chunk, page_size=P)
         g = self._draft_graphs.get(nb)
-        if g is not None and g.graph is not None and need <= capacity:
+        fits = g is not None and pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=P) <= g.capacity
+        if g is not None and g.graph is not None and fits:
             g.graph.replay()
             self.graph_steps += 1
-        else:
-            self._draft_body(nb, self._batch(nb, max(need, 1)))
+        else:  # contexts past the bucket's capacity: the same kernels, planned for this batch
+            chunk = self._chunk(sum(lens) + n * B)
+            need = pa.max_work_items(lens, rows=B, chunk=chunk, page_size=P)
+            self._draft_body(nb, self._batch(nb, max(need, 1), chunk))
             self.eager_steps += 1
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.dev.type == "cuda":
@@ -380,15 +408,24 @@ def greedy_chain(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The k greedy Markov steps for every session at once: tokens [N, k] and confidence (or None).
 
-    ``sts``: the confidence head's per-step temperatures [block]."""
-    base = m.logits(z[:, :k])
+    ``sts``: the confidence head's per-step temperatures [block]. Each step's argmax reads the base
+    logits and the Markov bias in the model's dtype and sums them in float32 inside one kernel
+    (``fused.markov_argmax``): the same float32 values the eager sampler compares, never written
+    out. A ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round
+    differently)."""
+    fused_argmax = m.cfg.logit_scale == 1.0
+    base = F.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
     prev = anchors
     toks, confs = [], []
     for j in range(k):
         e = m.markov_embed(prev)
-        lj = base[:, j] if e is None else base[:, j] + m.markov_bias(e)
         if m.conf_w is not None:
-            confs.append(torch.sigmoid(m.confidence_logit(z[:, j], e).to(base.dtype) / sts[j]))
-        prev = m.to_target_ids(lj.argmax(-1))
+            confs.append(torch.sigmoid(m.confidence_logit(z[:, j], e).to(m.acc) / sts[j]))
+        if fused_argmax:
+            bias = None if e is None else F.linear(e, m.markov_w2)
+            best = fused.markov_argmax(base[:, j], bias)
+        else:
+            best = (base[:, j] if e is None else base[:, j] + m.markov_bias(e)).argmax(-1)
+        prev = m.to_target_ids(best)
         toks.append(prev)
     return torch.stack(toks, dim=1), (torch.stack(confs, dim=1) if confs else None)

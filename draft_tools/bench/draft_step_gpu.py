@@ -145,6 +145,7 @@ class Sessions:
         self.B = d.cfg.block_size
         self.pool = [bf16_rows(rng, NEW_ROWS, self.W) for _ in range(97)]  # made once, outside any timing
         self.turn = 0
+        self.host_ingest_ms: list[float] = []
 
     def open(self, n: int, ctx: int | list[int], chunk: int = 4096) -> list[int]:
         keys = [self.base + i for i in range(n)]
@@ -165,7 +166,9 @@ class Sessions:
             self.d.reserve(key, 0, self.end[key] + NEW_ROWS + self.B)
             items.append(IngestItem(key, 0, self.end[key], rows))
             self.end[key] += NEW_ROWS
+        t0 = time.perf_counter()
         self.d.ingest(items)
+        self.host_ingest_ms.append((time.perf_counter() - t0) * 1e3)  # host time: ingest is asynchronous
         outs = self.d.draft([DraftItem(k, 0, self.end[k], 7 + i % 11, K, GREEDY) for i, k in enumerate(keys)])
         return [o.tokens for o in outs]
 
@@ -223,6 +226,51 @@ def profile_counts(fn: Any) -> dict[str, float]:
     }
 
 
+def host_profile(fn: Any, iters: int = 20) -> list[str]:
+    """Where the host's time goes in a step (cProfile, by own time): the part no GPU work hides."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(14)
+    return [ln for ln in buf.getvalue().splitlines() if ln.strip()][-16:]
+
+
+def host_copy(width: int, sessions: int = 64) -> dict[str, float]:
+    """The taps' one host copy (64 sessions x 3 rows into pinned staging): numpy vs torch's threads."""
+    rng = np.random.default_rng(0)
+    parts = [rng.integers(0, 1 << 15, (NEW_ROWS, width), dtype=np.uint16) for _ in range(sessions)]
+    for p in parts:
+        p.flags.writeable = False  # as socket frames are
+    dst = torch.empty(sessions * NEW_ROWS, width, dtype=torch.int16, pin_memory=True)
+    dst_np = dst.numpy().view(np.uint16)
+
+    def np_cat() -> None:
+        np.concatenate(parts, out=dst_np)
+
+    def torch_cat() -> None:
+        torch.cat([torch.from_numpy(p.view(np.int16)) for p in parts], out=dst)
+
+    out: dict[str, float] = {"bytes": float(dst.numel() * 2), "torch_threads": float(torch.get_num_threads())}
+    for name, f in (("numpy_ms", np_cat), ("torch_ms", torch_cat)):
+        ts = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            f()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        out[name] = statistics.median(ts[5:])
+    return out
+
+
 # ------------------------------------------------------------------------------------ presets
 
 
@@ -254,9 +302,11 @@ def bench_preset(
             d.fast = fast if mode == "fast" else None
             S.rewind(ks, CTX)
             iters = 8 if (mode == "dense" or quick) else 30
+            S.host_ingest_ms.clear()
             r = timed(lambda ks=ks: S.step(ks), iters)
             row[f"{mode}_ms"] = r["median_ms"]
             row[f"{mode}_p90_ms"] = r["p90_ms"]
+            row[f"{mode}_host_ingest_ms"] = statistics.median(S.host_ingest_ms)
         d.fast = fast
         row["ratio_fast_to_floor"] = row["fast_ms"] / row["floor_ms"]
         row["ratio_dense_to_floor"] = row["dense_ms"] / row["floor_ms"]
@@ -264,7 +314,7 @@ def bench_preset(
         log(
             f"{name:9s} B={n:3d} dense {row['dense_ms']:8.2f} ms  fast {row['fast_ms']:7.2f} ms  "
             f"floor {row['floor_ms']:6.2f} ms ({'mem' if row['memory_ms'] >= row['compute_ms'] else 'flop'})  "
-            f"fast/floor {row['ratio_fast_to_floor']:.2f}"
+            f"fast/floor {row['ratio_fast_to_floor']:.2f}  host ingest {row['fast_host_ingest_ms']:.2f} ms"
         )
     res["steps"] = rows
     res["alloc_growth_bytes_over_timed_steps"] = torch.cuda.memory_allocated(dev) - mem0
@@ -281,6 +331,13 @@ def bench_preset(
                 prof[f"{mode}_B{n}"] = {"error": repr(e)}
     d.fast = fast
     res["profile"] = prof
+    S.rewind(keys, CTX)
+    res["host_profile_B64"] = host_profile(lambda: S.step(keys))
+    S.rewind(keys, CTX)
+    res["host_copy_B64"] = host_copy(d.contract.tap_width)
+    log(f"{name} host copy: {res['host_copy_B64']}")
+    for line in res["host_profile_B64"]:
+        log("  " + line[:150])
     log(f"{name} profile: " + json.dumps({k: {a: b for a, b in v.items() if a != "top"} for k, v in prof.items()}))
     for line in prof.get("fast_B64", {}).get("top", [])[:18]:
         log("  " + line[:150])

@@ -65,3 +65,24 @@ def test_silu_mul_and_swiglu_add() -> None:
                   torch.randn(16, 48, generator=g).to(DEV))  # fmt: skip
     want = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
     torch.testing.assert_close(ops.swiglu_add(h, x, torch.cat([wg, wu]), wd), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_markov_argmax_equals_eager_argmax_of_the_float32_sum(dtype: torch.dtype) -> None:
+    """Strided base rows (one Markov step of [N, k, V]), several blocks, ties, NaN."""
+    g = torch.Generator().manual_seed(5)
+    N, k, V = 6, 3, 2 * fused.ARGMAX_BLOCK + 123
+    base = torch.randn(N, k, V, generator=g).to(dtype).to(DEV)
+    bias = torch.randn(N, V, generator=g).to(dtype).to(DEV)
+    base[0, 1, 5] = base[0, 1, V - 3] = 80  # a tie across blocks: the first index wins
+    bias[0, 5] = bias[0, V - 3] = 1
+    base[1, :, 4100:4200] = 90  # a tie inside a block
+    bias[1, 4100:4200] = 0
+    base[2, 2, 7] = float("nan")  # NaN ranks highest
+    bias[3] = -float("inf")  # all -inf but one
+    bias[3, 77] = 0
+    for j in range(k):
+        got = fused.markov_argmax(base[:, j], bias)
+        want = (base[:, j].float() + bias.float()).argmax(-1)
+        assert torch.equal(got, want), (j, got, want)
+        assert torch.equal(fused.markov_argmax(base[:, j], None), base[:, j].float().argmax(-1))

@@ -35,6 +35,8 @@ SESSIONS: list[tuple[int, int, int]] = [
 CONFIGS = {
     "p4": (4, 16, pa.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)),
     "p16": (16, 32, pa.KernelConfig(block_m=32, block_n=16, num_warps=4, num_stages=1, combine_block_p=4)),
+    # MLA with the value dims split over two programs per pair block
+    "p4v2": (4, 16, pa.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2)),
 }
 KV_LORA, ROPE, MLA_HEADS = 32, 8, 4
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16
@@ -249,3 +251,31 @@ def test_overflowing_plan_is_loud_not_wrong() -> None:
             assert _bitwise_equal(out[i], full[i])
         else:
             assert torch.isnan(out[i]).all()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mla_value_split_matches_reference_and_ignores_poison(causal: bool) -> None:
+    case = _case("mla")
+    split = case.run(causal=causal, config_key="p4v2")
+    torch.testing.assert_close(split.double(), case.reference(causal=causal).double(), rtol=1e-5, atol=1e-5)
+    poisoned = case.run(causal=causal, config_key="p4v2", cache=case.poisoned_cache())
+    assert _bitwise_equal(split, poisoned)
+
+
+def test_mla_separate_rope_query_through_strides_equals_concatenated() -> None:
+    """q_lat and q_pe passed apart, each a non-contiguous view (as the model's einsum leaves them)."""
+    case = _case("mla")
+    whole = case.run(causal=True)
+    n, rows, heads, _ = case.q.shape
+    # q_lat stored head-major (the bmm layout), q_pe inside a wider buffer
+    lat = case.q[..., :KV_LORA].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    wide = torch.zeros(n, rows, heads, ROPE + 5)
+    wide[..., 2 : 2 + ROPE] = case.q[..., KV_LORA:]
+    q_pe = wide[..., 2 : 2 + ROPE]
+    assert not lat.is_contiguous() and not q_pe.is_contiguous()
+    _, chunk, cfg = CONFIGS["p4"]
+    args = [x.to(DEVICE) for x in (lat, case.cache, case.block_table, case.first_page, case.lo, case.pos)]
+    apart = pa.mla_paged_attention(
+        *args, scale=case.scale, causal=True, kv_lora=KV_LORA, chunk=chunk, config=cfg, q_rope=q_pe.to(DEVICE)
+    )
+    assert _bitwise_equal(apart, whole)

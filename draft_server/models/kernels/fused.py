@@ -140,3 +140,64 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         block = 1024
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, y, F, g2.stride(0), y.stride(0), BLOCK=block)
     return y.view(*gu.shape[:-1], F)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy Markov step: argmax over (base logits + Markov bias), one pass over both
+# ---------------------------------------------------------------------------------------------
+ARGMAX_BLOCK = 4096
+
+
+@triton.jit
+def _argmax_partial_kernel(
+    BASE, BIAS, PMAX, PIDX, V, s_base, s_bias, n_blocks, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Block b of row n: the largest float32 value of base (+ bias) and its first index."""
+    n = tl.program_id(0)
+    b = tl.program_id(1)
+    v = b * BLOCK + tl.arange(0, BLOCK)
+    mask = v < V
+    x = tl.load(BASE + n.to(tl.int64) * s_base + v, mask=mask, other=float("-inf")).to(tl.float32)
+    if HAS_BIAS:
+        x = x + tl.load(BIAS + n.to(tl.int64) * s_bias + v, mask=mask, other=0.0).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN ranks highest, as in torch.argmax
+    x = tl.where(mask, x, float("-inf"))
+    m = tl.max(x, 0)
+    i = tl.min(tl.where(x == m, v, V), 0)  # the first index holding the max
+    tl.store(PMAX + n * n_blocks + b, m)
+    tl.store(PIDX + n * n_blocks + b, i)
+
+
+@triton.jit
+def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr):
+    n = tl.program_id(0)
+    b = tl.arange(0, BLOCK_B)
+    mask = b < n_blocks
+    m = tl.load(PMAX + n * n_blocks + b, mask=mask, other=float("-inf"))
+    i = tl.load(PIDX + n * n_blocks + b, mask=mask, other=0)
+    best = tl.max(m, 0)
+    big = tl.full([BLOCK_B], 2147483647, tl.int32)
+    tl.store(OUT + n, tl.min(tl.where(mask & (m == best), i, big), 0).to(tl.int64))
+
+
+def markov_argmax(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """argmax over the last dim of ``base.float() + bias.float()`` [N, V] (int64 [N]), without
+    materialising the float32 sum: one read of each input. Ties go to the first index, like
+    ``torch.argmax``; a row holding NaN returns the first NaN's index (torch's rule too, but for
+    rows holding both NaN and +Inf, where this returns whichever comes first)."""
+    N, V = base.shape
+    if base.stride(1) != 1 or (bias is not None and (bias.shape != base.shape or bias.stride(1) != 1)):
+        raise ValueError("base and bias must be [N, V] with a contiguous last dim")
+    n_blocks = triton.cdiv(V, ARGMAX_BLOCK)
+    pmax = torch.empty((N, n_blocks), dtype=torch.float32, device=base.device)
+    pidx = torch.empty((N, n_blocks), dtype=torch.int32, device=base.device)
+    out = torch.empty((N,), dtype=torch.int64, device=base.device)
+    if N == 0:
+        return out
+    b = base if bias is None else bias
+    _argmax_partial_kernel[(N, n_blocks)](
+        base, b, pmax, pidx, V, base.stride(0), b.stride(0), n_blocks,
+        HAS_BIAS=bias is not None, BLOCK=ARGMAX_BLOCK, num_warps=8,
+    )  # fmt: skip
+    _argmax_final_kernel[(N,)](pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)))
+    return out

@@ -70,6 +70,7 @@ class KernelConfig:
     num_stages: int = 2
     combine_block_p: int = 8
     combine_num_warps: int = 4
+    v_split: int = 1  # MLA: programs sharing a pair block's value dims (scores recomputed by each)
 
 
 # Defaults measured on one H200 (triton 3.6, torch 2.11, bf16, P=16, Bq=7, causal), timing stage 1 +
@@ -328,6 +329,7 @@ def _stage1_epilogue(
 @triton.jit
 def _mla_stage1_kernel(
     Q,
+    QR,
     KV,
     BT,
     FIRST,
@@ -352,6 +354,9 @@ def _mla_stage1_kernel(
     stride_ob,
     stride_oh,
     qk_scale,
+    stride_rn,
+    stride_rb,
+    stride_rh,
     ROWS: tl.constexpr,
     HEADS: tl.constexpr,
     KV_LORA: tl.constexpr,
@@ -363,9 +368,13 @@ def _mla_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DL: tl.constexpr,
     BLOCK_DR: tl.constexpr,
+    V_SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    """One (pair block, value slice, work item): scores over the whole latent, values over
+    ``BLOCK_DL // V_SPLIT`` of its dims (V_SPLIT > 1 trades recomputed scores for registers)."""
+    pid_m = tl.program_id(0) // V_SPLIT
+    vs = tl.program_id(0) % V_SPLIT
     pid_w = tl.program_id(1)
     n = tl.load(WORK + 2 * pid_w)
     c = tl.load(WORK + 2 * pid_w + 1)
@@ -389,16 +398,20 @@ def _mla_stage1_kernel(
             row_end = pos + ROWS + b * 0
         dl = tl.arange(0, BLOCK_DL)
         dr = tl.arange(0, BLOCK_DR)
+        BLOCK_DV: tl.constexpr = BLOCK_DL // V_SPLIT
+        dv = vs * BLOCK_DV + tl.arange(0, BLOCK_DV)
         dlmask = dl < KV_LORA
         drmask = dr < ROPE
+        dvmask = dv < KV_LORA
 
         q_rows = Q + n64 * stride_qn + b * stride_qb + h * stride_qh
+        qr_rows = QR + n64 * stride_rn + b * stride_rb + h * stride_rh
         q_nope = tl.load(q_rows[:, None] + dl[None, :], mask=pmask[:, None] & dlmask[None, :], other=0.0)
-        q_rope = tl.load(q_rows[:, None] + KV_LORA + dr[None, :], mask=pmask[:, None] & drmask[None, :], other=0.0)
+        q_rope = tl.load(qr_rows[:, None] + dr[None, :], mask=pmask[:, None] & drmask[None, :], other=0.0)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DL], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
@@ -414,7 +427,11 @@ def _mla_stage1_kernel(
             vis = tmask[None, :] & (t[None, :] < row_end[:, None])
             pr, alpha, m_i, l_i = _softmax_step(s * qk_scale, vis, m_i, l_i)
             acc = acc * alpha[:, None]
-            acc = tl.dot(pr.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
+            if V_SPLIT == 1:
+                v = kv
+            else:  # this program's slice of the values: the same rows, read again (L1/L2)
+                v = tl.load(kv_rows[:, None] + dv[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
+            acc = tl.dot(pr.to(v.dtype), v, acc, input_precision=DOT_PREC)
 
         _stage1_epilogue(
             acc,
@@ -424,9 +441,9 @@ def _mla_stage1_kernel(
             OUT + n64 * stride_on + b * stride_ob + h * stride_oh,
             PO + pid_w.to(tl.int64) * stride_pow + p * stride_pop,
             PL + pid_w.to(tl.int64) * stride_plw + p,
-            dl,
+            dv,
             pmask,
-            dlmask,
+            dvmask,
         )
 
 
@@ -686,14 +703,18 @@ def _stage1(
     out: torch.Tensor,
     scale: float,
     config: KernelConfig,
+    q_rope: torch.Tensor | None = None,
     **layout: int,
 ) -> None:
-    """Launch a stage-1 kernel: the arguments both layouts share, in their kernels' order."""
+    """Launch a stage-1 kernel: the arguments both layouts share, in their kernels' order
+    (MLA's separate rope query, when given, right after q, and its strides after the scale)."""
+    lead = () if q_rope is None else (q_rope,)
+    tail = () if q_rope is None else (q_rope.stride(0), q_rope.stride(1), q_rope.stride(2))
     kernel[grid](  # type: ignore[index]
-        q, cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, ws.partial_out, ws.partial_lse, out,
-        q.stride(0), q.stride(1), q.stride(2), *cache_strides, block_table.stride(0), block_table.shape[1],
+        q, *lead, cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, ws.partial_out, ws.partial_lse,
+        out, q.stride(0), q.stride(1), q.stride(2), *cache_strides, block_table.stride(0), block_table.shape[1],
         ws.partial_out.stride(0), ws.partial_out.stride(1), ws.partial_lse.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E,
+        out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E, *tail,
         ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages, **layout,
@@ -716,10 +737,13 @@ def mla_paged_attention(
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    q_rope: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA (absorbed) draft-block attention over one layer's paged latent cache.
 
-    q: [N, Bq, H, kv_lora + rope] (nope part already times W_UK, rope part roped).
+    q: [N, Bq, H, kv_lora + rope] (nope part already times W_UK, rope part roped), or, with
+    ``q_rope`` [N, Bq, H, rope] given, q is the latent part [N, Bq, H, kv_lora] alone (each read
+    through its own strides: no concatenation, no contiguous copy).
     cache: [num_pages, P, >= kv_lora + rope] (one layer's slice; last dim contiguous).
     block_table: int32 [N, max_pages]; first_page, lo, pos: int32 [N] (see the module docstring).
     Returns out [N, Bq, H, kv_lora] in q's dtype (``out`` if given). ``plan`` (from ``plan_work``
@@ -728,6 +752,10 @@ def mla_paged_attention(
     config: launch shape; None picks ``MLA_CONFIG`` (``MLA_CONFIG_FP32`` for float32 inputs).
     """
     _, rows, heads, dq = q.shape
+    if q_rope is not None:
+        if q_rope.shape[:3] != q.shape[:3] or q_rope.stride(3) != 1 or dq != kv_lora or q_rope.dtype != q.dtype:
+            raise ValueError(f"q_rope must be [N, Bq, H, rope] beside q [N, Bq, H, {kv_lora}], same dtype")
+        dq += q_rope.shape[3]
     rope = dq - kv_lora
     if kv_lora <= 0 or rope < 0:
         raise ValueError(f"kv_lora ({kv_lora}) must be in (0, q.shape[-1]={dq}]")
@@ -751,12 +779,16 @@ def mla_paged_attention(
         out=out,
         v_dim=kv_lora,
     )
-    grid = (triton.cdiv(rows * heads, config.block_m), plan.capacity)
+    block_dl = max(16, triton.next_power_of_2(kv_lora))
+    v_split = max(1, min(config.v_split, block_dl // 16))
+    grid = (triton.cdiv(rows * heads, config.block_m) * v_split, plan.capacity)
+    if q_rope is None:
+        q_rope = q[..., kv_lora:]
     _stage1(
         _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
-        plan, ws, out, scale, config, CAUSAL=causal,
-        HEADS=heads, KV_LORA=kv_lora, ROPE=rope,
-        BLOCK_DL=max(16, triton.next_power_of_2(kv_lora)), BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
+        plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,
+        HEADS=heads, KV_LORA=kv_lora, ROPE=rope, V_SPLIT=v_split,
+        BLOCK_DL=block_dl, BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
     )  # fmt: skip
     _combine(plan, ws, out, rows=rows, heads=heads, v_dim=kv_lora, config=config)
     return out

@@ -76,5 +76,5 @@ class K3DSpark(DSparkModel):
         q_pe = self.rope.apply(q[..., nope:], cos[:, :, None], sin[:, :, None])
         q_lat = torch.einsum("nbhd,hdc->nbhc", q[..., :nope], self.w_uk[i])
         blk = self._latent(qkv_a[..., cfg.q_lora_rank :], w[p + "kv_a_layernorm.weight"], cos, sin)
-        o = ctx.attend(i, torch.cat([q_lat, q_pe], dim=-1), blk)  # [N, B, nh, 512]
+        o = ctx.attend(i, (q_lat, q_pe), blk)  # [N, B, nh, 512]
         return torch.einsum("nbhc,hvc->nbhv", o, self.w_uv[i]).reshape(N, B, nh * cfg.v_head_dim)
