@@ -16,7 +16,8 @@ Used by ``train`` (which trains and writes the pair), the demo and the tests:
 * ``acceptance``: greedy acceptance length of the draft against the target's greedy
   continuation, through the production drafter exactly as the engine drives it (prefill taps,
   then per step: draft k tokens from the anchor, accept the leading matches, ingest anchor +
-  accepted rows, new anchor = the target's correction/bonus token).
+  accepted rows, new anchor = the target's correction/bonus token), with the rows in any wire
+  format (``protocol.wire``) as the client's encoder makes them (``wire_rows``).
 
 transformers and tokenizers are imported lazily: the draft itself needs torch only.
 """
@@ -24,6 +25,7 @@ transformers and tokenizers are imported lazily: the draft itself needs torch on
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,7 +40,9 @@ from draft_server.models.config import DSparkConfig, expected_shapes, load_confi
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.loader import build_model
 from draft_server.models.model import DSparkModel
-from protocol import GREEDY
+from protocol import GREEDY, DType
+from target_client.projection import Projection
+from target_client.vllm.wire import WireEncoder
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -114,6 +118,19 @@ class TinyDSpark(nn.Module):
 def bf16_bits(x: torch.Tensor) -> np.ndarray:
     """Taps as they travel on the wire: bf16 bit patterns (uint16)."""
     return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def wire_rows(draft: TinyDSpark, wire: str) -> Callable[[torch.Tensor], np.ndarray]:
+    """taps -> rows of wire format ``wire`` as ``target_client.vllm.wire`` makes them (projected:
+    with this draft's own ``fc`` / ``hidden_norm``, in the dtype its drafter asks for)."""
+    proj = None
+    if wire == "projected":
+        w = {n: t.detach().to(torch.float32).numpy() for n, t in draft.named_parameters()}
+        names = ("fc.weight", "hidden_norm.weight")
+        proj = Projection(w[names[0]], w[names[1]], "F32", "F32", draft.c.rms_norm_eps, names)
+    enc = WireEncoder(wire, proj)
+    dtype = DType.F32 if draft.embed_w.dtype in (torch.float32, torch.float64) else DType.BF16
+    return lambda taps: enc(taps, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,6 +220,7 @@ def acceptance(
     new_tokens: int,
     k: int | None = None,
     stats: AcceptStats | None = None,
+    wire: str = "bf16",
 ) -> AcceptStats:
     """Greedy acceptance of ``draft`` on one prompt, mirroring the engine loop.
 
@@ -219,7 +237,8 @@ def acceptance(
     drafter = draft.drafter()
     session = 0
     assert drafter.reserve(session, 0, total + draft.c.block_size)
-    drafter.ingest([IngestItem(session, 0, 0, bf16_bits(taps[0, : len(prompt)]))])  # prefill
+    rows = wire_rows(draft, wire)
+    drafter.ingest([IngestItem(session, 0, 0, rows(taps[0, : len(prompt)]), wire)])  # prefill
     p = len(prompt)  # anchor position; seq[p] is the target's first sampled token
     while p < total - 1:
         drafts = drafter.draft([DraftItem(session, 0, p, seq[p], k, GREEDY)])[0].tokens
@@ -231,7 +250,7 @@ def acceptance(
                 break
         stats.steps += 1
         stats.accepted_tokens += acc + 1
-        drafter.ingest([IngestItem(session, 0, p, bf16_bits(taps[0, p : p + acc + 1]))])  # anchor + accepted
+        drafter.ingest([IngestItem(session, 0, p, rows(taps[0, p : p + acc + 1]), wire)])  # anchor + accepted
         p = p + acc + 1  # new anchor: the target's correction / bonus token
     drafter.release(session)
     return stats
