@@ -271,6 +271,18 @@ def test_layer_outputs_within_fp16_tolerance(codebook) -> None:
     assert (lin(x.half()).double() - ref).abs().max() < tol
 
 
+def test_chunked_decode_equals_whole(monkeypatch) -> None:
+    import draft_server.models.exl3.linear as linear_mod
+    from draft_server.models.exl3.decode import decode_inner, dense_weight
+    from draft_tools.exl3_cpu import random_linear
+
+    t = random_linear(200, 300, 2, "mul1", seed=3)
+    whole = dense_weight(decode_inner(t["trellis"], "mul1"), t["suh"], t["svh"])[:300, :200].t()
+    monkeypatch.setattr(linear_mod, "DECODE_ROWS", 128)
+    lin = Exl3Linear("x", 300, 200, t["trellis"], t["suh"], t["svh"], "mul1")
+    assert torch.equal(lin.exact_weight(), whole)
+
+
 def test_exl3_drafts_equal_dense_drafts_of_the_decoded_weights(dense, tmp_path) -> None:
     """The EXL3 path changes where the weights come from, nothing else."""
     draft, target = dense["k3"]

@@ -181,7 +181,7 @@ class Exl3Checkpoint(Checkpoint):
         out = {n: raw[self.actual[n]] for n in dense}
         for n in names:
             if n in self.virtual:
-                out[n] = self.linear(n).exact_weight().float().to(device)
+                out[n] = self.linear(n).exact_weight(torch.float32).to(device)
         return out
 
     def linear(self, weight_name: str) -> Exl3Linear:

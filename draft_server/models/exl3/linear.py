@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from draft_server.models.exl3.decode import HAD, decode_inner, dense_weight, trellis_bits, unpack_signs
 
+DECODE_ROWS = 1024  # input rows per decode chunk (a multiple of the 128-row Hadamard block)
+
 
 def pad128(n: int) -> int:
     return -(-n // HAD) * HAD
@@ -102,16 +104,24 @@ class Exl3Linear:
         """fp16 Wq [k_pad, n_pad], bit-exact with exllamav3's ``reconstruct``."""
         return decode_inner(self.trellis, self.codebook)
 
-    def exact_weight(self) -> torch.Tensor:
-        """The dense weight in float64, ``nn.Linear`` orientation [out, in] (padding trimmed)."""
-        w = dense_weight(self.inner(), self.suh, self.svh)  # (in_pad, out_pad)
-        return w[: self.in_features, : self.out_features].t()
+    def exact_weight(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The dense weight, ``nn.Linear`` orientation [out, in] (padding trimmed), computed in float64
+        ``DECODE_ROWS`` input rows at a time (bounded memory for K3-size linears) and stored in ``dtype``,
+        on the packed tensors' device (the decode is plain torch: it runs on CUDA as well)."""
+        out = torch.empty((self.out_features, self.in_features), dtype=dtype, device=self.trellis.device)
+        for k0 in range(0, self.in_features, DECODE_ROWS):
+            k1 = min(k0 + DECODE_ROWS, pad128(self.in_features))
+            wq = decode_inner(self.trellis[k0 // 16 : k1 // 16], self.codebook)
+            w = dense_weight(wq, self.suh[k0:k1], self.svh)  # (k1 - k0, out_pad) float64
+            rows = min(k1, self.in_features) - k0
+            out[:, k0 : k0 + rows] = w[:rows, : self.out_features].t().to(dtype)
+        return out
 
     def weight(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """Dense [out, in] in ``dtype`` on ``device``, decoded once and cached."""
         key = (dtype, torch.device(device))
         if key not in self._dense:
-            self._dense[key] = self.exact_weight().to(dtype).to(device).contiguous()
+            self._dense[key] = self.exact_weight(dtype).to(device).contiguous()
         return self._dense[key]
 
     def drop_cache(self) -> None:
