@@ -4,8 +4,10 @@ Starts `draft-server serve` on the shipped tiny trained drafter (draft_tools/tin
 runs vLLM with the `custom_class` proposer on a handful of prompts, then runs the same prompts
 without speculation, and prints: the generated text, vLLM's own speculative-decoding counters
 (drafts, draft tokens, accepted tokens, mean acceptance length), the client's RPC wait
-percentiles, and whether the greedy outputs are identical. Each vLLM engine runs in its own
-subprocess (`--worker`), so both start from a clean state and shut down completely.
+percentiles, and whether the greedy outputs are identical. The speculative run repeats once per
+wire format asked for (``--wire-formats``, default bf16 and fp8: ``DRAFT_WIRE_FORMAT``), and a
+table compares their acceptance and bytes per row. Each vLLM engine runs in its own subprocess
+(`--worker`), so every one starts from a clean state and shuts down completely.
 """
 
 from __future__ import annotations
@@ -80,8 +82,18 @@ def _run_worker(cfg: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     raise SystemExit(f"vLLM worker failed (exit {out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
 
 
-def run(k: int = 4, max_tokens: int = 48, server_endpoint: str | None = None) -> bool:
-    """The demo proper; returns True when the outputs with and without drafts are identical."""
+def _acceptance(spec: dict[str, Any]) -> tuple[float, float, float]:
+    """(drafts, acceptance rate, mean acceptance length) from vLLM's counters."""
+    sd = spec["spec"]
+    drafts = sd.get("vllm:spec_decode_num_drafts", 0) or 0
+    dtoks = sd.get("vllm:spec_decode_num_draft_tokens", 0) or 0
+    acc = sd.get("vllm:spec_decode_num_accepted_tokens", 0) or 0
+    return drafts, acc / max(dtoks, 1), 1 + acc / max(drafts, 1)
+
+
+def run(k: int = 4, max_tokens: int = 48, wire_formats: tuple[str, ...] = ("bf16", "fp8")) -> bool:
+    """The demo proper; returns True when the outputs with drafts (in every wire format) and
+    without are identical."""
     draft, target = ASSETS / "draft", ASSETS / "target"
     if not (draft / "config.json").exists() or not (target / "config.json").exists():
         raise SystemExit(f"the tiny trained pair is missing under {ASSETS}")
@@ -92,8 +104,11 @@ def run(k: int = 4, max_tokens: int = 48, server_endpoint: str | None = None) ->
     env = {**os.environ, "DRAFT_SERVER_ENDPOINT": endpoint, "DRAFT_BUDGET_MS": "200", "VLLM_CPU_KVCACHE_SPACE": "1"}
     try:
         cfg = {"target": str(target), "prompts": PROMPTS, "max_tokens": max_tokens}
-        print(f"== vLLM (CPU) with remote DSpark drafts, k={k}, {len(PROMPTS)} prompts, greedy")
-        spec = _run_worker({**cfg, "k": k}, env)
+        specs = {}
+        for fmt in wire_formats:
+            print(f"== vLLM (CPU) with remote DSpark drafts, k={k}, {len(PROMPTS)} prompts, greedy, wire format {fmt}")
+            specs[fmt] = _run_worker({**cfg, "k": k}, {**env, "DRAFT_WIRE_FORMAT": fmt, "DRAFT_MODEL_DIR": str(draft)})
+        spec = specs[wire_formats[0]]
         print("== vLLM (CPU) without speculation, same prompts")
         plain = _run_worker(cfg, env)
         for p, t in zip(PROMPTS, spec["texts"], strict=True):
@@ -121,7 +136,17 @@ def run(k: int = 4, max_tokens: int = 48, server_endpoint: str | None = None) ->
             f"max {d.get('rpc_ms_max') or 0:.2f} ms; "
             f"timeouts {c.get('timeouts')}, fallbacks {c.get('fallbacks')}"
         )
-        same = spec["ids"] == plain["ids"]
+        if len(specs) > 1:
+            taps = json.loads((draft / "config.json").read_text())
+            width = len(taps["target_layer_ids"]) * taps.get("target_hidden_size", taps["hidden_size"])
+            row_bytes = {"bf16": 2 * width, "fp8": width + 4, "projected": 4 * taps["hidden_size"]}  # f32 server
+            print("== acceptance by wire format (vLLM's counters; the server runs float32)")
+            print("   format     bytes/row  drafts  acceptance rate  mean acceptance length  output == plain")
+            for fmt, s in specs.items():
+                n, rate, mean = _acceptance(s)
+                same_fmt = "YES" if s["ids"] == plain["ids"] else "NO"
+                print(f"   {fmt:9s}  {row_bytes[fmt]:9d}  {int(n):6d}  {rate:15.3f}  {mean:22.3f}  {same_fmt}")
+        same = all(s["ids"] == plain["ids"] for s in specs.values())
         print(f"== greedy outputs identical with and without remote drafts: {'YES' if same else 'NO'}")
         met = scrape(mport)
         print(
@@ -139,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument(
+        "--wire-formats", default="bf16,fp8", help="one speculative run per wire format (bf16, fp8, projected)"
+    )
     args = ap.parse_args(argv)
     if args.worker:
         res = worker(json.loads(args.worker))
         sys.stdout.write("@@" + json.dumps(res) + "\n")
         return 0
-    return 0 if run(args.k, args.max_tokens) else 1
+    return 0 if run(args.k, args.max_tokens, tuple(f for f in args.wire_formats.split(",") if f)) else 1
 
 
 if __name__ == "__main__":
