@@ -1,0 +1,119 @@
+"""The wire-format parts of the protocol and the client, without sockets (``protocol.wire``).
+
+Row layouts and their validation per Step, the one-line refusals, compatibility with peers that
+predate wire formats (a Hello, Welcome or Step without the new fields means bf16), the client's
+config checks and its handshake verdict, and the client's checkpoint reader on bad input.
+"""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import numpy as np
+import pytest
+
+from protocol import (
+    DType,
+    ErrorCode,
+    Hello,
+    ProtocolError,
+    ServerLimits,
+    Step,
+    StepEntry,
+    Welcome,
+    WireOffer,
+    decode_reply,
+    decode_request,
+    encode,
+    spec_for,
+    validate_step,
+)
+from protocol.wire import refusal, row_layout
+from target_client import ClientConfig
+from target_client.client.counters import Counters
+from target_client.client.handshake import Handshake
+from target_client.projection import Projection, ProjectionError
+from tests.conftest import CHECKSUM_CONTRACT as C
+
+LIMITS = ServerLimits(64, 4096, 64, 4096, 1 << 24, 1 << 20, 256, 512, 60000.0)
+OFFER = WireOffer(("bf16", "projected", "fp8"), "abc123", 32, DType.F32)
+
+
+def _step(wire: str, rows: np.ndarray, dtype: DType) -> tuple[Step, list]:
+    e = (StepEntry("s", 0, len(rows), 1, 2),)
+    return Step(1, 100.0, e, spec_for(rows, dtype, 0), wire=wire), [rows]
+
+
+def test_row_layouts_and_validation() -> None:
+    W = C.tap_width
+    assert row_layout("bf16", C, OFFER) == (DType.BF16, W)
+    assert row_layout("projected", C, OFFER) == (DType.F32, 32)
+    assert row_layout("fp8", C, OFFER) == (DType.U8, W + 4)
+    for wire, rows, dt in (
+        ("bf16", np.zeros((3, W), np.uint16), DType.BF16),
+        ("projected", np.zeros((3, 32), np.float32), DType.F32),
+        ("fp8", np.zeros((3, W + 4), np.uint8), DType.U8),
+    ):
+        taps, errors = validate_step(*_step(wire, rows, dt), C, LIMITS, OFFER)
+        assert taps is not None and taps.shape == rows.shape and errors == [None]
+    with pytest.raises(ProtocolError) as e:  # fp8 rows without their scale
+        validate_step(*_step("fp8", np.zeros((3, W), np.uint8), DType.U8), C, LIMITS, OFFER)
+    assert e.value.code == ErrorCode.BAD_FRAMES and f"expected [3, {W + 4}]" in e.value.message
+    with pytest.raises(ProtocolError) as e:  # projected rows in bf16 when the server asked for f32
+        validate_step(*_step("projected", np.zeros((3, 32), np.uint16), DType.BF16), C, LIMITS, OFFER)
+    assert e.value.code == ErrorCode.BAD_FRAMES and "server expects f32" in e.value.message
+    with pytest.raises(ProtocolError) as e:  # a format the server does not take (default offer: bf16 only)
+        validate_step(*_step("fp8", np.zeros((3, W + 4), np.uint8), DType.U8), C, LIMITS)
+    assert e.value.code == ErrorCode.WIRE_FORMAT and e.value.message == "wire format 'fp8' refused: server accepts bf16"
+
+
+def test_refusals_name_both_sides() -> None:
+    assert refusal("bf16", "", OFFER) is None and refusal("projected", "abc123", OFFER) is None
+    assert refusal("fp8", "", WireOffer(("bf16", "projected"))) == (
+        "wire format 'fp8' refused: server accepts bf16, projected"
+    )
+    why = refusal("projected", "fff000", OFFER)
+    assert why is not None and "fff000" in why and "abc123" in why and "\n" not in why
+    assert "(none)" in (refusal("projected", "", OFFER) or "")
+
+
+def test_peers_without_wire_formats_mean_bf16() -> None:
+    old_hello = msgspec.msgpack.encode({"kind": "hello", "protocol_version": 1, "client_name": "old", "call_id": 3})
+    h = decode_request(old_hello)
+    assert isinstance(h, Hello) and h.wire_format == "bf16" and h.projection_id == ""
+    step = msgspec.msgpack.decode(encode(_step("bf16", np.zeros((1, C.tap_width), np.uint16), DType.BF16)[0])[0])
+    del step["wire"]
+    s = decode_request(msgspec.msgpack.encode(step))
+    assert isinstance(s, Step) and s.wire == "bf16"
+    welcome = Welcome(1, 1, "e", C, C.fingerprint(), LIMITS)
+    raw = msgspec.msgpack.decode(encode(welcome)[0])
+    del raw["wire"]
+    old = decode_reply(msgspec.msgpack.encode(raw))
+    assert isinstance(old, Welcome) and old.wire == WireOffer()
+    hs = Handshake(ClientConfig("tcp://127.0.0.1:1", wire_format="fp8"), Counters(None))
+    message, fields = hs.check(old) or ("", ())
+    assert message.endswith("wire format 'fp8' refused: server accepts bf16") and fields == ("wire_format",)
+    hs = Handshake(ClientConfig("tcp://127.0.0.1:1", expect=C, wire_format="fp8"), Counters(None))
+    assert hs.layout == (DType.U8, C.tap_width + 4)  # known before the Welcome from the pinned contract
+    assert hs.check(msgspec.structs.replace(old, wire=WireOffer(("bf16", "fp8")))) is None
+
+
+def test_client_config_checks_its_wire_format() -> None:
+    with pytest.raises(ValueError, match="wire_format must be one of bf16, projected, fp8"):
+        ClientConfig("tcp://127.0.0.1:1", wire_format="fp4")
+    with pytest.raises(ValueError, match="'projected' needs projection_id"):
+        ClientConfig("tcp://127.0.0.1:1", wire_format="projected")
+
+
+def test_projection_reader_errors_are_one_line(tmp_path) -> None:
+    with pytest.raises(ProjectionError, match=r"no readable config\.json"):
+        Projection.load(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5}))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    with pytest.raises(ProjectionError, match="not a readable safetensors file"):
+        Projection.load(str(tmp_path))
+    header = json.dumps({"other.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    with pytest.raises(ProjectionError, match="neither context_proj/context_norm nor fc/hidden_norm"):
+        Projection.load(str(tmp_path))
