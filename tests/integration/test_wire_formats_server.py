@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -159,3 +160,24 @@ def test_checksum_drafter_takes_fp8_rows_and_refuses_projected(server) -> None:
     finally:
         fp8.close()
         projected.close()
+
+
+def test_a_server_restarted_without_the_format_is_refused_again(server) -> None:
+    """fp8 steps to a server that restarts with --wire-formats bf16: the first Step is answered
+    WIRE_FORMAT, the client handshakes again and is refused in the one line; drafting stays off."""
+    c = DraftClient(ClientConfig(endpoint=server.endpoint, budget_ms=2000.0, wire_format="fp8"))
+    try:
+        c.connect(wait=True)
+        rows = WireEncoder("fp8")(torch.randn(2, CHECKSUM_CONTRACT.tap_width))
+        assert c.step([StepRequest("a", 0, 2, 5, 3)], rows)[0].status == Status.OK
+        server.args += ["--wire-formats", "bf16"]
+        server.restart()
+        deadline = time.monotonic() + 20.0
+        while not c.stats()["refused"] and time.monotonic() < deadline:
+            c.step([StepRequest("a", 2, 0, 5, 3)], None)
+            time.sleep(0.02)
+        assert c.stats()["refused"].endswith("wire format 'fp8' refused: server accepts bf16")
+        assert c.gate == "breaker_open" and c.stats()["wire_format_refusals"] >= 1
+        assert server.metrics()['draft_server_bad_messages_total{code="wire_format"}'] >= 1
+    finally:
+        c.close()
