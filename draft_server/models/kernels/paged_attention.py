@@ -70,14 +70,15 @@ class KernelConfig:
     num_stages: int = 2
     combine_block_p: int = 8
     combine_num_warps: int = 4
-    v_split: int = 1  # MLA: programs sharing a pair block's value dims (scores recomputed by each)
 
 
 # Defaults measured on one H200 (triton 3.6, torch 2.11, bf16, P=16, Bq=7, causal), timing stage 1 +
 # stage 2 with the plan prebuilt, on 1x32K + 63x1K, 64x1K, 1x32K and 8x4K contexts.
 # K3 (H=64 -> 448 pairs = 7 blocks of 64, latent 512 + 64) is compute-bound: 36 tile shapes swept;
 # (64, 64, 8 warps, 2 stages) was fastest everywhere (~135-157 TFLOP/s; 255 registers, 34 spilled);
-# (64, 32, 8, 2) is ~20% slower, block_m 128 or block_n 128 do not fit in shared memory.
+# (64, 32, 8, 2) is ~20% slower, block_m 128 or block_n 128 do not fit in shared memory. Swept again
+# with the value dims split over 2 or 4 programs (scores recomputed, fewer registers): slower at
+# every batch (bench/results/mla_sweep_h200.json), so that variant is gone.
 MLA_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # float32 inputs (tests, debugging) need twice the shared memory: 64-token tiles do not fit at K3 dims.
 MLA_CONFIG_FP32 = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -368,13 +369,9 @@ def _mla_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_DL: tl.constexpr,
     BLOCK_DR: tl.constexpr,
-    V_SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """One (pair block, value slice, work item): scores over the whole latent, values over
-    ``BLOCK_DL // V_SPLIT`` of its dims (V_SPLIT > 1 trades recomputed scores for registers)."""
-    pid_m = tl.program_id(0) // V_SPLIT
-    vs = tl.program_id(0) % V_SPLIT
+    pid_m = tl.program_id(0)
     pid_w = tl.program_id(1)
     n = tl.load(WORK + 2 * pid_w)
     c = tl.load(WORK + 2 * pid_w + 1)
@@ -398,11 +395,8 @@ def _mla_stage1_kernel(
             row_end = pos + ROWS + b * 0
         dl = tl.arange(0, BLOCK_DL)
         dr = tl.arange(0, BLOCK_DR)
-        BLOCK_DV: tl.constexpr = BLOCK_DL // V_SPLIT
-        dv = vs * BLOCK_DV + tl.arange(0, BLOCK_DV)
         dlmask = dl < KV_LORA
         drmask = dr < ROPE
-        dvmask = dv < KV_LORA
 
         q_rows = Q + n64 * stride_qn + b * stride_qb + h * stride_qh
         qr_rows = QR + n64 * stride_rn + b * stride_rb + h * stride_rh
@@ -411,7 +405,7 @@ def _mla_stage1_kernel(
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DL], tl.float32)
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
@@ -427,11 +421,7 @@ def _mla_stage1_kernel(
             vis = tmask[None, :] & (t[None, :] < row_end[:, None])
             pr, alpha, m_i, l_i = _softmax_step(s * qk_scale, vis, m_i, l_i)
             acc = acc * alpha[:, None]
-            if V_SPLIT == 1:
-                v = kv
-            else:  # this program's slice of the values: the same rows, read again (L1/L2)
-                v = tl.load(kv_rows[:, None] + dv[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
-            acc = tl.dot(pr.to(v.dtype), v, acc, input_precision=DOT_PREC)
+            acc = tl.dot(pr.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
 
         _stage1_epilogue(
             acc,
@@ -441,9 +431,9 @@ def _mla_stage1_kernel(
             OUT + n64 * stride_on + b * stride_ob + h * stride_oh,
             PO + pid_w.to(tl.int64) * stride_pow + p * stride_pop,
             PL + pid_w.to(tl.int64) * stride_plw + p,
-            dv,
+            dl,
             pmask,
-            dvmask,
+            dlmask,
         )
 
 
@@ -779,16 +769,14 @@ def mla_paged_attention(
         out=out,
         v_dim=kv_lora,
     )
-    block_dl = max(16, triton.next_power_of_2(kv_lora))
-    v_split = max(1, min(config.v_split, block_dl // 16))
-    grid = (triton.cdiv(rows * heads, config.block_m) * v_split, plan.capacity)
+    grid = (triton.cdiv(rows * heads, config.block_m), plan.capacity)
     if q_rope is None:
         q_rope = q[..., kv_lora:]
     _stage1(
         _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
         plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,
-        HEADS=heads, KV_LORA=kv_lora, ROPE=rope, V_SPLIT=v_split,
-        BLOCK_DL=block_dl, BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
+        HEADS=heads, KV_LORA=kv_lora, ROPE=rope,
+        BLOCK_DL=max(16, triton.next_power_of_2(kv_lora)), BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
     )  # fmt: skip
     _combine(plan, ws, out, rows=rows, heads=heads, v_dim=kv_lora, config=config)
     return out
