@@ -3,7 +3,7 @@
 ``config`` (config.json, flags, contract, tensor shapes), ``weights`` (safetensors, validation,
 target head), ``loader`` (checkpoint / random preset -> ``DSparkDrafter``), ``presets``
 (full-size random configs), ``tiny`` (``make_tiny`` test checkpoints), ``drafter`` (the
-``Drafter`` adapter), ``staging`` (taps to the device), ``model`` (the shared backbone),
+``Drafter`` adapter), ``staging`` (wire rows to the device, per wire format), ``model`` (the shared backbone),
 ``layers/`` (``ops``, ``mla`` for K3, ``gqa`` for Qwen3), ``kv_cache`` (paged draft KV),
 ``sampling`` (Markov and confidence heads, seeded sampling).
 """
