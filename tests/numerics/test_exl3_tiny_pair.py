@@ -8,7 +8,6 @@ drafts through the same engine-style loop as the BF16 drafter; held-out greedy a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from draft_server.models import DSparkConfig, DSparkDrafter, load_drafter
 from draft_server.models.exl3 import Exl3Linear, FusedLinear
 from draft_tools.tiny_pair import pair as tp
+from tests.numerics.test_tiny_pair import one_thread  # noqa: F401 - autouse: one thread for tiny matmuls
 
 pytest.importorskip("transformers")
 EXL3_DIR = tp.ASSET_DIR / "draft_exl3_k4"
@@ -33,14 +33,6 @@ class Loaded:
 
     def drafter(self) -> DSparkDrafter:
         return load_drafter(self.path, str(tp.TARGET_DIR), "cpu", "float32", 16 << 20)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def test_loads_as_exl3() -> None:
