@@ -158,13 +158,15 @@ class DraftServer:
         if self.http:
             self.http.start()
         log.info(
-            "draft server %s serving %s on %s (contract %s, wire formats %s, projection %s, metrics port %s)",
+            "draft server %s serving %s on %s (contract %s, wire formats %s, projection %s, transports %s, "
+            "metrics port %s)",
             self.epoch,
             self.contract.model_name,
             self.endpoint,
             self.contract_id,
             ", ".join(self.offer.formats),
             self.offer.projection_id or "-",
+            ", ".join(self.router.transports),
             self.http.port if self.http else "off",
         )
 
@@ -295,7 +297,7 @@ def _start(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None) -> Draf
 
 def _bind_reason(code: int | None, text: str) -> str:
     if code == errno.EADDRINUSE:
-        return "the port is in use (another draft-server?)"
+        return f"the address is in use (another draft-server?): {text}"
     if code in (errno.ENODEV, errno.EADDRNOTAVAIL):
         return f"no such address or interface on this host ({text})"
     return text

@@ -50,7 +50,16 @@ def _f(default: Any, help: str) -> Any:
 @dataclass
 class ServerConfig:
     # --- endpoints
-    bind: str = _f("tcp://127.0.0.1:5557", "ZeroMQ endpoint the ROUTER socket binds (loopback by default)")
+    bind: str = _f(
+        "tcp://127.0.0.1:5557",
+        "ZeroMQ endpoint(s) the ROUTER socket binds, comma-separated (loopback by default), e.g. "
+        "tcp://0.0.0.0:5557,ipc:///run/draft/draft.sock: tcp for remote engines, ipc for a co-located one",
+    )
+    shm: bool = _f(
+        True,
+        "let clients on this host send rows through a shared-memory ring (transport 'shm'; mapped read-only, "
+        "only segments of this server's own uid); --no-shm refuses such clients at Hello",
+    )
     metrics_port: int = _f(9400, "HTTP port for /metrics (Prometheus) and /healthz; 0 picks a free port, -1 disables")
     metrics_host: str = _f("127.0.0.1", "address the metrics HTTP server listens on")
     # --- model
@@ -146,10 +155,14 @@ class ServerConfig:
             raise ValueError(f"unknown drafter {self.drafter!r} (dspark, checksum)")
         if self.drafter == "dspark" and not self.model:
             raise ValueError("--model is required with the dspark drafter")
-        if not ENDPOINT.match(self.bind):
-            raise ValueError(
-                f"bind {self.bind!r} is not a ZeroMQ endpoint (tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557)"
-            )
+        binds = [b.strip() for b in self.bind.split(",")]
+        for b in binds:
+            if not ENDPOINT.match(b):
+                raise ValueError(
+                    f"bind {b!r} is not a ZeroMQ endpoint (tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557, or ipc:///PATH)"
+                )
+        if len(set(binds)) != len(binds):
+            raise ValueError(f"bind {self.bind!r} names an endpoint twice")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port {self.metrics_port} is not a port (0 picks one, -1 disables)")
         if not self.metrics_host.strip():

@@ -79,6 +79,9 @@ class ServerMetrics:
             "draft_server_watchdog_fired_total", "Engine iterations over the watchdog", registry=r
         )
         self.sessions = Gauge("draft_server_sessions", "Live sessions", registry=r)
+        self.shm_rings = Gauge(
+            "draft_server_shm_rings", "Clients' shared-memory rings mapped now (transport shm)", registry=r
+        )
         self.queue_rows = Gauge("draft_server_queue_rows", "Rows admitted and waiting for ingest", registry=r)
         self.kv_used = Gauge("draft_server_kv_used_tokens", "Draft KV tokens held", registry=r)
         self.kv_capacity = Gauge("draft_server_kv_capacity_tokens", "Draft KV token capacity", registry=r)

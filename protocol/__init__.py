@@ -1,7 +1,8 @@
 """The wire contract between target engines and the draft server.
 
 Owns message structs (``messages``), the zero-copy frame codec (``codec``), Step validation
-(``validate``), the row layouts of the negotiated wire formats (``wire``) and the histogram
+(``validate``), the row layouts of the negotiated wire formats (``wire``), the shared-memory
+ring of transport "shm" (``shm``: segment layout, lifetime, refusals) and the histogram
 layouts both sides export (``telemetry``). Imports numpy and
 msgspec only: both sides import it, and the client side lives inside the target engine's process.
 """
@@ -19,6 +20,9 @@ from protocol.messages import (
     ModelContract,
     Ping,
     Pong,
+    RingAck,
+    RingAnnounce,
+    RowsAt,
     Sampling,
     ServerLimits,
     Status,
@@ -27,6 +31,7 @@ from protocol.messages import (
     StepResult,
     TensorSpec,
     Timing,
+    Transport,
     Welcome,
     WireFormat,
     WireOffer,
@@ -46,6 +51,9 @@ __all__ = [
     "Ping",
     "Pong",
     "ProtocolError",
+    "RingAck",
+    "RingAnnounce",
+    "RowsAt",
     "Sampling",
     "ServerLimits",
     "Status",
@@ -54,6 +62,7 @@ __all__ = [
     "StepResult",
     "TensorSpec",
     "Timing",
+    "Transport",
     "Welcome",
     "WireFormat",
     "WireOffer",

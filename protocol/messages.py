@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 7
     INTERNAL = 8
     WIRE_FORMAT = 9  # a wire format (or projection) this server does not accept (see ``protocol.wire``)
+    TRANSPORT = 10  # a transport this server does not offer, or a shm ring it cannot map or no longer holds
 
 
 class DType(enum.StrEnum):
@@ -121,6 +122,40 @@ class WireOffer(msgspec.Struct, frozen=True):
     projected_dtype: DType = DType.BF16  # how they travel: bf16, or f32 when the drafter computes in f32/f64
 
 
+class Transport(enum.StrEnum):
+    """Where a Step's rows travel (``protocol.shm`` has the ring's layout and lifetime)."""
+
+    FRAMES = "frames"  # in payload frame 0 of the Step message (any endpoint, any host)
+    SHM = "shm"  # in a shared-memory ring the client made on the server's host (``Step.rows_at``)
+
+
+class RingAnnounce(msgspec.Struct, frozen=True, array_like=True):
+    """A client's shared-memory ring, named in its Hello: the server maps it read-only (or refuses)."""
+
+    name: str  # POSIX shm name, e.g. "/dspark-ring-1234-0f1e2d3c4b5a" (``protocol.shm.ring_name``)
+    nbytes: int  # segment size
+    nonce: str  # hex; also in the segment's header, so the server knows it opened the right segment
+
+
+class RowsAt(msgspec.Struct, frozen=True, array_like=True):
+    """Where a Step's rows are when they are not in a payload frame: a region of the sender's
+    shared-memory ring (``protocol.shm``). A later transport (CUDA IPC) adds its own location."""
+
+    ring: str  # the ring's name, as announced in the Hello and confirmed in the Welcome
+    offset: int  # of the region (its 64-byte stamp; the rows follow it)
+    nbytes: int  # of the rows
+    generation: int  # the region's stamp: which Step wrote it (1, 2, ... per ring)
+
+
+class RingAck(msgspec.Struct, frozen=True, array_like=True):
+    """What the server still reads of a client's ring, cumulative (a lost reply loses nothing):
+    every region of generation <= ``seen`` that is not in ``held`` may be written again."""
+
+    ring: str
+    seen: int  # the newest generation the server has received (0: none)
+    held: tuple[int, ...] = ()  # generations <= seen whose rows the server may still read
+
+
 class ServerLimits(msgspec.Struct, frozen=True):
     max_entries_per_step: int
     max_rows_per_step: int
@@ -173,6 +208,7 @@ class Hello(_Message, tag="hello"):
     expect: ModelContract | None = None  # None: take whatever the server serves
     wire_format: str = WireFormat.BF16.value  # the row format this client sends (refused if not offered)
     projection_id: str = ""  # with "projected": ``wire.projection_id`` of the client's projection weights
+    ring: RingAnnounce | None = None  # transport "shm": the client's ring (refused if the server cannot map it)
 
 
 class Welcome(_Message, tag="welcome"):
@@ -183,6 +219,8 @@ class Welcome(_Message, tag="welcome"):
     contract_id: str
     limits: ServerLimits
     wire: WireOffer = WireOffer()
+    transports: tuple[str, ...] = (Transport.FRAMES.value,)  # what this server takes (older servers: frames)
+    ring: str = ""  # the name of the Hello's ring, mapped ("" : none asked for)
 
 
 class Step(_Message, tag="step"):
@@ -195,6 +233,8 @@ class Step(_Message, tag="step"):
     # budget beyond that (queued during a pause or an outage): its rows still commit.
     sent_ms: float = -1.0
     wire: str = WireFormat.BF16.value  # the format of ``taps`` (one the server's Welcome offered)
+    # None: the rows are payload frame ``taps.frame``; else they are here (``taps.frame`` is then -1)
+    rows_at: RowsAt | None = None
 
 
 class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -225,6 +265,7 @@ class StepResult(_Message, tag="result"):
     results: tuple[EntryResult, ...]
     timing: Timing
     advised_k: int = -1  # load-aware advice; -1 = no advice
+    ring: RingAck | None = None  # the regions of the client's ring the server is done with
 
 
 class Free(_Message, tag="free"):

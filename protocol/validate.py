@@ -4,18 +4,31 @@ Whole-message faults (budget, frame layout, totals) raise ``ProtocolError``; per
 are returned as messages so the server can answer BAD_ENTRY for that entry alone and serve
 the rest. The client runs the same checks before sending, so a bug on the target side shows
 up as a clear local error instead of a remote one. The row frame is checked against the Step's
-own wire format (``protocol.wire``), which must be one the server offers.
+own wire format (``protocol.wire``), which must be one the server offers. Rows that are not in a
+frame (``Step.rows_at``: a region of the client's shared-memory ring) are found by the caller's
+``locate`` and checked the same way.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from protocol.codec import Buffer, ProtocolError, tensor
-from protocol.messages import GREEDY, ErrorCode, ModelContract, Sampling, ServerLimits, Step, StepEntry, WireOffer
+from protocol.codec import NUMPY_DTYPE, Buffer, ProtocolError, tensor
+from protocol.messages import (
+    GREEDY,
+    ErrorCode,
+    ModelContract,
+    RowsAt,
+    Sampling,
+    ServerLimits,
+    Step,
+    StepEntry,
+    TensorSpec,
+    WireOffer,
+)
 from protocol.wire import BF16_ONLY, refusal, row_layout
 
 
@@ -63,9 +76,12 @@ def validate_step(
     contract: ModelContract,
     limits: ServerLimits,
     offer: WireOffer = BF16_ONLY,
+    locate: Callable[[RowsAt], np.ndarray] | None = None,
 ) -> tuple[np.ndarray | None, list[str | None]]:
     """Check a Step; return its rows (a view in ``step.wire``'s layout, or None) and a per-entry
-    error list. A format ``offer`` does not hold is a WIRE_FORMAT error."""
+    error list. A format ``offer`` does not hold is a WIRE_FORMAT error. ``locate`` turns a
+    ``rows_at`` into the region's bytes (uint8, raising ProtocolError); without it such a Step is
+    a TRANSPORT error."""
     cid = step.call_id
     if step.wire not in offer.formats:
         raise ProtocolError(ErrorCode.WIRE_FORMAT, refusal(step.wire, "", offer) or step.wire, cid)
@@ -96,15 +112,21 @@ def validate_step(
             raise ProtocolError(
                 ErrorCode.BAD_FRAMES, f"{step.wire} rows of dtype {spec.dtype.value}, server expects {dtype.value}", cid
             )
-        if spec.frame != 0:
-            raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps must be payload frame 0, got {spec.frame}", cid)
+        if spec.frame != (0 if step.rows_at is None else -1):
+            where = "payload frame 0" if step.rows_at is None else "in no frame (-1) with rows_at"
+            raise ProtocolError(ErrorCode.BAD_FRAMES, f"taps must be {where}, got frame {spec.frame}", cid)
         want = (total_rows, width)
         if tuple(spec.shape) != want:
             raise ProtocolError(
                 ErrorCode.BAD_FRAMES, f"{step.wire} rows of shape {list(spec.shape)}, expected {list(want)}", cid
             )
-        taps = tensor(spec, payloads, cid)
-        expected_frames = 1
+        if step.rows_at is None:
+            taps = tensor(spec, payloads, cid)
+            expected_frames = 1
+        else:
+            taps = _located(step.rows_at, spec, locate, cid)
+    if step.rows_at is not None and step.taps is None:
+        raise ProtocolError(ErrorCode.BAD_FRAMES, "rows_at without a taps tensor", cid)
     if len(payloads) != expected_frames:
         raise ProtocolError(
             ErrorCode.BAD_FRAMES, f"{len(payloads)} payload frames, header describes {expected_frames}", cid
@@ -118,3 +140,19 @@ def validate_step(
         seen.add(e.session)
         errors.append(err)
     return taps, errors
+
+
+def _located(at: RowsAt, spec: TensorSpec, locate: Callable[[RowsAt], np.ndarray] | None, cid: int) -> np.ndarray:
+    """The rows ``spec`` describes, read from where ``at`` says (a view, no copy)."""
+    if locate is None:
+        raise ProtocolError(ErrorCode.TRANSPORT, "rows_at given, but this server maps no shared-memory ring", cid)
+    if at.nbytes != spec.nbytes:
+        raise ProtocolError(
+            ErrorCode.BAD_FRAMES,
+            f"rows_at holds {at.nbytes} bytes, header says {spec.dtype.value}{list(spec.shape)} = {spec.nbytes} bytes",
+            cid,
+        )
+    buf = locate(at)
+    arr = buf.view(NUMPY_DTYPE[spec.dtype]).reshape(spec.shape)
+    arr.flags.writeable = False
+    return arr

@@ -16,6 +16,8 @@ import numpy as np
 from protocol import GREEDY, ModelContract, Sampling, Status, WireFormat
 from protocol.wire import FORMATS
 
+TRANSPORTS = ("frames", "shm", "auto")  # ClientConfig.transport
+
 
 class DraftClientError(Exception):
     """Base of the client's own exceptions (never raised by step()/astep() for draft-side faults)."""
@@ -86,6 +88,14 @@ class ClientConfig:
     # that does not accept the format, or projects with other weights, is refused at Hello.
     wire_format: str = WireFormat.BF16.value
     projection_id: str = ""
+    # Where a step's rows travel (``protocol.shm``): "frames" in the Step message (any host);
+    # "shm" through a shared-memory ring of ``shm_ring_mib`` this client makes and the server maps
+    # (same host only: a server that cannot map it, or runs with --no-shm, is refused at Hello and
+    # drafting stays off, as for a wire format); "auto": shm when the server maps the ring, else
+    # frames for the life of the client (one warning line, the refusal still counted). A step whose
+    # rows find no free region in the ring sends them in a frame.
+    transport: str = "frames"
+    shm_ring_mib: int = 64
 
     def __post_init__(self) -> None:
         def positive(name: str, value: float) -> None:
@@ -129,6 +139,10 @@ class ClientConfig:
             raise ValueError("ClientConfig.curve_public_key needs curve_server_key")
         if self.wire_format not in FORMATS:
             raise ValueError(f"ClientConfig.wire_format must be one of {', '.join(FORMATS)}, got {self.wire_format!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"ClientConfig.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if not (isinstance(self.shm_ring_mib, int) and 1 <= self.shm_ring_mib <= 1 << 16):
+            raise ValueError(f"ClientConfig.shm_ring_mib must be an int in [1, 65536], got {self.shm_ring_mib!r}")
         if self.wire_format == WireFormat.PROJECTED and not self.projection_id:
             raise ValueError(
                 "ClientConfig.wire_format 'projected' needs projection_id (target_client.projection.Projection.id)"

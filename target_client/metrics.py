@@ -58,8 +58,9 @@ class ClientMetrics:
         self.breaker_opens = Counter("draft_client_breaker_opens", "Times the circuit breaker opened", **kw)
         self.refusals = Counter(
             "draft_client_handshake_refusals",
-            "Handshakes refused, drafting off: another model contract or protocol version (contract), or a wire "
-            "format or projection the server does not accept (wire_format)",
+            "Handshakes refused, drafting off: another model contract or protocol version (contract), a wire "
+            "format or projection the server does not accept (wire_format), or a transport it does not offer or a "
+            "shm ring it cannot map (transport; with transport auto the client goes on with frames)",
             ["reason"],
             **kw,
         )
@@ -80,8 +81,18 @@ class ClientMetrics:
             self.steps.labels(o)
         for s in ENTRY_STATUSES:
             self.entries.labels(s)
-        for r in ("contract", "wire_format"):
+        self.shm_steps = Counter(
+            "draft_client_shm_steps", "Steps whose rows went through the shared-memory ring (transport shm)", **kw
+        )
+        self.shm_fallbacks = Counter(
+            "draft_client_shm_fallbacks",
+            "Steps of a shm client whose rows went in a frame: no free region in the ring (ring_full)",
+            ["reason"],
+            **kw,
+        )
+        for r in ("contract", "wire_format", "transport"):
             self.refusals.labels(r)
+        self.shm_fallbacks.labels("ring_full")
 
 
 class FleetMetrics:

@@ -16,6 +16,14 @@ with another projection's id, is refused with one WIRE_FORMAT line naming both s
 ``draft_server_bad_messages_total{code="wire_format"}``). Each Step names its format; its rows are
 checked against that format's layout and travel to the drafter as they came.
 
+Endpoints and transports: ``--bind`` may name several endpoints (``tcp://`` for remote engines,
+``ipc://`` for a co-located one), all on the one ROUTER socket. A client on this host may ask for
+transport "shm" in its Hello: its rows then come in a shared-memory ring it made, mapped here
+read-only (``rings``); each Step names a region instead of carrying a frame, and every reply to
+that connection says which regions the server is done with (``StepResult.ring``). A ring that
+cannot be mapped (another host or container, another user) or a server started with ``--no-shm``
+is refused with one TRANSPORT line (``draft_server_bad_messages_total{code="transport"}``).
+
 Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
 connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
 its budget waited unread (a pause, an outage) and is answered ``expired`` at once, its rows
@@ -24,13 +32,16 @@ still committed.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from functools import partial
 
+import msgspec
 import numpy as np
 import zmq
 import zmq.auth
@@ -38,6 +49,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from draft_server.config import ServerConfig
 from draft_server.engine import Call, Engine, Work
+from draft_server.io.rings import Rings
 from draft_server.metrics import ServerMetrics
 from protocol import (
     PROTOCOL_VERSION,
@@ -54,6 +66,8 @@ from protocol import (
     ServerLimits,
     Status,
     Step,
+    StepResult,
+    Transport,
     Welcome,
     WireOffer,
     decode_request,
@@ -61,6 +75,7 @@ from protocol import (
     validate_step,
 )
 from protocol.codec import check_version, scan_call_id
+from protocol.shm import refusal as transport_refusal
 from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
 log = logging.getLogger("draft_server.io")
@@ -83,6 +98,23 @@ def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype == DType.BF16:  # bit patterns: exponent all ones
         return ((sample & 0x7F80) == 0x7F80).any(axis=1)
     return ~np.isfinite(sample).all(axis=1)
+
+
+def check_ipc_free(endpoint: str) -> None:
+    """Refuse an ipc:// path another live server listens on (binding it would silently take its
+    path over: ZeroMQ unlinks the socket file first). A stale file of a dead server is fine."""
+    import socket
+
+    path = endpoint[len("ipc://") :]
+    if path.startswith("@") or not os.path.exists(path):  # abstract namespace, or nothing there
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+        except OSError:
+            return  # nobody listens: a stale file
+    raise zmq.ZMQError(errno.EADDRINUSE, f"{endpoint}: another process listens there")
 
 
 class Router:
@@ -109,8 +141,11 @@ class Router:
         self._healthy = healthy
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
+        self.transports = (Transport.FRAMES.value, Transport.SHM.value) if cfg.shm else (Transport.FRAMES.value,)
+        self.rings = Rings(cfg.session_ttl_s, metrics.shm_rings)
+        self.endpoints: list[str] = []
         self._sock = self._make_socket()
-        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = ",".join(self.endpoints)
         self._outbox: deque[tuple[bytes, object]] = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._running = threading.Event()
@@ -139,7 +174,15 @@ class Router:
             sock.curve_server = True
             sock.curve_publickey = public
             sock.curve_secretkey = secret
-        sock.bind(cfg.bind)
+        try:
+            for ep in (e.strip() for e in cfg.bind.split(",")):
+                if ep.startswith("ipc://"):
+                    check_ipc_free(ep)
+                sock.bind(ep)
+                self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except BaseException:
+            sock.close(linger=0)
+            raise
         return sock
 
     # ------------------------------------------------------------------ lifecycle (any thread)
@@ -156,6 +199,7 @@ class Router:
         os.write(self._wake_w, b"\0")
         self._thread.join(5.0)
         self._sock.close(linger=0)
+        self.rings.close()
         if self._auth:
             self._auth.stop()
         self._ctx.term()
@@ -192,6 +236,7 @@ class Router:
                     except BlockingIOError:
                         pass
                 self._flush_outbox()
+                self.rings.sweep(time.monotonic())
             except zmq.ContextTerminated:
                 return
             except Exception:  # never let one message end the I/O thread
@@ -204,6 +249,8 @@ class Router:
             self._send(ident, msg, payloads)
 
     def _send(self, ident: bytes, msg: object, payloads: Sequence = ()) -> None:
+        if isinstance(msg, StepResult) and (ack := self.rings.ack(ident)) is not None:
+            msg = msgspec.structs.replace(msg, ring=ack)
         try:
             self._sock.send_multipart([ident, *encode(msg, payloads)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
         except (zmq.Again, zmq.ZMQError):
@@ -247,7 +294,7 @@ class Router:
             if isinstance(msg, Step):
                 self._on_step(ident, owner, msg, payloads, recv_t)
             elif isinstance(msg, Hello):
-                self._on_hello(ident, msg, payloads)
+                self._on_hello(ident, owner, msg, payloads)
             elif isinstance(msg, Ping):
                 self._send(ident, self._pong(msg.call_id))
             elif isinstance(msg, Free):
@@ -271,7 +318,7 @@ class Router:
             queue_rows=self.engine.admission.queued_rows,
         )
 
-    def _on_hello(self, ident: bytes, msg: Hello, payloads: list) -> None:
+    def _on_hello(self, ident: bytes, owner: bytes, msg: Hello, payloads: list) -> None:
         check_version(msg.protocol_version, msg.call_id)
         if payloads:
             raise ProtocolError(ErrorCode.BAD_FRAMES, "hello carries no payload frames", msg.call_id)
@@ -286,6 +333,12 @@ class Router:
         why = refusal(msg.wire_format, msg.projection_id, self.offer)
         if why is not None:
             raise ProtocolError(ErrorCode.WIRE_FORMAT, why, msg.call_id)
+        ring = ""
+        if msg.ring is not None:
+            why = transport_refusal(Transport.SHM.value, self.transports)
+            if why is not None:
+                raise ProtocolError(ErrorCode.TRANSPORT, why, msg.call_id)
+            ring = self.rings.map(ident, owner, msg.ring, msg.call_id)
         self._send(
             ident,
             Welcome(
@@ -296,6 +349,8 @@ class Router:
                 contract_id=self.contract_id,
                 limits=self.limits,
                 wire=self.offer,
+                transports=self.transports,
+                ring=ring,
             ),
         )
 
@@ -314,7 +369,8 @@ class Router:
         return lag - best
 
     def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
-        taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer)
+        locate = partial(self.rings.rows, ident, owner, call_id=step.call_id) if step.rows_at is not None else None
+        taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer, locate)
         dtype = row_layout(step.wire, self.contract, self.offer)[0]
         bad_rows = nonfinite_rows(taps, dtype) if taps is not None else None
         deadline = recv_t + step.budget_ms / 1000.0

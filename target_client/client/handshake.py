@@ -11,6 +11,13 @@ waiting in ``connect()``.
 Only the I/O thread writes it; callers read ``welcome``, ``pinned`` and ``epoch`` (single
 attribute reads of immutable values). No socket: the I/O loop sends the Hello this builds,
 recomputes the step gate after each state change and then calls back to release the waiters.
+
+Transport (``ClientConfig.transport``, ``protocol.shm``): with "shm" or "auto" each Hello names a
+shared-memory ring (``ring.ClientRing``, made right before the Hello goes out, so only while a
+connection is up); the Welcome must name it back, mapped, and the ring's name is unlinked then. A
+server that does not offer shm, or cannot map the ring, is a refusal like a wire format's ("shm"),
+or a fall back to frames for the life of the client ("auto"). A ring a server lost (it restarted,
+or dropped the ring after the session TTL) is replaced by a new one at the next Hello.
 """
 
 from __future__ import annotations
@@ -19,11 +26,14 @@ import logging
 import math
 from concurrent.futures import Future
 
-from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Welcome, WireFormat, WireOffer
+from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Transport, Welcome, WireFormat, WireOffer
+from protocol.shm import RingError
+from protocol.shm import refusal as transport_refusal
 from protocol.wire import RowLayout, refusal, row_layout
 from target_client.api import ClientConfig, ContractMismatchError
 from target_client.client.calls import set_future
 from target_client.client.counters import Counters
+from target_client.client.ring import ClientRing
 
 log = logging.getLogger("target_client")
 
@@ -53,11 +63,38 @@ class Handshake:
         self.layout: RowLayout | None = None
         if cfg.expect is not None and cfg.wire_format != WireFormat.PROJECTED:
             self.layout = row_layout(cfg.wire_format, cfg.expect, WireOffer())
+        self.ring: ClientRing | None = None  # transport shm: the ring the latest Hello named
+        self.shm_off = cfg.transport == Transport.FRAMES  # "auto" turns it on after a refusal
+        self._ring_error: str | None = None  # why this client could not make a ring (a local refusal)
 
     @property
     def ready(self) -> bool:
         """Welcomed, verified and not refused."""
         return self.welcome is not None and not self.verifying and self.refused is None
+
+    @property
+    def rows_ring(self) -> ClientRing | None:
+        """The ring a step's rows go to (mapped by the server), or None: rows go in a frame."""
+        r = self.ring
+        return r if r is not None and r.mapped else None
+
+    def _hello_ring(self) -> ClientRing | None:
+        """The ring this Hello names: the announced one again, or a new one when the last was mapped
+        (its name is gone; a server that lost it needs a new segment)."""
+        if self.ring is not None and self.ring.mapped:
+            self.drop_ring()
+        if self.ring is None:
+            try:
+                self.ring = ClientRing(self.cfg.shm_ring_mib << 20)
+                self._ring_error = None
+            except RingError as e:
+                self._ring_error = f"transport 'shm' refused: {e}"
+        return self.ring
+
+    def drop_ring(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
 
     # -- sending the Hello
 
@@ -74,6 +111,7 @@ class Handshake:
 
     def hello(self, call_id: int) -> Hello:
         cfg = self.cfg
+        ring = None if self.shm_off else self._hello_ring()
         return Hello(
             protocol_version=PROTOCOL_VERSION,
             client_name=cfg.name,
@@ -81,6 +119,7 @@ class Handshake:
             expect=cfg.expect,
             wire_format=cfg.wire_format,
             projection_id=cfg.projection_id,
+            ring=ring.announce if ring is not None else None,
         )
 
     def hello_sent(self, now: float, sent: bool) -> float | None:
@@ -124,6 +163,10 @@ class Handshake:
         why = refusal(self.cfg.wire_format, self.cfg.projection_id, w.wire)
         if why is not None:
             return f"draft server {self.cfg.endpoint}: {why}", ("wire_format",)
+        if not self.shm_off and (self.ring is None or w.ring != self.ring.name):
+            why = self._ring_error or transport_refusal(Transport.SHM.value, w.transports)
+            why = why or f"transport 'shm' refused: the Welcome names ring {w.ring!r}, not {self.ring.name!r}"  # type: ignore[union-attr]
+            return f"draft server {self.cfg.endpoint}: {why}", ("transport",)
         return None
 
     def accept(self, w: Welcome) -> bool:
@@ -133,6 +176,8 @@ class Handshake:
         if self.pinned is None:
             self.pinned = w.contract
         self.layout = row_layout(self.cfg.wire_format, self.pinned, w.wire)
+        if self.ring is not None and w.ring == self.ring.name and not self.ring.mapped:
+            self.ring.confirm()  # mapped there: the name goes, only the two mappings hold the ring
         self.contract_id = w.contract_id
         self.need_hello = self.hello_due = self.verifying = False
         lifted = self.refused is not None
@@ -156,17 +201,32 @@ class Handshake:
 
     def hello_error(self, err: Error) -> Refusal | None:
         """The refusal an Error answering a Hello means, or None (e.g. NOT_READY: retry on the timer)."""
-        if err.code not in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.WIRE_FORMAT):
+        codes = (ErrorCode.CONTRACT_MISMATCH, ErrorCode.UNSUPPORTED_VERSION, ErrorCode.WIRE_FORMAT, ErrorCode.TRANSPORT)
+        if err.code not in codes:
             return None
         named = tuple(f for f in _CONTRACT_FIELDS if f in err.message)
         if err.code == ErrorCode.UNSUPPORTED_VERSION:
             named = ("protocol_version",)
         elif err.code == ErrorCode.WIRE_FORMAT:
             named = ("wire_format",)
+        elif err.code == ErrorCode.TRANSPORT:
+            named = ("transport",)
         return f"draft server {self.cfg.endpoint} refused the handshake: {err.message}", named
 
-    def refuse(self, message: str, now: float, fields: tuple[str, ...] = ()) -> None:
-        """Turn drafting off for a server this client cannot use; retry the Hello slowly."""
+    def refuse(self, message: str, now: float, fields: tuple[str, ...] = ()) -> bool:
+        """Turn drafting off for a server this client cannot use; retry the Hello slowly. False when
+        it is not off after all: transport "auto" goes on with frames (a new Hello at once)."""
+        why = next((f for f in ("transport", "wire_format") if f in fields), "contract")
+        self._c.m.refusals.labels(why).inc()
+        self._c.add(f"{why}_refusals")
+        if why == "transport":
+            self.drop_ring()
+            if self.cfg.transport == "auto":
+                if not self.shm_off:
+                    log.warning("draft client %s: %s; going on with frames", self.cfg.name, message)
+                self.shm_off = True
+                self.need_hello = self.hello_due = True
+                return False
         if self.refused != message:
             log.error("draft client %s: %s; drafting stays off (breaker open)", self.cfg.name, message)
         self.refused = message
@@ -174,9 +234,7 @@ class Handshake:
         self.need_hello = True
         self.hello_due = False
         self.next_hello_at = now + self.cfg.breaker_backoff_ms / 1000.0
-        why = "wire_format" if "wire_format" in fields else "contract"
-        self._c.m.refusals.labels(why).inc()
-        self._c.add(f"{why}_refusals")
+        return True
 
     def fail_waiters(self, message: str, fields: tuple[str, ...]) -> None:
         """Raise ContractMismatchError in the connect() callers (after the gate has closed)."""
@@ -184,6 +242,16 @@ class Handshake:
         for f in waiters:
             if f.set_running_or_notify_cancel():
                 f.set_exception(ContractMismatchError(message, fields))
+
+    def rehello(self) -> bool:
+        """The server lost this client's ring (a restart, or the ring's idle TTL): the gate closes
+        until a Welcome maps a new one. True when this starts it."""
+        if self.verifying or self.ring is None:
+            return False
+        log.info("draft client %s: the server no longer maps shm ring %s; a new ring", self.cfg.name, self.ring.name)
+        self.verifying = True
+        self.need_hello = self.hello_due = True
+        return True
 
     def contract_differs(self, contract_id: str) -> bool:
         """A reply names another contract than the verified one."""

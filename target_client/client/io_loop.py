@@ -293,8 +293,15 @@ class IoLoop:
             resolve(call.future, merged.replies(n), "overloaded")
             return
         assert layout is not None and cid is not None and welcome is not None
-        frames = step_frames(merged, call, cid, layout, cfg.wire_format, welcome.limits, cfg.reply_margin_ms)
+        ring = hs.rows_ring
+        gen = ring.generation if ring is not None else 0
+        frames = step_frames(merged, call, cid, layout, cfg.wire_format, welcome.limits, cfg.reply_margin_ms, ring)
+        if ring is not None and merged.parts:
+            in_ring = ring.generation != gen
+            (self._m.shm_steps if in_ring else self._m.shm_fallbacks.labels("ring_full")).inc()
         if not self._try_send(frames):
+            if ring is not None and ring.generation != gen:
+                ring.cancel(ring.generation)  # never sent: the region is free again
             for sess in merged.sessions:
                 self.sessions[sess].unsent()
             resolve(call.future, merged.replies(n), "error")
@@ -429,6 +436,8 @@ class IoLoop:
         return p, p is not None
 
     def _on_result(self, msg: StepResult, payloads: list[memoryview], now: float) -> None:
+        if msg.ring is not None and self.handshake.ring is not None:
+            self.handshake.ring.ack(msg.ring)  # regions the server is done with, whatever the call
         p, late = self._take_pending(msg.call_id)
         if p is None or p.kind != "step":
             self._c.bad_reply()  # a call we never made, or one long forgotten
@@ -551,6 +560,8 @@ class IoLoop:
                 self._failed_step(p, now, False)
             if err.code in (ErrorCode.CONTRACT_MISMATCH, ErrorCode.WIRE_FORMAT):  # the Hello says why
                 self._contract_changed("")
+            elif err.code == ErrorCode.TRANSPORT and self.handshake.rehello():  # our ring is gone there
+                self._set_gate()
         elif p.kind == "ping" and p.future is not None:
             set_future(p.future, None)
 
@@ -561,6 +572,8 @@ class IoLoop:
             return
         # The server restarted: its sessions are gone, forget what it acknowledged.
         self.breaker.restarted()
+        if self.handshake.rows_ring is not None and self.handshake.rehello():  # a new server maps no ring
+            self._set_gate()
         dropped = 0
         for s in self.sessions.values():
             s.unsent()
@@ -574,9 +587,10 @@ class IoLoop:
             self._set_gate()
 
     def _refuse(self, message: str, fields: tuple[str, ...], now: float) -> None:
-        self.handshake.refuse(message, now, fields)
+        refused = self.handshake.refuse(message, now, fields)
         self._set_gate()
-        self.handshake.fail_waiters(message, fields)
+        if refused:
+            self.handshake.fail_waiters(message, fields)
 
     def _miss(self, now: float) -> None:
         b = self.breaker
@@ -640,3 +654,4 @@ class IoLoop:
             self._gauge_on = False
             self._m.breaker_open.dec()
         self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
+        self.handshake.drop_ring()

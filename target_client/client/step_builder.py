@@ -11,7 +11,8 @@ Owns the two halves of building a step and the budget of a step:
   (``resend.SessionRows``) merged in front of its new rows within the resend bound and the
   step's room, sessions the server asked to hold back answered locally, the rows of a step that
   is not sent buffered; then the ``Step`` message with one tap frame (the caller's own array,
-  uncopied, in the common case) and the budget told to the server.
+  uncopied, in the common case), or with its rows copied into a region of the client's
+  shared-memory ring (transport shm, ``ring``), and the budget told to the server.
 * ``AdaptiveBudget`` (written by the I/O thread, read by callers): the p99 of recent round trips
   behind ``ClientConfig.adaptive_budget``.
 """
@@ -28,13 +29,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from protocol import ModelContract, Sampling, ServerLimits, Status, Step, StepEntry
+from protocol import ModelContract, RowsAt, Sampling, ServerLimits, Status, Step, StepEntry, TensorSpec
 from protocol.codec import NUMPY_DTYPE, encode, spec_for
 from protocol.validate import check_entry, check_sampling
 from protocol.wire import RowLayout
 from target_client.api import ClientConfig, DraftReply, StepRequest
 from target_client.client.calls import StepCall
 from target_client.client.resend import SessionRows, chunk_rows, keep_newest
+from target_client.client.ring import ClientRing
 
 RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
 
@@ -257,29 +259,51 @@ def step_frames(
     wire_format: str,
     limits: ServerLimits,
     reply_margin_ms: float,
+    ring: ClientRing | None = None,
 ) -> list[Any]:
-    """The frames of the Step message carrying ``merged`` (header, then at most one row frame)."""
+    """The frames of the Step message carrying ``merged`` (header, then at most one row frame).
+    With a ``ring`` the rows are copied into its next free region instead, when one is free."""
     parts = merged.parts
     frame: np.ndarray | None
+    at = ring.put(parts) if (ring is not None and parts) else None
+    if at is not None:
+        total = sum(len(p) for p in parts)
+        spec = TensorSpec(layout[0], (total, parts[0].shape[1]), -1)  # rows are at ``at``, in no frame
+        return encode(_step(merged, call, call_id, limits, reply_margin_ms, wire_format, spec, at))
     if not parts:
         frame = None
     elif merged.zero_copy and call.taps is not None and sum(len(p) for p in parts) == len(call.taps):
         frame = call.taps  # the common case: the caller's array goes out as it is
     else:
         frame = np.concatenate(parts, axis=0)  # resend or hold-back: one copy
+    spec = spec_for(frame, layout[0], 0) if frame is not None else None
+    msg = _step(merged, call, call_id, limits, reply_margin_ms, wire_format, spec, None)
+    return encode(msg, [frame] if frame is not None else [])
+
+
+def _step(
+    merged: MergedStep,
+    call: StepCall,
+    call_id: int,
+    limits: ServerLimits,
+    reply_margin_ms: float,
+    wire_format: str,
+    taps: TensorSpec | None,
+    rows_at: RowsAt | None,
+) -> Step:
     # a fresh clock: the I/O loop's ``now`` was read before this command was drained and may
     # predate the caller's own start, which would tell the server more time than the caller has
     budget_wire = (call.deadline - time.monotonic()) * 1000.0 - reply_margin_ms
     budget_wire = min(max(budget_wire, 0.1), limits.max_budget_ms)
-    msg = Step(
+    return Step(
         call_id=call_id,
         budget_ms=budget_wire,
         entries=tuple(merged.entries),
-        taps=spec_for(frame, layout[0], 0) if frame is not None else None,
+        taps=taps,
         sent_ms=time.monotonic() * 1000.0,  # lets the server spot a step it reads after its caller gave up
         wire=wire_format,
+        rows_at=rows_at,
     )
-    return encode(msg, [frame] if frame is not None else [])
 
 
 # ---------------------------------------------------------------- adaptive budget

@@ -1,0 +1,242 @@
+"""Transport "shm" without sockets: the segment (``protocol.shm``), the client's ring allocator
+(``target_client.client.ring``), the server's ring table (``draft_server.io.rings``), Step
+validation of rows that are not in a frame, and the handshake's refusal and "auto" fallback.
+
+The allocator is checked against a model: whatever order puts and (lost, repeated, partial)
+acks come in, no region that the server may still read is ever written again.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from draft_server.io.rings import Rings
+from protocol import (
+    ErrorCode,
+    ProtocolError,
+    RingAck,
+    RingAnnounce,
+    RowsAt,
+    ServerLimits,
+    Step,
+    StepEntry,
+    TensorSpec,
+    Welcome,
+)
+from protocol.messages import DType
+from protocol.shm import HEADER_BYTES, PREFIX, RingError, create, open_ring, region_rows, sweep_stale, unlink
+from protocol.validate import validate_step
+from target_client import ClientConfig
+from target_client.client.counters import Counters
+from target_client.client.handshake import Handshake
+from target_client.client.ring import ClientRing
+from tests.conftest import CHECKSUM_CONTRACT
+
+LIMITS = ServerLimits(64, 4096, 64, 4096, 1 << 26, 1 << 20, 256, 512, 60000.0)
+
+
+def _names(pid: int | None = None) -> list[str]:
+    tag = f"{PREFIX}{pid if pid is not None else os.getpid()}-"
+    return [n for n in os.listdir("/dev/shm") if n.startswith(tag)]
+
+
+class _Gauge:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+
+def test_ring_never_rewrites_what_the_server_may_read() -> None:
+    ring = ClientRing(1 << 16)
+    server_mm = open_ring(ring.announce)  # the server's read-only view, as a server maps it
+    ring.confirm()
+    rnd = random.Random(7)
+    sent: dict[int, tuple[RowsAt, bytes]] = {}  # generation -> (where, what), until the server is done
+    held: set[int] = set()
+    seen = fallbacks = 0
+    for i in range(3000):
+        if rnd.random() < 0.6:
+            rows = np.frombuffer(rnd.randbytes(rnd.choice([64, 500, 4000, 12000])), np.uint8).reshape(1, -1)
+            at = ring.put([rows])
+            if at is None:
+                fallbacks += 1
+                continue
+            assert at.offset >= HEADER_BYTES and at.offset % 64 == 0
+            sent[at.generation] = (at, rows.tobytes())
+            if rnd.random() < 0.9:  # the server receives it (else: the Step was lost on the way)
+                seen = at.generation
+                held.add(at.generation)
+        else:
+            for g in list(held):  # the engine finishes some
+                if rnd.random() < 0.5:
+                    held.discard(g)
+            if rnd.random() < 0.7:  # the reply carrying the ack arrives (else: lost)
+                ring.ack(RingAck(ring.name, seen, tuple(sorted(held))))
+        for g in held:  # everything the server may still read is intact
+            at, data = sent[g]
+            assert region_rows(server_mm, at).tobytes() == data, f"region {g} rewritten at step {i}"
+    assert fallbacks and ring.generation > 300
+    ring.ack(RingAck(ring.name, seen, ()))
+    assert ring.free_bytes == ring.size - HEADER_BYTES  # everything came back
+    ring.close()
+    server_mm.close()
+    assert not _names()
+
+
+def test_cancel_frees_an_unsent_region_and_acks_of_another_ring_are_ignored() -> None:
+    ring = ClientRing(1 << 16)
+    try:
+        a = ring.put([np.zeros((1, 1000), np.uint8)])
+        assert a is not None
+        before = ring.free_bytes
+        ring.ack(RingAck("/dspark-ring-1-0000000000000000", 99, ()))
+        assert ring.free_bytes == before
+        ring.cancel(a.generation)
+        assert ring.free_bytes == ring.size - HEADER_BYTES
+    finally:
+        ring.close()
+    assert not _names()
+
+
+def test_open_ring_refuses_in_one_line() -> None:
+    ann, mm = create(1 << 16)
+    try:
+        for bad, what in (
+            (RingAnnounce(ann.name, ann.nbytes, "00" * 16), "not the segment the Hello announced"),
+            (RingAnnounce(ann.name, ann.nbytes * 2, ann.nonce), f"the Hello says {ann.nbytes * 2}"),
+            (RingAnnounce("/etc-passwd", ann.nbytes, ann.nonce), "is not a ring name"),
+        ):
+            with pytest.raises(RingError) as e:
+                open_ring(bad)
+            assert what in str(e.value) and "\n" not in str(e.value)
+        assert _names()  # refused: nothing unlinked the name
+        server_mm = open_ring(ann)
+        assert not _names()  # mapped: the server unlinked the name at once
+        with pytest.raises(RingError) as e:
+            open_ring(ann)  # a second server (or a retry) no longer finds it
+        assert "No such file" in str(e.value) and "another host" in str(e.value)
+        at = RowsAt(ann.name, HEADER_BYTES, 16, 1)
+        with pytest.raises(RingError, match="holds generation 0"):  # never stamped
+            region_rows(server_mm, at)
+        with pytest.raises(RingError, match="outside"):
+            region_rows(server_mm, RowsAt(ann.name, ann.nbytes - 64, 4096, 1))
+        server_mm.close()
+    finally:
+        mm.close()
+        unlink(ann.name)
+
+
+def test_sweep_removes_names_of_dead_creators_only() -> None:
+    code = "from protocol.shm import create; import os; a, m = create(1 << 16); print(a.name, flush=True); os._exit(0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=os.getcwd())
+    name = out.stdout.strip()
+    assert os.path.exists("/dev/shm" + name)  # its creator died inside the window
+    mine, mm = create(1 << 16)  # creating a ring sweeps first
+    try:
+        assert not os.path.exists("/dev/shm" + name)
+        assert os.path.exists("/dev/shm" + mine.name)  # a live creator's name stays
+        assert name not in sweep_stale()
+    finally:
+        mm.close()
+        unlink(mine.name)
+
+
+def test_server_holds_a_region_while_any_view_of_it_lives() -> None:
+    ring = ClientRing(1 << 16)
+    gauge = _Gauge()
+    rings = Rings(idle_s=0.01, gauge=gauge)
+    assert rings.map(b"c1", b"c1", ring.announce, 1) == ring.name and gauge.value == 1
+    assert rings.map(b"c1", b"c1", ring.announce, 2) == ring.name  # a Hello sent twice: the same mapping
+    ring.confirm()
+    at = ring.put([np.arange(64, dtype=np.uint16).reshape(2, 32)])
+    assert at is not None
+    region = rings.rows(b"c1", b"c1", at, 3)
+    view = region.view(np.uint16).reshape(2, 32)[1:]  # what the engine keeps: a slice of a view
+    del region
+    assert rings.ack(b"c1") == RingAck(ring.name, 1, (1,))
+    with pytest.raises(ProtocolError) as e:  # another connection cannot read it
+        rings.rows(b"c2", b"c2", at, 4)
+    assert e.value.code == ErrorCode.TRANSPORT
+    rings.sweep(1e12)
+    assert gauge.value == 1  # still read: not unmapped
+    assert int(view[0, 0]) == 32
+    del view
+    assert rings.ack(b"c1") == RingAck(ring.name, 1, ())
+    rings._last_sweep = 0.0
+    rings.sweep(1e12)
+    assert gauge.value == 0 and rings.ack(b"c1") is None
+    ring.close()
+
+
+def test_validate_step_reads_rows_from_where_rows_at_says() -> None:
+    w = CHECKSUM_CONTRACT.tap_width
+    rows = np.arange(2 * w, dtype=np.uint16).reshape(2, w)
+    at = RowsAt("/r", 4096, rows.nbytes, 1)
+    entry = (StepEntry("s", 0, 2, 1, 2),)
+    step = Step(1, 100.0, entry, TensorSpec(DType.BF16, (2, w), -1), rows_at=at)
+    taps, errors = validate_step(step, [], CHECKSUM_CONTRACT, LIMITS, locate=lambda a: rows.view(np.uint8).ravel())
+    assert errors == [None] and np.array_equal(taps, rows) and not taps.flags.writeable
+    for bad, code, words in (
+        (step, ErrorCode.TRANSPORT, "maps no shared-memory ring"),  # no locate: this server maps none
+        (Step(1, 100.0, entry, TensorSpec(DType.BF16, (2, w), 0), rows_at=at), ErrorCode.BAD_FRAMES, "no frame"),
+        (
+            Step(1, 100.0, entry, TensorSpec(DType.BF16, (2, w), -1), rows_at=RowsAt("/r", 4096, 8, 1)),
+            ErrorCode.BAD_FRAMES,
+            "8 bytes",
+        ),
+    ):
+        with pytest.raises(ProtocolError) as e:
+            validate_step(bad, [], CHECKSUM_CONTRACT, LIMITS, locate=None if bad is step else (lambda a: rows))
+        assert e.value.code == code and words in e.value.message
+
+
+def _welcome(transports: tuple[str, ...] = ("frames",), ring: str = "") -> Welcome:
+    return Welcome(
+        1, 1, "e", CHECKSUM_CONTRACT, CHECKSUM_CONTRACT.fingerprint(), LIMITS, transports=transports, ring=ring
+    )
+
+
+def test_handshake_refuses_or_falls_back_in_one_line() -> None:
+    strict = Handshake(ClientConfig("ipc:///x", transport="shm", shm_ring_mib=1), Counters(None))
+    hello = strict.hello(1)
+    assert hello.ring is not None and strict.ring is not None and _names()
+    message, fields = strict.check(_welcome())  # a server without shm (or one that predates it)
+    assert fields == ("transport",) and "\n" not in message
+    assert message.endswith("transport 'shm' refused: server accepts frames"), message
+    assert strict.refuse(message, 0.0, fields) is True and strict.refused == message
+    assert strict.ring is None and not _names()  # refused: the name is gone
+    assert strict._c.m.refusals.labels("transport")._value.get() >= 1
+
+    auto = Handshake(ClientConfig("ipc:///x", transport="auto", shm_ring_mib=1), Counters(None))
+    assert auto.hello(1).ring is not None
+    assert (
+        auto.refuse("draft server ipc:///x refused the handshake: transport 'shm' refused", 0.0, ("transport",))
+        is False
+    )
+    assert auto.refused is None and auto.shm_off and auto.hello_due and auto.hello(2).ring is None
+    assert auto.check(_welcome()) is None  # frames from now on
+
+    ok = Handshake(ClientConfig("ipc:///x", transport="shm", shm_ring_mib=1), Counters(None))
+    name = ok.hello(1).ring.name  # type: ignore[union-attr]
+    w = _welcome(("frames", "shm"), name)
+    assert ok.check(w) is None
+    ok.accept(w)
+    assert ok.rows_ring is ok.ring and not _names()  # confirmed: unlinked, only the mappings hold it
+    assert ok.rehello() and ok.hello(2).ring.name != name  # type: ignore[union-attr]  # a lost ring: a new one
+    ok.drop_ring()
+    assert not _names()
+
+
+def test_client_config_checks_its_transport() -> None:
+    with pytest.raises(ValueError, match="transport must be one of frames, shm, auto"):
+        ClientConfig("ipc:///x", transport="cuda")
+    with pytest.raises(ValueError, match="shm_ring_mib"):
+        ClientConfig("ipc:///x", transport="shm", shm_ring_mib=0)
