@@ -90,6 +90,15 @@ class Drafter(ABC):
         and dtype). Default: bf16 taps only."""
         return WireOffer()
 
+    def register_host(self, buf: memoryview) -> bool:
+        """Pin a host buffer that rows will arrive in (a shared-memory ring) so ingest can copy
+        them to the device directly. False (the default): not supported, rows are copied as usual."""
+        return False
+
+    def unregister_host(self, buf: memoryview) -> None:
+        """Undo ``register_host`` before the buffer goes away."""
+        return None
+
     def prepare(self, max_batch_sessions: int, max_batch_rows: int) -> dict[str, float]:
         """Get ready for traffic at these batch limits (compiled kernels, CUDA graphs and their
         self-test); called once before the server binds. Returns what it did, for the log."""

@@ -124,6 +124,13 @@ class DSparkDrafter(Drafter):
         report.update(self._self_test(fast))
         return report
 
+    def register_host(self, buf: memoryview) -> bool:
+        return self.fast is not None and self.fast.register_host(buf)
+
+    def unregister_host(self, buf: memoryview) -> None:
+        if self.fast is not None:
+            self.fast.unregister_host(buf)
+
     def _self_test(self, fast: FastStep) -> dict[str, float]:
         """Every graph bucket replayed against the eager run of the same kernels, on throwaway sessions."""
         if not fast.use_graphs:

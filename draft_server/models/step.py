@@ -53,6 +53,11 @@ TYPICAL_CONTEXT, WORK_ITEMS = 1024, 40
 MIN_CHUNK, MAX_CHUNK = 64, 2048
 
 
+def _storage(rows: np.ndarray) -> np.ndarray:
+    """Rows as torch can hold them: bf16 bit patterns (uint16) as int16, others as they are."""
+    return rows.view(np.int16) if rows.dtype == np.uint16 else rows
+
+
 def _buckets(top: int) -> list[int]:
     return sorted({min(1 << i, top) for i in range(max(1, top).bit_length() + 1)})
 
@@ -129,6 +134,8 @@ class FastStep:
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
         self.ing_slots64 = torch.empty(self.r_max, dtype=torch.int64, device=self.dev)
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
+        self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
+        self._host_ranges: list[tuple[int, int, np.ndarray]] = []  # registered host buffers: (start, end, bytes)
         H = cfg.num_heads
         v_dim = model.layout.value_dims
         self._out_shape = (B, H, v_dim)
@@ -295,14 +302,24 @@ class FastStep:
         h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
         h[self.r_max + r : self.r_max + rb] = 0
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
-        # the one host copy, socket frames -> pinned staging, on torch's intra-op threads (numpy's is serial);
-        # frames are read-only buffers and torch only reads them here
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.cat([torch.from_numpy(p.view(np.int16) if p.dtype == np.uint16 else p) for p in parts], out=host[:r])
-        host[r:rb] = 0
+        runs = self._registered_runs(parts)
+        if runs is not None:  # rows already in registered (pinned) host memory: straight to the device
+            off = 0
+            for run in runs:
+                dev[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
+                off += len(run)
+            dev[r:rb].zero_()
+        else:
+            # the one host copy, socket frames -> pinned staging, on torch's intra-op threads (numpy's
+            # is serial); frames are read-only buffers and torch only reads them here
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cat([torch.from_numpy(_storage(p)) for p in parts], out=host[:r])
+            host[r:rb] = 0
+            dev[:rb].copy_(host[:rb], non_blocking=True)
         self.ing.copy_(self.ing_host, non_blocking=True)
-        dev[:rb].copy_(host[:rb], non_blocking=True)
+        if runs is not None and self._ingest_done is not None:
+            self._rows_read.record()  # the caller may reuse its rows once these copies are done
         g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
             g.replay()
@@ -310,6 +327,60 @@ class FastStep:
             self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
+        if runs is not None and self._ingest_done is not None:
+            self._rows_read.synchronize()  # the rows' memory is the caller's again when ingest returns
+
+    # ------------------------------------------------------------------ registered host memory
+
+    def register_host(self, buf: memoryview) -> bool:
+        """Pin a host buffer the caller's rows will live in (e.g. a shared-memory ring), so ingest
+        copies rows from it to the device with no staging copy. False if it cannot be registered."""
+        arr = np.frombuffer(buf, dtype=np.uint8)
+        ptr = arr.ctypes.data
+        if self.dev.type == "cuda":
+            if torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, 0) != 0:
+                return False
+        self._host_ranges.append((ptr, ptr + arr.nbytes, arr))
+        return True
+
+    def unregister_host(self, buf: memoryview) -> None:
+        """Undo ``register_host`` (the caller unmaps the buffer after this)."""
+        ptr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        for i, (a, _, _) in enumerate(self._host_ranges):
+            if a == ptr:
+                if self.dev.type == "cuda":
+                    torch.cuda.synchronize(self.dev)  # no copy may still read it
+                    torch.cuda.cudart().cudaHostUnregister(ptr)
+                del self._host_ranges[i]
+                return
+
+    def _registered_runs(self, parts: Sequence[np.ndarray]) -> list[np.ndarray] | None:
+        """``parts`` as views of registered memory, adjacent parts merged (one copy per run); None
+        unless every part lies in a registered buffer."""
+        if not self._host_ranges or not parts:
+            return None
+        runs: list[np.ndarray] = []
+        start = end = -1
+        whole: np.ndarray | None = None
+        base = 0
+        for p in parts:
+            if not p.flags.c_contiguous:
+                return None
+            a = p.ctypes.data
+            if a == end and whole is not None and a + p.nbytes <= base + whole.nbytes:
+                end += p.nbytes
+                continue
+            if whole is not None:
+                runs.append(whole[start - base : end - base].view(_storage(parts[0]).dtype))
+            hit = next(((lo, arr) for lo, hi, arr in self._host_ranges if lo <= a and a + p.nbytes <= hi), None)
+            if hit is None:
+                return None
+            base, whole = hit
+            start, end = a, a + p.nbytes
+        assert whole is not None
+        runs.append(whole[start - base : end - base].view(_storage(parts[0]).dtype))
+        width = parts[0].shape[1]
+        return [run.reshape(-1, width) for run in runs]
 
     def _slots(self, keys: Sequence[int], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Cache slots of positions firsts[i] .. firsts[i] + counts[i] - 1 of session keys[i], concatenated."""

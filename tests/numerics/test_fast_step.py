@@ -102,3 +102,31 @@ def test_a_poisoned_session_never_reaches_its_neighbours(tmp_path) -> None:
             for path in (0, 1):
                 others = [t for k, t in enumerate(got[path]) if k != 0]
                 assert others == [t for k, t in enumerate(clean[path]) if k != 0]
+
+
+def test_rows_in_registered_host_memory_go_straight_to_the_device(tmp_path) -> None:
+    """Rows living in a registered buffer (a shared-memory ring) skip the staging copy: adjacent
+    sessions' rows are one copy, and the drafts equal those of rows copied from ordinary frames."""
+    _, plain = _pair(tmp_path / "a", "k3")
+    _, ring = _pair(tmp_path / "b", "k3")
+    W, B = plain.contract.tap_width, plain.cfg.block_size
+    buf = bytearray(64 * W * 2)
+    assert ring.register_host(memoryview(buf))
+    slab = np.frombuffer(buf, dtype=np.uint16).reshape(64, W)
+    rng = np.random.default_rng(7)
+    rows = _bits(rng, 40, W)
+    slab[:40] = rows
+    spans = {0: (0, 9), 1: (9, 20), 2: (20, 40)}  # sessions 0 and 1 adjacent, 2 after them
+    for d, src in ((plain, rows.copy()), (ring, slab)):
+        for key, (a, b) in spans.items():
+            assert d.reserve(key, 0, (b - a) + B)
+        d.ingest([IngestItem(key, 0, 0, src[a:b]) for key, (a, b) in spans.items()])
+    fast = ring.fast
+    assert fast is not None
+    runs = fast._registered_runs([slab[a:b] for a, b in spans.values()])
+    assert runs is not None and len(runs) == 1 and runs[0].shape == (40, W)  # one run, one copy
+    assert fast._registered_runs([rows[:3]]) is None  # not registered: the staging path
+    items = [DraftItem(key, 0, b - a, 5, B, GREEDY) for key, (a, b) in spans.items()]
+    assert [o.tokens for o in ring.draft(items)] == [o.tokens for o in plain.draft(items)]
+    ring.unregister_host(memoryview(buf))
+    assert fast._registered_runs([slab[:3]]) is None
