@@ -274,6 +274,7 @@ class Engine:
             for s, w in placed:
                 self._drafter_failed(s, w, e)
             return
+        ingest.clear()  # the rows are in the KV cache: let go of them (a shm region is free once unreferenced)
         dt = time.monotonic() - t0
         self.metrics.rows_ingested.inc(n_rows)
         self.metrics.batch_rows.observe(n_rows)

@@ -1,0 +1,283 @@
+"""Same-host transports against real server processes: ``ipc://`` endpoints and the shm ring.
+
+1. One server bound to tcp and ipc at once: two clients over ipc and one over tcp step
+   concurrently; every draft is the checksum drafter's proof that the server holds exactly the
+   rows sent. A second server asking for the same ipc path is refused at start in one line.
+2. Transport shm over ipc, two clients at once, rings small enough to wrap and to fill (those
+   steps go in frames): drafts exact, nothing left in /dev/shm once the Welcome came.
+3. Refusals at Hello, one line, counted on both sides: a ``--no-shm`` server, a segment the
+   server cannot open (as from another host or container); "auto" goes on with frames.
+4. kill -9 mid-traffic: of the client (nothing left in /dev/shm; the server unmaps the ring and
+   frees the sessions after the TTL) and of the server (nothing left; the client drafts again
+   within a few steps of the restart, through a new ring).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from draft_server.drafters.checksum import expected_drafts
+from protocol.shm import PREFIX
+from target_client import ClientConfig, ContractMismatchError, DraftClient, StepRequest
+from tests.conftest import CHECKSUM_CONTRACT, ROOT, ServerProc, wait_for
+
+VOCAB = CHECKSUM_CONTRACT.vocab_size
+W = CHECKSUM_CONTRACT.tap_width
+
+
+def names(pid: int) -> list[str]:
+    """Ring names in /dev/shm made by process ``pid``."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"{PREFIX}{pid}-")]
+
+
+def ipc_server(tmp_path, *extra: str, tcp: bool = False) -> ServerProc:
+    srv = ServerProc(*extra)
+    path = f"ipc://{tmp_path}/draft.sock"
+    i = srv.args.index("--bind") + 1
+    srv.args[i] = f"{srv.endpoint},{path}" if tcp else path
+    srv.endpoint = path
+    return srv.start()
+
+
+class Sessions:
+    """Sessions of one client and the rows it sent, to check every draft against the checksum."""
+
+    def __init__(self, client: DraftClient, prefix: str, n: int, seed: int) -> None:
+        self.client, self.prefix, self.n = client, prefix, n
+        self.rng = np.random.default_rng(seed)
+        self.rows: dict[str, dict[int, bytes]] = {f"{prefix}{s}": {} for s in range(n)}
+
+    def step(self, rows_per: int = 3, k: int = 4) -> list:
+        reqs, parts = [], []
+        for sid, have in self.rows.items():
+            pos = len(have)
+            taps = self.rng.integers(0, 1 << 15, (rows_per, W), dtype=np.uint16)  # finite bf16 patterns
+            reqs.append(StepRequest(sid, pos, rows_per, 7, k))
+            parts.append(taps)
+        taps = np.concatenate(parts)
+        replies = self.client.step(reqs, taps)
+        for req, t in zip(reqs, parts, strict=True):
+            for i in range(rows_per):
+                self.rows[req.session][req.pos + i] = t[i].tobytes()
+        return replies
+
+    def check(self, replies: list, k: int = 4) -> int:
+        """Drafts that are exactly the checksum of the rows sent (a reply with drafts must be)."""
+        good = 0
+        for r, (sid, have) in zip(replies, self.rows.items(), strict=True):
+            if not r.tokens:
+                continue
+            end = len(have)
+            start = r.start if r.start >= 0 else 0
+            want = expected_drafts({p: have[p] for p in range(start, end)}, start, end, 7, k, VOCAB)
+            assert r.tokens == want, f"{sid}: drafts differ from the rows sent"
+            good += 1
+        return good
+
+
+def _client(endpoint: str, **kw) -> DraftClient:
+    kw.setdefault("budget_ms", 5000.0)
+    c = DraftClient(ClientConfig(endpoint=endpoint, **kw))
+    c.connect(wait=True)
+    return c
+
+
+@pytest.mark.timeout(120)
+def test_ipc_and_tcp_on_one_server_with_concurrent_clients(tmp_path) -> None:
+    srv = ipc_server(tmp_path, tcp=True)
+    tcp = srv.args[srv.args.index("--bind") + 1].split(",")[0]
+    clients = [_client(srv.endpoint, name="ipc-a"), _client(srv.endpoint, name="ipc-b"), _client(tcp, name="tcp")]
+    try:
+        sess = [Sessions(c, f"{c.cfg.name}-", 2, i) for i, c in enumerate(clients)]
+        errors: list[BaseException] = []
+
+        def run(s: Sessions) -> None:
+            try:
+                for _ in range(30):
+                    assert s.check(s.step()) == 2
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in sess]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert srv.metrics()["draft_server_sessions"] == 6
+        second = subprocess.run(
+            [sys.executable, "-m", "draft_server", "serve", "--drafter", "checksum", "--bind", srv.endpoint],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert second.returncode == 2
+        line = second.stderr.strip()
+        assert "\n" not in line and "address is in use" in line and srv.endpoint in line, line
+        assert clients[0].step([StepRequest("ipc-a-0", 0, 0, 1, 2)], None)[0].tokens  # the first still serves
+    finally:
+        for c in clients:
+            c.close()
+        srv.kill()
+
+
+@pytest.mark.timeout(120)
+def test_shm_ring_two_clients_wrap_fill_and_leave_nothing(tmp_path) -> None:
+    srv = ipc_server(tmp_path)
+    reg = CollectorRegistry()
+    # 1 MiB rings (the smallest): 16 sessions x 3 rows x 256 bytes per step wrap them every ~80 steps
+    clients = [_client(srv.endpoint, name=f"shm-{i}", transport="shm", shm_ring_mib=1, registry=reg) for i in (0, 1)]
+    try:
+        assert all(c.welcome is not None and c.welcome.ring for c in clients)
+        assert not names(os.getpid())  # mapped: the names are gone, only the mappings hold the rings
+        sess = [Sessions(c, f"c{i}-", 16, i) for i, c in enumerate(clients)]
+        errors: list[BaseException] = []
+
+        def run(s: Sessions) -> None:
+            try:
+                for i in range(200):
+                    assert s.check(s.step()) == 16, i
+                # a prefill-sized step (1.2 MB): larger than the ring, so its rows go in a frame
+                assert s.check(s.step(rows_per=300)) == 16
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in sess]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors
+        assert reg.get_sample_value("draft_client_shm_steps_total") >= 400
+        assert reg.get_sample_value("draft_client_shm_fallbacks_total", {"reason": "ring_full"}) >= 2
+        assert all(c._io.handshake.ring.generation >= 200 for c in clients)  # type: ignore[union-attr]
+        met = srv.metrics()
+        assert met["draft_server_shm_rings"] == 2 and met["draft_server_sessions"] == 32
+        assert not any(k.startswith("draft_server_bad_messages_total{") and v for k, v in met.items())
+    finally:
+        for c in clients:
+            c.close()
+        srv.kill()
+    assert not names(os.getpid())
+
+
+@pytest.mark.timeout(120)
+def test_transport_refused_at_hello_in_one_line(tmp_path, monkeypatch) -> None:
+    srv = ipc_server(tmp_path, "--no-shm")
+    reg = CollectorRegistry()
+    try:
+        strict = DraftClient(ClientConfig(endpoint=srv.endpoint, transport="shm", shm_ring_mib=1, registry=reg))
+        with pytest.raises(ContractMismatchError) as e:
+            strict.connect(wait=True)
+        msg = str(e.value)
+        assert "\n" not in msg and e.value.fields == ("transport",), msg
+        assert msg.endswith("transport 'shm' refused: server accepts frames"), msg
+        assert strict.step([StepRequest("s", 0, 0, 1, 2)], None)[0].tokens == []  # drafting stays off
+        strict.close()
+        auto = _client(srv.endpoint, transport="auto", shm_ring_mib=1, registry=reg)  # goes on with frames
+        s = Sessions(auto, "a-", 2, 3)
+        assert s.check(s.step()) == 2 and auto._io.handshake.ring is None
+        auto.close()
+        assert reg.get_sample_value("draft_client_handshake_refusals_total", {"reason": "transport"}) >= 2
+        assert srv.metrics()['draft_server_bad_messages_total{code="transport"}'] >= 2
+        assert not names(os.getpid())
+    finally:
+        srv.kill()
+
+    srv = ipc_server(tmp_path)  # shm on, but the segment cannot be opened there (another host, container)
+    import target_client.client.ring as ring_mod
+
+    made = ring_mod.create
+
+    def elsewhere(nbytes: int):
+        ann, mm = made(nbytes)
+        ring_mod.unlink(ann.name)  # as if in another /dev/shm
+        return ann, mm
+
+    monkeypatch.setattr(ring_mod, "create", elsewhere)
+    try:
+        c = DraftClient(ClientConfig(endpoint=srv.endpoint, transport="shm", shm_ring_mib=1, registry=reg))
+        with pytest.raises(ContractMismatchError) as e:
+            c.connect(wait=True)
+        msg = str(e.value)
+        assert "\n" not in msg and "transport 'shm' refused: cannot open shm ring /dspark-ring-" in msg, msg
+        assert "another host" in msg
+        c.close()
+        assert srv.metrics()['draft_server_bad_messages_total{code="transport"}'] >= 1
+    finally:
+        srv.kill()
+
+
+CLIENT = """
+import sys, numpy as np
+from target_client import ClientConfig, DraftClient, StepRequest
+c = DraftClient(ClientConfig(endpoint=sys.argv[1], transport="shm", shm_ring_mib=1, budget_ms=2000))
+c.connect(wait=True)
+taps = np.ones((4 * 3, int(sys.argv[2])), np.uint16)
+for i in range(10**9):
+    r = c.step([StepRequest(f"s{j}", 3 * i, 3, 1, 2) for j in range(4)], taps)
+    if i == 20:
+        print("STEPPING", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_client_leaves_no_segment_and_the_server_lets_go(tmp_path) -> None:
+    srv = ipc_server(tmp_path, "--session-ttl-s", "1")
+    try:
+        p = subprocess.Popen(
+            [sys.executable, "-c", CLIENT, srv.endpoint, str(W)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
+        assert p.stdout is not None and p.stdout.readline().strip() == "STEPPING"
+        assert srv.metrics()["draft_server_shm_rings"] == 1
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        assert not names(p.pid)
+        assert wait_for(lambda: srv.metrics()["draft_server_shm_rings"] == 0, 15)  # unmapped after the TTL
+        assert wait_for(lambda: srv.metrics()["draft_server_sessions"] == 0, 15)
+    finally:
+        srv.kill()
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_ring(tmp_path) -> None:
+    srv = ipc_server(tmp_path)
+    reg = CollectorRegistry()
+    c = _client(srv.endpoint, transport="shm", shm_ring_mib=1, budget_ms=50.0, registry=reg)
+    try:
+        s = Sessions(c, "s", 4, 1)
+        for _ in range(10):
+            assert s.check(s.step()) == 4
+        first = c.welcome.ring  # type: ignore[union-attr]
+        server_pid = srv.pid
+        srv.kill()  # SIGKILL, mid-traffic
+        for _ in range(3):
+            s.check(s.step())  # no server: empty drafts within the budget
+        srv.start()
+        shm_before = reg.get_sample_value("draft_client_shm_steps_total")
+        back = None
+        for i in range(40):
+            if s.check(s.step()) == 4:
+                back = i
+                break
+            time.sleep(0.01)
+        assert back is not None and back <= 8, f"drafting back after {back} steps"
+        assert c.welcome.ring != first  # type: ignore[union-attr]  # a new segment through the re-Hello
+        for _ in range(5):
+            assert s.check(s.step()) == 4
+        assert reg.get_sample_value("draft_client_shm_steps_total") > shm_before  # rows through the ring again
+        assert not names(os.getpid()) and not names(server_pid)
+    finally:
+        c.close()
+        srv.kill()
+    assert not names(os.getpid())
