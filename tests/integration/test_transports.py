@@ -84,6 +84,27 @@ class Sessions:
         return good
 
 
+def in_threads(sessions: list[Sessions], steps: int, last_rows: int = 0) -> None:
+    """Each client steps in its own thread, all at once; every step must draft every session."""
+    errors: list[BaseException] = []
+
+    def run(s: Sessions) -> None:
+        try:
+            for i in range(steps):
+                assert s.check(s.step()) == s.n, i
+            if last_rows:
+                assert s.check(s.step(rows_per=last_rows)) == s.n
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in sessions]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not errors, errors
+
+
 def _client(endpoint: str, **kw) -> DraftClient:
     kw.setdefault("budget_ms", 5000.0)
     c = DraftClient(ClientConfig(endpoint=endpoint, **kw))
@@ -97,22 +118,7 @@ def test_ipc_and_tcp_on_one_server_with_concurrent_clients(tmp_path) -> None:
     tcp = srv.args[srv.args.index("--bind") + 1].split(",")[0]
     clients = [_client(srv.endpoint, name="ipc-a"), _client(srv.endpoint, name="ipc-b"), _client(tcp, name="tcp")]
     try:
-        sess = [Sessions(c, f"{c.cfg.name}-", 2, i) for i, c in enumerate(clients)]
-        errors: list[BaseException] = []
-
-        def run(s: Sessions) -> None:
-            try:
-                for _ in range(30):
-                    assert s.check(s.step()) == 2
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in sess]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        in_threads([Sessions(c, f"{c.cfg.name}-", 2, i) for i, c in enumerate(clients)], steps=30)
         assert srv.metrics()["draft_server_sessions"] == 6
         second = subprocess.run(
             [sys.executable, "-m", "draft_server", "serve", "--drafter", "checksum", "--bind", srv.endpoint],
@@ -140,24 +146,8 @@ def test_shm_ring_two_clients_wrap_fill_and_leave_nothing(tmp_path) -> None:
     try:
         assert all(c.welcome is not None and c.welcome.ring for c in clients)
         assert not names(os.getpid())  # mapped: the names are gone, only the mappings hold the rings
-        sess = [Sessions(c, f"c{i}-", 16, i) for i, c in enumerate(clients)]
-        errors: list[BaseException] = []
-
-        def run(s: Sessions) -> None:
-            try:
-                for i in range(200):
-                    assert s.check(s.step()) == 16, i
-                # a prefill-sized step (1.2 MB): larger than the ring, so its rows go in a frame
-                assert s.check(s.step(rows_per=300)) == 16
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(s,)) for s in sess]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert not errors, errors
+        # 200 steps each, then a prefill-sized step (1.2 MB): larger than the ring, so its rows go in a frame
+        in_threads([Sessions(c, f"c{i}-", 16, i) for i, c in enumerate(clients)], steps=200, last_rows=300)
         assert reg.get_sample_value("draft_client_shm_steps_total") >= 400
         assert reg.get_sample_value("draft_client_shm_fallbacks_total", {"reason": "ring_full"}) >= 2
         assert all(c._io.handshake.ring.generation >= 200 for c in clients)  # type: ignore[union-attr]
