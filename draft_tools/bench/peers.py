@@ -1,0 +1,348 @@
+"""Our Step against the designs it replaces: a gRPC echo and a serialized REQ/REP draft server.
+
+Two comparisons, each side by side in one run on one machine:
+
+1. **Round trip at B = 1..64** (the bytes of a K3 Step: 3 rows x 5 x 7168 bf16 per session):
+   our ``DraftClient.step`` against a ``draft-server`` (the drafter ``--model`` names), a bare
+   ZeroMQ DEALER/ROUTER echo of the same bytes, and a gRPC (grpcio) unary echo of the same
+   bytes. Echoes answer with a 64-byte reply, as small as ours. Ray Serve is not measured: it is
+   not installable on the machines this runs on (say so in the JSON).
+2. **Drafts per second with 16 concurrent callers** (one session each, 3 rows + k drafts per
+   call): our server, which batches the callers' entries into one drafter call, against a
+   REQ/REP server that runs the same drafter on one request per call, one call at a time.
+
+    python -m draft_tools.bench.peers --model checksum --out bench/results/peers_cpu.json
+    python -m draft_tools.bench.peers --model random:k3 --device cuda --out bench/results/peers_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from draft_tools.common import free_port
+
+SESSIONS = (1, 4, 16, 64)
+ROWS, K, CALLERS = 3, 7, 16
+REPLY = b"\0" * 64
+GRPC_METHOD = "/bench.Echo/Echo"
+
+
+# ------------------------------------------------------------------------------ servers
+
+
+def serve_grpc_echo(port: int) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: REPLY)}
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("READY", flush=True)
+    sys.stdin.read()
+    server.stop(0)
+
+
+def serve_reqrep(endpoint: str, model: str, device: str) -> None:
+    """One request per call, one call at a time: decode, ingest, draft, reply (our codec, our drafter)."""
+    from draft_server.app import build_drafter
+    from draft_server.config import ServerConfig
+    from draft_server.drafters.base import DraftItem, IngestItem
+    from protocol import GREEDY, Status, decode_request, encode
+    from protocol.codec import tensor
+    from protocol.messages import EntryResult, StepResult, Timing
+
+    if model == "checksum":  # the K3-size contract draft-bench's checksum server serves
+        from draft_server.drafters.checksum import ChecksumDrafter
+        from draft_tools.bench.rpc import K3
+
+        drafter: Any = ChecksumDrafter(K3)
+    else:
+        drafter = build_drafter(ServerConfig(model=model, device=device))
+    drafter.prepare(1, 4096)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.bind(endpoint)
+    keys: dict[str, int] = {}
+    print("READY", flush=True)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        t0 = time.monotonic()
+        msg = decode_request(frames[0].buffer)
+        taps = tensor(msg.taps, [f.buffer for f in frames[1:]]) if msg.taps is not None else None
+        results, off = [], 0
+        for e in msg.entries:
+            key = keys.setdefault(e.session, len(keys))
+            drafter.reserve(key, 0, e.pos + e.rows + drafter.scratch_rows)
+            if e.rows and taps is not None:
+                drafter.ingest([IngestItem(key, 0, e.pos, taps[off : off + e.rows])])
+                off += e.rows
+            out = drafter.draft([DraftItem(key, 0, e.pos + e.rows, e.anchor, e.k, GREEDY)])[0]
+            results.append(EntryResult(Status.OK, tuple(out.tokens), e.pos + e.rows))
+        dt = (time.monotonic() - t0) * 1000
+        reply = StepResult(msg.call_id, "reqrep", "", tuple(results), Timing(0.0, dt, dt))
+        sock.send_multipart(encode(reply, []), copy=False)
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draft_tools.bench.peers", *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("READY"):
+            threading.Thread(target=p.stdout.read, daemon=True).start()
+            return p
+    raise RuntimeError(f"{args[0]} exited before READY")
+
+
+def spawn_server(endpoint: str, model: str, device: str) -> subprocess.Popen:
+    if model == "checksum":  # K3-size taps, the checksum drafter (draft-bench's server)
+        from draft_tools.bench.rpc import spawn as spawn_rpc
+
+        return spawn_rpc("serve", endpoint)
+    cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", "-1"]
+    cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64"]
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("READY"):
+            threading.Thread(target=p.stdout.read, daemon=True).start()
+            return p
+    raise RuntimeError("draft-server exited before READY")
+
+
+# ------------------------------------------------------------------------------ clients
+
+
+def _median_ms(fn: Any, iters: int) -> float:
+    for _ in range(10):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1000)
+    return statistics.median(ts)
+
+
+def step_bytes(n: int, width: int) -> list[Any]:
+    """The frames of a K3-size Step of n sessions (header + rows), encoded by our codec."""
+    from protocol import DType, Step, StepEntry, encode, spec_for
+
+    taps = np.ones((n * ROWS, width), np.uint16)
+    entries = tuple(StepEntry(f"s{i}", 0, ROWS, 1, K) for i in range(n))
+    return encode(Step(1, 1000.0, entries, spec_for(taps, DType.BF16, 0)), [taps])
+
+
+def zmq_echo_ms(endpoint: str, n: int, width: int, iters: int) -> float:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    frames = step_bytes(n, width)
+
+    def once() -> None:
+        s.send_multipart(frames, copy=False)
+        s.recv_multipart()
+
+    try:
+        return _median_ms(once, iters)
+    finally:
+        s.close()
+
+
+def grpc_echo_ms(port: int, n: int, width: int, iters: int) -> float:
+    import grpc
+
+    ch = grpc.insecure_channel(
+        f"127.0.0.1:{port}",
+        options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
+    )
+    call = ch.unary_unary(GRPC_METHOD)
+    # gRPC carries one bytes message: the same bytes, joined (serialisation is part of its cost)
+    frames = step_bytes(n, width)
+    try:
+        return _median_ms(lambda: call(b"".join(bytes(memoryview(f)) for f in frames)), iters)
+    finally:
+        ch.close()
+
+
+def ours_ms(endpoint: str, n: int, width: int, iters: int) -> dict[str, float]:
+    from target_client import ClientConfig, DraftClient, StepRequest
+
+    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"peers-{n}"))
+    assert client.connect(wait=True) is not None
+    taps = np.ones((n * ROWS, width), np.uint16)
+    reqs = [StepRequest(f"p{n}-{i}", 0, ROWS, 1, K) for i in range(n)]
+    comp: list[float] = []
+
+    def once() -> None:
+        client.step(reqs, taps)
+        if client.last_timing is not None:
+            comp.append(client.last_timing.compute_ms)
+
+    try:
+        wait = _median_ms(once, iters)
+        return {"wait_ms": wait, "compute_ms": statistics.median(comp), "overhead_ms": wait - statistics.median(comp)}
+    finally:
+        client.free([r.session for r in reqs])
+        client.close()
+
+
+def concurrent_drafts_per_s(call_factory: Any, seconds: float) -> float:
+    """CALLERS threads, each calling its own ``call()`` (one session, ROWS rows, K drafts) for ``seconds``."""
+    counts = [0] * CALLERS
+    stop = time.monotonic() + seconds
+    barrier = threading.Barrier(CALLERS)
+
+    def run(i: int) -> None:
+        call = call_factory(i)
+        barrier.wait()
+        while time.monotonic() < stop:
+            counts[i] += call()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(CALLERS)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.monotonic() - t0)
+
+
+def ours_caller(endpoint: str, width: int) -> Any:
+    from target_client import ClientConfig, DraftClient, StepRequest
+
+    def factory(i: int) -> Any:
+        client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"caller-{i}"))
+        assert client.connect(wait=True) is not None
+        taps = np.ones((ROWS, width), np.uint16)
+        pos = [0]
+
+        def call() -> int:
+            r = client.step([StepRequest(f"c{i}", pos[0], ROWS, 1, K)], taps)
+            pos[0] = (pos[0] + ROWS) % 240
+            return len(r[0].tokens)
+
+        return call
+
+    return factory
+
+
+def reqrep_caller(endpoint: str, width: int) -> Any:
+    from protocol import DType, Step, StepEntry, decode_reply, encode, spec_for
+
+    def factory(i: int) -> Any:
+        s = zmq.Context.instance().socket(zmq.REQ)
+        s.connect(endpoint)
+        taps = np.ones((ROWS, width), np.uint16)
+        pos = [0]
+
+        def call() -> int:
+            msg = Step(1, 1000.0, (StepEntry(f"c{i}", pos[0], ROWS, 1, K),), spec_for(taps, DType.BF16, 0))
+            s.send_multipart(encode(msg, [taps]), copy=False)
+            rep = decode_reply(s.recv_multipart()[0])
+            pos[0] = (pos[0] + ROWS) % 240
+            return len(rep.results[0].drafts)  # type: ignore[union-attr]
+
+        return call
+
+    return factory
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checksum", help="checksum, random:k3, or a checkpoint directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=10.0, help="per side of the concurrency comparison")
+    ap.add_argument("--out", default="bench/results/peers.json")
+    ap.add_argument("--grpc-echo", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--reqrep", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.grpc_echo:
+        serve_grpc_echo(args.grpc_echo)
+        return 0
+    if args.reqrep:
+        serve_reqrep(args.reqrep, args.model, args.device)
+        return 0
+    from draft_tools.bench.rpc import spawn as spawn_rpc
+
+    ep_srv, ep_echo, ep_rr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    gport = free_port()
+    out: dict[str, Any] = {
+        "benchmark": "peers",
+        "command": "python -m draft_tools.bench.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "model": args.model,
+        "ray_serve": "not measured: ray is not installable on these machines (no network on the GPU host)",
+        "round_trip": [],
+    }
+    procs = [spawn_rpc("echo", ep_echo), spawn_server(ep_srv, args.model, args.device)]
+    procs.append(spawn(["--grpc-echo", str(gport)]))
+    try:
+        from target_client import ClientConfig, DraftClient
+
+        probe = DraftClient(ClientConfig(endpoint=ep_srv, name="peers-probe"))
+        w = probe.connect(wait=True)
+        probe.close()
+        assert w is not None
+        width = w.contract.tap_width
+        for n in SESSIONS:
+            row = {"sessions": n, "mb": n * ROWS * width * 2 / 1e6}
+            row["zmq_echo_ms"] = zmq_echo_ms(ep_echo, n, width, args.iters)
+            row["grpc_echo_ms"] = grpc_echo_ms(gport, n, width, args.iters)
+            row.update({f"ours_{k}": v for k, v in ours_ms(ep_srv, n, width, args.iters).items()})
+            row["ours_over_zmq_echo"] = row["ours_wait_ms"] / row["zmq_echo_ms"]
+            row["grpc_over_ours"] = row["grpc_echo_ms"] / row["ours_wait_ms"]
+            out["round_trip"].append(row)
+            print(
+                f"B={n:3d} {row['mb']:6.2f} MB  zmq echo {row['zmq_echo_ms']:7.3f}  "
+                f"grpc echo {row['grpc_echo_ms']:7.3f}  "
+                f"ours {row['ours_wait_ms']:7.3f} (compute {row['ours_compute_ms']:.3f}, overhead "
+                f"{row['ours_overhead_ms']:.3f}) ms",
+                flush=True,
+            )
+        ours = concurrent_drafts_per_s(ours_caller(ep_srv, width), args.seconds)
+        procs.append(spawn(["--reqrep", ep_rr, "--model", args.model, "--device", args.device]))
+        rr = concurrent_drafts_per_s(reqrep_caller(ep_rr, width), args.seconds)
+        out["concurrent"] = {
+            "callers": CALLERS, "ours_drafts_per_s": ours, "reqrep_drafts_per_s": rr, "ratio": ours / rr
+        }  # fmt: skip
+        print(f"{CALLERS} callers: ours {ours:.0f} drafts/s, serialized REQ/REP {rr:.0f} drafts/s ({ours / rr:.1f}x)")
+    finally:
+        for p in procs:
+            p.kill()
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
