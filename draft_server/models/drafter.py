@@ -197,7 +197,7 @@ class DSparkDrafter(Drafter):
         fast = self.fast
         if fast is not None and all(it.sampling.temperature <= 0 for it in items):
             return self._draft_fast(fast, items)
-        return self._draft(items, want_logits=False)[0]
+        return self._draft(items, want_logits=False, paged=fast)[0]
 
     def _draft_fast(self, fast: FastStep, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Greedy batches: paged kernels, device-side Markov chain, one copy back (CUDA graphs on a GPU)."""
@@ -222,7 +222,11 @@ class DSparkDrafter(Drafter):
         """Like ``draft``, plus each session's per-step logits [k, draft_vocab] (acc dtype, on the CPU)."""
         return self._draft(items, want_logits=True)
 
-    def _draft(self, items: Sequence[DraftItem], want_logits: bool) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
+    def _draft(
+        self, items: Sequence[DraftItem], want_logits: bool, paged: FastStep | None = None
+    ) -> tuple[list[DraftOut], list[torch.Tensor | None]]:
+        """Drafts through the sampler (any sampling): block states from the paged kernels when
+        ``paged`` is given (cost = the sum of the contexts), else from the dense reference."""
         outs = [DraftOut(tokens=[]) for _ in items]
         logits: list[torch.Tensor | None] = [None] * len(items)
         act = [n for n, it in enumerate(items) if it.k > 0]
@@ -233,14 +237,17 @@ class DSparkDrafter(Drafter):
         for it in its:
             if it.k > B:
                 raise ValueError(f"session {it.key}: k={it.k} exceeds block_size {B}")
-        table, ctx_mask = self.cache.gather_plan([(it.key, it.start, it.pos) for it in its])
         ids = torch.full((len(its), B), cfg.mask_token_id, dtype=torch.int64)
         ids[:, 0] = torch.tensor([it.anchor for it in its])
-        positions = torch.tensor([it.pos for it in its], dtype=torch.int64)[:, None] + torch.arange(B)
-        ctx = DenseContext(
-            lambda layer: self.cache.gather(layer, table), m.block_mask(ctx_mask, B), m.layout, cfg.softmax_scale
-        )
-        z = m.block(ids.to(m.device), positions.to(m.device), ctx)
+        if paged is not None:
+            z = paged.hidden(its)
+        else:
+            table, ctx_mask = self.cache.gather_plan([(it.key, it.start, it.pos) for it in its])
+            positions = torch.tensor([it.pos for it in its], dtype=torch.int64)[:, None] + torch.arange(B)
+            ctx = DenseContext(
+                lambda layer: self.cache.gather(layer, table), m.block_mask(ctx_mask, B), m.layout, cfg.softmax_scale
+            )
+            z = m.block(ids.to(m.device), positions.to(m.device), ctx)
         ks = [it.k for it in its]
         res = self.sampler.run(
             z, ids[:, 0].to(m.device), [it.pos for it in its], ks, [it.sampling for it in its], want_logits

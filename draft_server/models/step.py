@@ -190,15 +190,18 @@ class FastStep:
             out=out,
         )
 
-    def _draft_body(self, n: int, batch: PagedBatch) -> None:
+    def _block(self, n: int, batch: PagedBatch) -> torch.Tensor:
+        """The block forward of the staged batch over the paged cache: z [n, B, H]."""
         m = self.m
         self.slots64[: n * self.B].copy_(self._view("slots")[: n * self.B])
         plan: pa.WorkPlan = batch.plan  # type: ignore[assignment]
         pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
         ctx = PagedContext(self.cache, batch, m.layout, m.cfg.softmax_scale, m.cfg.causal)
-        ids = self.ids[:n]
-        z = m.block(ids, self.positions[:n], ctx)
-        tokens, conf = greedy_chain(m, z, ids[:, 0], self.B, self.sts)
+        return m.block(self.ids[:n], self.positions[:n], ctx)
+
+    def _draft_body(self, n: int, batch: PagedBatch) -> None:
+        z = self._block(n, batch)
+        tokens, conf = greedy_chain(self.m, z, self.ids[:n, 0], self.B, self.sts)
         self.out[:n, : self.B].copy_(tokens)
         if conf is not None:
             self.out[:n, self.B :].copy_(conf)
@@ -401,6 +404,38 @@ class FastStep:
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
+        n, nb, lens = self._stage(items)
+        B = self.B
+        g = self._draft_graphs.get(nb)
+        fits = g is not None and pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=self.P) <= g.capacity
+        if g is not None and g.graph is not None and fits:
+            g.graph.replay()
+            self.graph_steps += 1
+        else:  # contexts past the bucket's capacity: the same kernels, planned for this batch
+            self._draft_body(nb, self._eager_batch(n, nb, lens))
+            self.eager_steps += 1
+        self.out_host[:n].copy_(self.out[:n], non_blocking=True)
+        if self.dev.type == "cuda":
+            torch.cuda.current_stream(self.dev).synchronize()
+        res = self.out_host[:n].numpy()
+        conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
+        return res[:, :B].astype(np.int64), conf
+
+    def hidden(self, items: Sequence[DraftItem]) -> torch.Tensor:
+        """The final-normed block states z [N, B, H] of a batch through the paged kernels, eagerly:
+        what sampled batches draw from (``Sampler``), at the cost of the sum of their contexts."""
+        n, nb, lens = self._stage(items)
+        self.eager_steps += 1
+        return self._block(nb, self._eager_batch(n, nb, lens))[:n]
+
+    def _eager_batch(self, n: int, nb: int, lens: list[int]) -> PagedBatch:
+        chunk = self._chunk(sum(lens) + n * self.B)
+        need = pa.max_work_items(lens, rows=self.B, chunk=chunk, page_size=self.P)
+        return self._batch(nb, max(need, 1), chunk)
+
+    def _stage(self, items: Sequence[DraftItem]) -> tuple[int, int, list[int]]:
+        """Fill the packed step inputs of ``items`` (padded to their session bucket) and copy them to
+        the device; returns (sessions, bucket, context lengths)."""
         n = len(items)
         B, P = self.B, self.P
         nb = _bucket(n, self.session_buckets)
@@ -434,22 +469,7 @@ class FastStep:
         lo[n:nb], pos[n:nb], first[n:nb] = 1, 0, 0
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
-        g = self._draft_graphs.get(nb)
-        fits = g is not None and pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=P) <= g.capacity
-        if g is not None and g.graph is not None and fits:
-            g.graph.replay()
-            self.graph_steps += 1
-        else:  # contexts past the bucket's capacity: the same kernels, planned for this batch
-            chunk = self._chunk(sum(lens) + n * B)
-            need = pa.max_work_items(lens, rows=B, chunk=chunk, page_size=P)
-            self._draft_body(nb, self._batch(nb, max(need, 1), chunk))
-            self.eager_steps += 1
-        self.out_host[:n].copy_(self.out[:n], non_blocking=True)
-        if self.dev.type == "cuda":
-            torch.cuda.current_stream(self.dev).synchronize()
-        res = self.out_host[:n].numpy()
-        conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
-        return res[:, :B].astype(np.int64), conf
+        return n, nb, lens
 
     # ------------------------------------------------------------------ start-up check
 

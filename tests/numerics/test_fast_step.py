@@ -21,7 +21,7 @@ from draft_server.drafters import DraftItem, IngestItem
 from draft_server.models import load_drafter
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.tiny import make_tiny
-from protocol import GREEDY
+from protocol import GREEDY, Sampling
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,3 +130,29 @@ def test_rows_in_registered_host_memory_go_straight_to_the_device(tmp_path) -> N
     assert [o.tokens for o in ring.draft(items)] == [o.tokens for o in plain.draft(items)]
     ring.unregister_host(memoryview(buf))
     assert fast._registered_runs([slab[:3]]) is None
+
+
+def test_sampled_batches_take_the_paged_kernels_and_draw_what_the_dense_path_draws(tmp_path) -> None:
+    """A batch with sampled sessions (seeded; one greedy among them) runs the block forward through
+    the paged kernels, not the dense gather, and draws the same drafts and probabilities."""
+    dense, fast = _pair(tmp_path, "k3")
+    W, B = dense.contract.tap_width, dense.cfg.block_size
+    rng = np.random.default_rng(4)
+    spans = {0: 40, 1: 9, 2: 70}
+    for key, n in spans.items():
+        taps = _bits(rng, n, W)
+        for d in (dense, fast):
+            assert d.reserve(key, 0, n + B)
+            d.ingest([IngestItem(key, 0, 0, taps)])
+    hot = Sampling(temperature=0.8, top_p=0.95, seed=11, return_probs=3)
+    items = [DraftItem(k, 0, n, 3 + k, B, GREEDY if k == 1 else hot) for k, n in spans.items()]
+    assert fast.fast is not None
+    before = fast.fast.eager_steps
+    got, want = fast.draft(items), dense.draft(items)
+    assert fast.fast.eager_steps == before + 1  # the paged block forward ran (dense has no fast path)
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    for a, b in zip(got, want, strict=True):
+        assert (a.probs is None) == (b.probs is None)
+        if a.probs is not None:
+            np.testing.assert_array_equal(a.prob_ids, b.prob_ids)
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-4, atol=1e-6)
