@@ -45,6 +45,7 @@ _NAME = re.compile(r"^/?dspark-ring-(\d+)-[0-9a-f]{16}$")
 _HEADER = struct.Struct("<8sQQ16s")
 _STAMP = struct.Struct("<QQQ")
 TRANSPORTS = tuple(t.value for t in Transport)
+_POPULATE = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class RingError(Exception):
@@ -84,7 +85,7 @@ def create(nbytes: int) -> tuple[RingAnnounce, mmap.mmap]:
     try:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)  # every page now: a full /dev/shm fails here, not as SIGBUS later
-        mm = mmap.mmap(fd, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=_POPULATE)  # page tables now, not a fault per page in the steps
     except OSError as e:
         unlink(name)
         free = _free_bytes()
@@ -175,7 +176,7 @@ def open_ring(ring: RingAnnounce) -> mmap.mmap:
             raise RingError(f"shm ring {ring.name} belongs to uid {st.st_uid}, the server runs as uid {os.geteuid()}")
         if st.st_size != ring.nbytes or ring.nbytes < HEADER_BYTES + ALIGN:
             raise RingError(f"shm ring {ring.name} holds {st.st_size} bytes, the Hello says {ring.nbytes}")
-        mm = mmap.mmap(fd, ring.nbytes, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, ring.nbytes, flags=_POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     magic, nbytes, _pid, nonce = _HEADER.unpack_from(mm, 0)

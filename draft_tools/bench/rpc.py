@@ -1,13 +1,15 @@
-"""Loopback round trip of a Step: the product path against the bare ZeroMQ floor.
+"""Same-host round trip of a Step, side by side per transport: the product path against the bare ZeroMQ floor.
 
 For 1, 4, 16, 64 sessions and two payloads — "empty" (no rows, k drafts wanted) and "k3"
 (3 committed rows x 5 taps x 7168 BF16 per session, as Kimi-K3 DSpark sends) — measure in the
-same run:
+same run, against one server process bound to tcp and ipc at once:
 
-* floor: a bare DEALER -> ROUTER echo of the same bytes (another process), no protocol;
-* product: DraftClient.step() against a draft server process (checksum drafter with a K3-sized
-  contract), reporting the client's wait, the server's own receive-to-reply time and the
-  drafter's compute time; overhead = wait - compute.
+* floor: a bare DEALER -> ROUTER echo of the same bytes (another process), no protocol, over
+  loopback tcp and over ipc;
+* product: DraftClient.step() against the draft server (checksum drafter with a K3-sized
+  contract) over ``tcp`` (loopback), ``ipc``, and ``ipc+shm`` (rows through the client's shared-
+  memory ring, the Step carries only where they are; "k3" only), reporting the client's wait,
+  the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
 
 Writes JSON (machine, command, numbers) and prints a short table.
 Usage: draft-bench [--iters 300] [--out bench/results/rpc_loopback.json]   (or python -m draft_tools.bench.rpc)
@@ -21,6 +23,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -101,10 +104,11 @@ def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.ta
     return {"p50_ms": pct(waits, 50), "p99_ms": pct(waits, 99)}
 
 
-def bench_product(endpoint: str, n: int, rows: int, iters: int) -> dict:
+def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str = "frames") -> dict:
     from target_client import ClientConfig, DraftClient, StepRequest
 
-    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench"))
+    cfg = ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench", transport=transport, shm_ring_mib=64)
+    client = DraftClient(cfg)
     welcome = client.connect(wait=True)
     contract = welcome.contract if welcome is not None else K3  # a running server: its own contract
     taps = np.ones((n * rows, contract.tap_width), np.uint16) if rows else None
@@ -155,10 +159,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.echo:
         serve_echo(args.echo)
         return 0
-    ep_echo = f"tcp://127.0.0.1:{free_port()}"
-    ep_srv = args.endpoint or f"tcp://127.0.0.1:{free_port()}"
-    echo = spawn("echo", ep_echo)
-    srv = None if args.endpoint else spawn("serve", ep_srv)
+    tmp = tempfile.mkdtemp(prefix="draft-bench-")
+    echo_eps = {"tcp": f"tcp://127.0.0.1:{free_port()}", "ipc": f"ipc://{tmp}/echo.sock"}
+    # (name, endpoint, client transport, the floor it is set beside)
+    runs = [
+        ("tcp", f"tcp://127.0.0.1:{free_port()}", "frames", "tcp"),
+        ("ipc", f"ipc://{tmp}/srv.sock", "frames", "ipc"),
+    ]
+    runs.append(("ipc+shm", runs[1][1], "shm", "ipc"))
+    if args.endpoint:
+        runs = [("given", args.endpoint, "frames", "tcp")]
+    echoes = [spawn("echo", ep) for ep in echo_eps.values()]
+    srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}")
+    ep_srv = runs[0][1]
     results = []
     width = K3.tap_width
     if args.endpoint:  # the same bytes as the running server's contract asks for
@@ -171,20 +184,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for payload, rows in ROWS.items():
             for n in SESSIONS:
-                floor = bench_floor(ep_echo, n, rows, args.iters, width)
-                prod = bench_product(ep_srv, n, rows, args.iters)
+                floors = {k: bench_floor(ep, n, rows, args.iters, width) for k, ep in echo_eps.items()}
                 mb = n * rows * width * 2 / 1e6
-                results.append(
-                    {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "floor": floor, "product": prod}
-                )
-                print(
-                    f"{payload:5s} B={n:3d} {mb:6.2f} MB  floor p50 {floor['p50_ms']:7.3f} ms | "
-                    f"client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | "
-                    f"compute {prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
-                    flush=True,
-                )
+                for name, ep, transport, floor_of in runs:
+                    if transport == "shm" and not rows:
+                        continue  # no rows: the same message as ipc
+                    prod = bench_product(ep, n, rows, args.iters, transport)
+                    floor = floors[floor_of]
+                    row = {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "transport": name}
+                    results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
+                    print(
+                        f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:8s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
+                        f" | client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | compute "
+                        f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
+                        flush=True,
+                    )
     finally:
-        for p in (srv, echo):
+        for p in (srv, *echoes):
             if p is not None:
                 p.kill()
     out = {
@@ -198,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m_at_end": os.getloadavg()[0],
         },
         "iters": args.iters,
-        "transport": "tcp loopback" if not args.endpoint else f"running server at {args.endpoint}",
+        "transport": "tcp loopback, ipc, ipc+shm" if not args.endpoint else f"running server at {args.endpoint}",
         "results": results,
     }
     with open(args.out, "w") as f:

@@ -53,6 +53,10 @@ Configuration (environment variables, read in the worker process):
 ``DRAFT_MODEL_DIR``        with ``projected``: the draft checkpoint directory (config.json + safetensors)
                            whose ``context_proj``/``context_norm`` (Qwen3: ``fc``/``hidden_norm``) are
                            applied; read once at start-up, and checked against the server's own by id.
+``DRAFT_TRANSPORT``        where the rows travel (README "Transports"; default ``frames``): ``shm`` through a
+                           shared-memory ring (server on this host, same user and /dev/shm; else start-up
+                           fails with one line), ``auto`` (shm when the server can map it, else frames).
+``DRAFT_SHM_RING_MIB``     the ring's size with ``shm``/``auto`` (default 64; 2-4x a decode step's rows).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
 ``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
@@ -259,6 +263,8 @@ class RemoteDSparkProposer:
                 connect_timeout_s=connect_timeout_s,
                 wire_format=self._wire.fmt,
                 projection_id=projection.id if projection is not None else "",
+                transport=os.environ.get("DRAFT_TRANSPORT", "").strip() or "frames",
+                shm_ring_mib=int(_env_number("DRAFT_SHM_RING_MIB", 64, int)),
             )
         )
         self._contract_checked = False
