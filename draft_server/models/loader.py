@@ -7,7 +7,9 @@ import torch
 
 from draft_server.models.config import K3, CheckpointError, DSparkConfig, load_config
 from draft_server.models.drafter import DSparkDrafter
-from draft_server.models.exl3 import Exl3Checkpoint, WeightInfo, attach_linears, detect_format
+from draft_server.models.exl3 import Exl3Checkpoint, WeightInfo, attach_linears, detect_format, set_backend
+from draft_server.models.exl3.cuda import ENV_FUSED_MAX_ROWS, Exl3Backend, Exl3Unavailable, fused_max_rows_from_env
+from draft_server.models.exl3.linear import DequantBackend
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.layers.gqa import Qwen3DSpark
 from draft_server.models.layers.mla import K3DSpark
@@ -44,6 +46,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise CheckpointError(f"dtype '{dtype}' is not one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _exl3_backend(model_dir: str, dev: torch.device) -> Exl3Backend | DequantBackend:
+    """CUDA: exllamav3's kernels (``DRAFT_EXL3_FUSED_MAX_ROWS``, 0 = dense only); CPU: decode once + GEMM."""
+    if dev.type != "cuda":
+        return DequantBackend()
+    try:
+        return Exl3Backend(fused_max_rows_from_env())
+    except Exl3Unavailable as e:
+        raise CheckpointError(f"{model_dir}: EXL3 on CUDA: {e} ({ENV_FUSED_MAX_ROWS}=0 runs it dense)") from None
 
 
 def build_model(cfg: DSparkConfig, w: dict[str, torch.Tensor], dev: torch.device, dtype: torch.dtype) -> DSparkModel:
@@ -91,7 +103,7 @@ def load_drafter(
         target = {}
     else:  # the target head is shape-checked against the config even when the draft has its own
         target = load_target_head(target_model_dir, cfg, need_head, need_embed)
-    raw = ck.load(names)
+    raw = ck.load(names, dev) if isinstance(ck, Exl3Checkpoint) else ck.load(names)  # EXL3: decoded on the device
     raw.update(target)
     proj, norm = (
         ("context_proj.weight", "context_norm.weight") if cfg.variant == K3 else ("fc.weight", "hidden_norm.weight")
@@ -110,6 +122,10 @@ def load_drafter(
     model = build_model(cfg, w, dev, tdtype)
     if isinstance(ck, Exl3Checkpoint):
         attach_linears(model, ck, given)
+        set_backend(_exl3_backend(model_dir, dev))
+        for lin in ck.linears.values():
+            lin.to(dev)
+        model.route_linears()
     else:
         nbytes = sum(t.numel() * t.element_size() for t in given.values())
         model.weight_info = WeightInfo("dense", 8.0 * torch.empty((), dtype=tdtype).element_size(), nbytes, nbytes)

@@ -6,7 +6,10 @@ and the base logits. The attention of one layer (what a token caches, and how th
 attend) lives in ``qwen3.py`` (GQA) and ``k3_mla.py`` (MLA).
 
 Shapes: N sessions, B block rows, S gathered context slots (pages x page size, masked),
-H hidden. Weights are plain tensors (``self.w`` by checkpoint name) used with ``F.linear``.
+H hidden. Weights are plain tensors (``self.w`` by checkpoint name). The GEMMs of weights an EXL3
+checkpoint may quantize go through ``self.linear`` / ``linear_add`` / ``swiglu_add``, which are the plain
+ops of ``layers/ops.py``; ``route_linears`` (EXL3 only) swaps them, per instance, for versions that also
+take packed linears, and puts those modules where the dense weights were.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import torch.nn.functional as F
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import K3, DSparkConfig
-from draft_server.models.layers.ops import Rope, acc_dtype, linear_add, rms_norm, swiglu_add
+from draft_server.models.layers import ops
+from draft_server.models.layers.ops import Rope, acc_dtype, rms_norm
 
 
 class DSparkModel:
@@ -26,6 +30,10 @@ class DSparkModel:
 
     token_shape: tuple[int, ...]
     layout: TokenLayout
+    gate_up: list[Any]  # per layer: the stacked gate/up weight (or its FusedLinear)
+    linear = staticmethod(F.linear)
+    linear_add = staticmethod(ops.linear_add)
+    swiglu_add = staticmethod(ops.swiglu_add)
 
     def __init__(self, cfg: DSparkConfig, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
         self.cfg, self.w, self.device, self.dtype = cfg, w, device, dtype
@@ -55,6 +63,24 @@ class DSparkModel:
         self.stacked[fused] = list(parts)
         return t
 
+    def route_linears(self) -> None:
+        """EXL3: each GEMM site whose weight is quantized reads its packed module from ``self.linears``
+        (``FusedLinear`` for a stacked weight), in place of the dense tensor, which is dropped."""
+        from draft_server.models.exl3 import linear as exl3
+
+        self.linear, self.linear_add, self.swiglu_add = exl3.linear, exl3.linear_add, exl3.swiglu_add
+        for name, mod in self.linears.items():
+            if name in self.w:
+                self.w[name] = mod
+        ctx = "context_proj.weight" if self.cfg.variant == K3 else "fc.weight"
+        self.ctx_proj = self.linears.get(ctx, self.ctx_proj)
+        self.gate_up = [self.linears.get(f"layers.{i}.mlp.gate_up_proj.weight", t) for i, t in enumerate(self.gate_up)]
+        self._route_attention()
+
+    def _route_attention(self) -> None:
+        """The variant's attention GEMM sites (``route_linears``)."""
+        raise NotImplementedError
+
     # -- per-variant -------------------------------------------------------------------------
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Fused context projection into every layer's cache rows: [L, R, *token_shape]."""
@@ -70,7 +96,7 @@ class DSparkModel:
     # -- shared ------------------------------------------------------------------------------
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Taps [R, n_taps * target_hidden] (compute dtype) -> fused context c [R, H]."""
-        return rms_norm(F.linear(taps, self.ctx_proj), self.ctx_norm, self.eps)
+        return rms_norm(self.linear(taps, self.ctx_proj), self.ctx_norm, self.eps)
 
     def block_mask(self, ctx_mask: torch.Tensor, B: int) -> torch.Tensor:
         """[N, B, S + B]: context visibility per session, then the block (full or causal)."""
@@ -93,12 +119,12 @@ class DSparkModel:
             o = self.attention(i, u, rope, ctx)
             o_b = w.get(p + "self_attn.o_proj.bias")
             h = (
-                linear_add(h, o, w[p + "self_attn.o_proj.weight"])
+                self.linear_add(h, o, w[p + "self_attn.o_proj.weight"])
                 if o_b is None
-                else h + F.linear(o, w[p + "self_attn.o_proj.weight"], o_b)
+                else h + self.linear(o, w[p + "self_attn.o_proj.weight"], o_b)
             )
             u = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-            h = swiglu_add(h, u, self.gate_up[i], w[p + "mlp.down_proj.weight"])
+            h = self.swiglu_add(h, u, self.gate_up[i], w[p + "mlp.down_proj.weight"])
         return rms_norm(h, self.final_norm, eps)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:

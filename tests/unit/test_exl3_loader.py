@@ -160,11 +160,13 @@ def test_five_layer_draft_keyed_layers_0_to_4_loads_quantized(dense, tmp_path, v
         lin.in_features * lin.out_features for lin in m.linears.values() for lin in getattr(lin, "parts", [lin])
     )
     assert info.weight_bytes - packed_bytes(q) == info.dense_bytes - 4 * q_numel
-    # and the runtime's GEMMs read the decoded EXL3 weights, not something else
-    down = m.linears["layers.4.mlp.down_proj.weight"]
-    assert torch.equal(m.w["layers.4.mlp.down_proj.weight"], down.weight(torch.float32))
-    gate = m.linears["layers.0.mlp.gate_up_proj.weight"].parts[0]
-    assert torch.equal(m.w["layers.0.mlp.gate_up_proj.weight"][: gate.out_features], gate.weight(torch.float32))
+    # and the runtime's GEMM sites read the packed modules (route_linears), no dense copy beside them
+    assert all(m.w[name] is lin for name, lin in m.linears.items() if name in m.w)
+    assert all(m.gate_up[i] is m.linears[f"layers.{i}.mlp.gate_up_proj.weight"] for i in range(LAYERS))
+    attn, kv_all = (m.qkv_a, m.kv_a_all) if variant == "k3" else (m.qkv, m.kv_w)
+    assert all(attn[i] is m.linears[f"layers.{i}.self_attn.{fused}.weight"] for i in range(LAYERS))
+    per_layer = 1 if variant == "k3" else 2  # kv_a, or k and v
+    assert kv_all.parts == [s for i in range(LAYERS) for s in attn[i].parts[-per_layer:]]
     if variant == "qwen3":  # all dims 128-aligned: the bound on 4-bit weight bytes
         bf16 = 2 * q_numel
         assert packed_bytes(q) <= 0.4 * bf16, (packed_bytes(q), bf16)
@@ -222,8 +224,10 @@ def test_mixed_dense_and_quantized_fused_sources(dense, tmp_path) -> None:
     m = load(q, target).model
     qkv = m.linears["layers.1.self_attn.qkv_proj.weight"]
     assert [type(s) for s in qkv.parts] == [Exl3Linear, DenseLinear, DenseLinear]
+    assert m.w["layers.1.self_attn.qkv_proj.weight"] is qkv and m.qkv[1] is qkv
     x = torch.randn(3, 128)
-    assert torch.allclose(qkv(x), F.linear(x, m.w["layers.1.self_attn.qkv_proj.weight"]), atol=1e-5)
+    dense = torch.cat([s.weight(torch.float32) if isinstance(s, Exl3Linear) else s.w for s in qkv.parts])
+    assert torch.allclose(qkv(x), F.linear(x, dense), atol=1e-5)
 
 
 def test_exl3_config_without_quantized_tensors_would_run_dense(dense, tmp_path) -> None:

@@ -174,14 +174,15 @@ class Exl3Checkpoint(Checkpoint):
         return self.inner.shape(self.actual[name])
 
     def load(self, names: Iterable[str], device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """Dense tensors as stored; quantized modules decoded to float32 [out, in]."""
+        """Dense tensors as stored; quantized modules decoded to float32 [out, in] on ``device`` (their packed
+        tensors move there first)."""
         names = list(names)
         dense = [n for n in names if n not in self.virtual]
         raw = self.inner.load([self.actual[n] for n in dense], device)
         out = {n: raw[self.actual[n]] for n in dense}
         for n in names:
             if n in self.virtual:
-                out[n] = self.linear(n).exact_weight(torch.float32).to(device)
+                out[n] = self.linear(n).to(device).exact_weight(torch.float32)
         return out
 
     def linear(self, weight_name: str) -> Exl3Linear:

@@ -2,10 +2,13 @@
 
 Owns the packed tensors of a quantized linear and the interface every backend implements:
 ``forward(x) -> x @ W.T (+ bias)`` in ``nn.Linear`` orientation, with ``in_features`` /
-``out_features`` the model's (unpadded) sizes. The CPU backend (``DequantBackend``) decodes the
-weight once into the compute dtype and runs a GEMM; a GPU backend (exllamav3's ``exl3_gemm`` per
-source, fp16 in, fp32 out, ``EXL3_INT8_GEMV=0``) slots in through ``set_backend`` with the same
-call. Fused projections (``fused_qkv_a_proj``, ``gate_up_proj``, ``qkv_proj``) whose parts are
+``out_features`` the model's (unpadded) sizes. The default backend (``DequantBackend``, the CPU's)
+decodes the weight once into the compute dtype and runs a GEMM; on CUDA the loader installs
+``cuda.Exl3Backend`` (exllamav3's fused ``exl3_gemm`` for small batches) through ``set_backend``.
+Also owns the GEMM primitives an EXL3 model's call sites use (``linear``, ``linear_add``,
+``swiglu_add``: ``DSparkModel.route_linears``), which take a dense tensor or a packed module.
+
+Fused projections (``fused_qkv_a_proj``, ``gate_up_proj``, ``qkv_proj``) whose parts are
 separate EXL3 tensors never concatenate trellises: each source has its own K, suh and svh, so a
 ``FusedLinear`` runs one GEMM per source and concatenates the outputs.
 
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_server.models.exl3.decode import HAD, decode_inner, dense_weight, trellis_bits, unpack_signs
+from draft_server.models.layers import ops
 
 DECODE_ROWS = 1024  # input rows per decode chunk (a multiple of the 128-row Hadamard block)
 
@@ -190,3 +194,25 @@ class FusedLinear:
 
     def __repr__(self) -> str:
         return f"FusedLinear({self.key}, {self.parts})"
+
+
+# -- the GEMM sites of an EXL3 model (DSparkModel.route_linears): a dense weight or a packed module ----
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = w.forward(x)
+    return y if b is None else y + b
+
+
+def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Linear) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return ops.linear_add(h, x, w)
+    return h + w.forward(x)
+
+
+def swiglu_add(
+    h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor | Linear, down: torch.Tensor | Linear
+) -> torch.Tensor:
+    return linear_add(h, ops.swiglu(linear(x, gate_up)), down)

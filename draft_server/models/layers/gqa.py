@@ -9,7 +9,6 @@ block rows. Context K/V of all layers come from one stacked GEMM.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import DSparkConfig
@@ -49,10 +48,25 @@ class Qwen3DSpark(DSparkModel):
             for i in L
         ]
 
+    def _route_attention(self) -> None:
+        """qkv_proj per layer; the context K/V of all layers: each layer's k and v sources (a dense
+        layer's rows as a ``DenseLinear``), the stacked bias added after."""
+        from draft_server.models.exl3.linear import DenseLinear, FusedLinear
+
+        fused = [self.linears.get(f"layers.{i}.self_attn.qkv_proj.weight") for i in range(self.cfg.num_layers)]
+        if not any(fused):
+            return
+        self.qkv = [f or t for f, t in zip(fused, self.qkv, strict=True)]
+        kv, n = self.kv_w, self.kv_w.shape[0] // self.cfg.num_layers
+        parts = []
+        for i, f in enumerate(fused):
+            parts += f.parts[1:] if f else [DenseLinear(f"layers.{i}.kv", kv[i * n : (i + 1) * n])]
+        self.kv_w = FusedLinear("context_kv_proj", parts)
+
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         R, L = c.shape[0], cfg.num_layers
-        kv = F.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
+        kv = self.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
         k = rms_norm(kv[:, :, 0], self.k_norm[:, None, :], self.eps)
         cos, sin = self.rope.cos_sin(positions, self.acc)
         k = self.rope.apply(k, cos[:, None, None], sin[:, None, None])
@@ -65,7 +79,7 @@ class Qwen3DSpark(DSparkModel):
         N, B, _ = u.shape
         H, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = rope[0][:, :, None], rope[1][:, :, None]  # [N, B, 1, hd/2]
-        qkv = F.linear(u, self.qkv[i], self.qkv_b[i]).view(N * B, H + 2 * nkv, hd)
+        qkv = self.linear(u, self.qkv[i], self.qkv_b[i]).view(N * B, H + 2 * nkv, hd)
         q = self.rope.apply(rms_norm(qkv[:, :H], w[p + "q_norm.weight"], self.eps).view(N, B, H, hd), cos, sin)
         k = self.rope.apply(
             rms_norm(qkv[:, H : H + nkv], w[p + "k_norm.weight"], self.eps).view(N, B, nkv, hd), cos, sin

@@ -12,7 +12,6 @@ latent goes through W_UV (the V half) and ``o_proj``. Nothing divides hidden_siz
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import DSparkConfig
@@ -50,6 +49,19 @@ class K3DSpark(DSparkModel):
             for i in L
         ]
 
+    def _route_attention(self) -> None:
+        """fused_qkv_a per layer; the context latents of all layers: one GEMM per layer's kv_a source
+        (vLLM's ``context_kv_proj`` shards), a dense layer's rows as a ``DenseLinear``."""
+        from draft_server.models.exl3.linear import DenseLinear, FusedLinear
+
+        fused = [self.linears.get(f"layers.{i}.self_attn.fused_qkv_a_proj.weight") for i in range(self.cfg.num_layers)]
+        if not any(fused):
+            return
+        self.qkv_a = [f or t for f, t in zip(fused, self.qkv_a, strict=True)]
+        kv, n = self.kv_a_all, self.token_shape[0]
+        parts = [f.parts[1] if f else DenseLinear(f"kv_a.{i}", kv[i * n : (i + 1) * n]) for i, f in enumerate(fused)]
+        self.kv_a_all = FusedLinear("context_kv_proj", parts)
+
     def _latent(self, kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """kv [..., 576] raw kv_a output -> cached latent (cos/sin broadcast to kv's leading dims)."""
         c = rms_norm(kv[..., : self.lat], norm_w, self.eps)
@@ -57,7 +69,7 @@ class K3DSpark(DSparkModel):
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         R, L = c.shape[0], self.cfg.num_layers
-        kv = F.linear(c, self.kv_a_all).view(R, L, -1)
+        kv = self.linear(c, self.kv_a_all).view(R, L, -1)
         cos, sin = self.rope.cos_sin(positions, self.acc)
         return self._latent(kv, self.kv_a_norm, cos[:, None], sin[:, None]).transpose(0, 1)  # [L, R, 576]
 
@@ -68,8 +80,8 @@ class K3DSpark(DSparkModel):
         N, B, _ = u.shape
         nh, nope = cfg.num_heads, cfg.qk_nope_head_dim
         cos, sin = rope
-        qkv_a = F.linear(u, self.qkv_a[i])  # [q_a (q_lora) | kv_a (576)]
-        q = F.linear(
+        qkv_a = self.linear(u, self.qkv_a[i])  # [q_a (q_lora) | kv_a (576)]
+        q = self.linear(
             rms_norm(qkv_a[..., : cfg.q_lora_rank], w[p + "q_a_layernorm.weight"], self.eps), w[p + "q_b_proj.weight"]
         )
         q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)

@@ -39,17 +39,19 @@ def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tenso
     return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
 
 
-def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
-    gu = F.linear(x, gate_up)
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, with gate and up side by side on the last dim."""
     if _fused(gu):
         from draft_server.models.kernels.fused import silu_mul
 
-        act = silu_mul(gu)
-    else:
-        g, u = gu.chunk(2, dim=-1)
-        act = F.silu(g) * u
-    return linear_add(h, act, down)
+        return silu_mul(gu)
+    g, u = gu.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
+    return linear_add(h, swiglu(F.linear(x, gate_up)), down)
 
 
 def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:

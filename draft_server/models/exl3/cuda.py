@@ -1,0 +1,167 @@
+"""exllamav3's CUDA kernels for EXL3 linears: getting ``exllamav3_ext`` into the process, and ``Exl3Backend``.
+
+Owns two things (nothing here runs without a CUDA GPU; importing this module needs neither exllamav3
+nor a GPU):
+
+- ``load_ext``: the ``exllamav3_ext`` extension. A prebuilt top-level ``exllamav3_ext`` (GitHub release
+  wheels) is used when importable; otherwise only the extension is JIT-built from the installed
+  ``exllamav3`` package's sources (found, never imported: the Python package pulls pydantic & co.),
+  with the package's own flags (``util/cuda_flags.py``, ``util/arch_list.py``, loaded by path) and
+  the same name, so ``TORCH_EXTENSIONS_DIR`` holds one build that ``import exllamav3`` reuses too.
+  The module is registered as top-level ``exllamav3_ext``, which ``exllamav3/ext.py`` then takes as
+  "precompiled". ``EXL3_INT8_GEMV`` is forced to 0 before the first kernel call: the int8-activation
+  GEMV (1.6.5's default for mul1 at K <= 6 on Hopper) is not fp16 parity and not capture-safe.
+- ``Exl3Backend``: one ``Exl3Linear`` product per call. Up to ``fused_max_rows`` rows it runs
+  ``exl3_gemm`` (input Hadamard and suh, in-register trellis decode, mma, output Hadamard and svh,
+  fused): fp16 in (zero-padded to the 128-multiple), fp32 out (trimmed, bias added, cast to x's
+  dtype). Above that it multiplies by the dense weight, decoded once on the device and cached
+  (``Exl3Linear.weight``): on an H200 the fused kernel matches BF16 at 1-8 rows and is 1.5-3.7x
+  slower from 28 rows (exl3.md §7, §8), so the large buckets trade memory for BF16 speed.
+  ``fused_max_rows = 0`` never calls exllamav3 (dense only); a huge value never keeps a dense copy.
+  The choice depends on the row count alone, so each CUDA-graph bucket bakes in one path.
+
+CUDA graphs: the fused GEMM tunes its tile shape on the first call per (row bucket, k, n, K), and the
+dense path decodes on its first call; both must happen before capture. ``FastStep.capture`` runs every
+bucket's body eagerly twice before capturing it (and every ingest bucket once), with the bucket's own
+row counts, which does both.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from draft_server.models.exl3.linear import Exl3Linear, pad128
+
+EXT = "exllamav3_ext"
+FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
+ENV_FUSED_MAX_ROWS = "DRAFT_EXL3_FUSED_MAX_ROWS"
+
+
+class Exl3Unavailable(RuntimeError):
+    """exllamav3's kernels cannot be had here (one line, for the start-up error)."""
+
+
+def _by_path(name: str, path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise Exl3Unavailable(f"cannot load {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def package_root() -> str:
+    """The installed exllamav3 package directory (found, not imported)."""
+    spec = importlib.util.find_spec("exllamav3")
+    if spec is None or not spec.submodule_search_locations:
+        raise Exl3Unavailable("exllamav3 is not installed (pip install 'draft-service[gpu]', see README 'EXL3')")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
+def build_args(root: str) -> dict[str, Any]:
+    """``torch.utils.cpp_extension.load`` arguments of exllamav3's own JIT build (``exllamav3/ext.py``, CUDA,
+    not Windows), so both share one build in ``TORCH_EXTENSIONS_DIR``."""
+    from torch.utils import cpp_extension
+
+    flags = _by_path("_exl3_cuda_flags", os.path.join(root, "util", "cuda_flags.py"))
+    src = os.path.join(root, EXT)
+    cuda_cflags = flags.cuda_cflags(cuda_home=cpp_extension.CUDA_HOME, debug=False, hip=False)
+    if host_cxx := os.environ.get("CUDAHOSTCXX"):
+        cuda_cflags += ["-ccbin", host_cxx]
+    return {
+        "name": EXT,
+        "sources": flags.extension_sources(src, hip=False),
+        "extra_include_paths": [src],
+        "verbose": False,
+        "extra_ldflags": [],
+        "extra_cuda_cflags": cuda_cflags,
+        "extra_cflags": ["-Ofast"],
+    }
+
+
+def _prebuilt() -> ModuleType | None:
+    spec = importlib.util.find_spec(EXT)
+    if spec and spec.origin and spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+        return importlib.import_module(EXT)
+    return None
+
+
+def load_ext(log: Any = print) -> ModuleType:
+    """``exllamav3_ext``, prebuilt or JIT-built (minutes the first time; cached in TORCH_EXTENSIONS_DIR)."""
+    os.environ["EXL3_INT8_GEMV"] = "0"  # read by the extension at its first GEMM
+    mod = sys.modules.get(EXT) or _prebuilt()
+    if mod is None:
+        if not torch.cuda.is_available() or torch.version.cuda is None:
+            raise Exl3Unavailable("exllamav3's kernels need a CUDA build of torch and a visible GPU")
+        root = package_root()
+        from torch.utils import cpp_extension
+
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            _by_path("_exl3_arch_list", os.path.join(root, "util", "arch_list.py")).maybe_set_arch_list_env()
+        args = build_args(root)
+        where = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        log(
+            f"exllamav3_ext: loading or JIT-building {len(args['sources'])} sources from {root}"
+            f" (arch {os.environ.get('TORCH_CUDA_ARCH_LIST')}, MAX_JOBS {os.environ.get('MAX_JOBS', 'all')}) in {where}"
+        )
+        t0 = time.perf_counter()
+        try:
+            mod = cpp_extension.load(**args)
+        except Exception as e:
+            last = (str(e).strip().splitlines() or [""])[-1]
+            raise Exl3Unavailable(f"building exllamav3_ext failed: {type(e).__name__}: {last}") from e
+        log(f"exllamav3_ext ready in {time.perf_counter() - t0:.1f} s")
+    sys.modules[EXT] = mod  # exllamav3/ext.py takes it as precompiled: no second build
+    return mod
+
+
+def fused_max_rows_from_env(default: int = FUSED_MAX_ROWS) -> int:
+    raw = os.environ.get(ENV_FUSED_MAX_ROWS, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise Exl3Unavailable(f"{ENV_FUSED_MAX_ROWS}={raw!r} is not an integer") from None
+    if value < 0:
+        raise Exl3Unavailable(f"{ENV_FUSED_MAX_ROWS}={raw!r} is negative")
+    return value
+
+
+class Exl3Backend:
+    """exllamav3's fused GEMM up to ``fused_max_rows`` rows, a cached dense weight above (module docstring)."""
+
+    def __init__(self, fused_max_rows: int = FUSED_MAX_ROWS, ext: ModuleType | None = None) -> None:
+        self.fused_max_rows = fused_max_rows
+        self.ext = ext if ext is not None or fused_max_rows == 0 else load_ext()
+        self.calls = {"fused": 0, "dense": 0}  # per path, counted in Python (capture counts once per graph)
+
+    def path(self, rows: int) -> str:
+        return "fused" if rows <= self.fused_max_rows else "dense"
+
+    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.path(rows) == "dense":
+            self.calls["dense"] += 1
+            return F.linear(x, lin.weight(x.dtype, x.device), lin.bias_as(x))
+        self.calls["fused"] += 1
+        k, n = pad128(lin.in_features), pad128(lin.out_features)
+        a = x.reshape(rows, lin.in_features).to(torch.float16)
+        a = F.pad(a, (0, k - lin.in_features)) if k != lin.in_features else a.contiguous()
+        c = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+        assert self.ext is not None
+        mcg, mul1 = lin.codebook == "mcg", lin.codebook == "mul1"
+        self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
+        y = c if n == lin.out_features else c[:, : lin.out_features]
+        if lin.bias is not None:
+            y = y + lin.bias
+        return y.to(x.dtype).contiguous().view(*x.shape[:-1], lin.out_features)

@@ -1,0 +1,250 @@
+"""The EXL3 GPU backend without a GPU: dispatch, padding and dtypes against a fake ``exllamav3_ext``.
+
+``Exl3Backend`` calls ``exl3_gemm(A, trellis, C, suh, A_had, svh, -1, mcg, mul1, 0)`` up to
+``fused_max_rows`` rows and the cached dense weight above. The fake extension checks the call's
+contract (fp16 contiguous A padded to 128, fp32 C, scratch shaped like A, the codebook flags) and
+computes ``A @ W`` from our decoder, so the backend's own work (reshape, pad, trim, bias, cast)
+and the model's routing (``DSparkModel.route_linears``) are what is tested. Also: the dense model
+keeps the plain ops, and exllamav3's real sources (when the 1.6.5 wheel is in ``.whl/``) build with
+the same arguments as ``exllamav3/ext.py`` and have the signatures the backend and the golden job use.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draft_server.models import load_drafter
+from draft_server.models.exl3 import Exl3Linear, FusedLinear, set_backend
+from draft_server.models.exl3.cuda import Exl3Backend, Exl3Unavailable, fused_max_rows_from_env
+from draft_server.models.exl3.decode import decode_inner, dense_weight
+from draft_server.models.exl3.linear import DequantBackend
+from draft_server.models.tiny import make_tiny
+from draft_tools.exl3_cpu import random_linear, write_exl3_checkpoint
+from tests.unit.test_exl3_loader import drafts
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEEL = ROOT / ".whl" / "exllamav3-1.6.5-py3-none-any.whl"
+
+
+class FakeExt:
+    """``exllamav3_ext.exl3_gemm`` on the CPU: the argument contract asserted, ``C = A @ W`` computed."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+
+    def exl3_gemm(self, A, B, C, suh, A_had, svh, force_shape_idx, mcg, mul1, force_num_sms) -> int:
+        assert A.dtype == torch.float16 and A.is_contiguous() and A.dim() == 2
+        assert A.shape[1] == B.shape[0] * 16 and C.shape == (A.shape[0], B.shape[1] * 16)
+        assert C.dtype == torch.float32 and C.is_contiguous()
+        assert A_had.shape == A.shape and A_had.dtype == torch.float16 and A_had.data_ptr() != A.data_ptr()
+        assert suh.dtype == svh.dtype == torch.float16 and B.dtype == torch.int16
+        assert (force_shape_idx, force_num_sms) == (-1, 0) and not (mcg and mul1)
+        cb = "mcg" if mcg else "mul1" if mul1 else "3inst"
+        C.copy_(A.double() @ dense_weight(decode_inner(B, cb), suh, svh))
+        self.rows.append(A.shape[0])
+        return 0
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
+def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
+    t = random_linear(200, 300, 3, codebook, seed=5)  # in 300 -> 384, out 200 -> 256
+    bias = torch.randn(200, dtype=torch.bfloat16)
+    lin = Exl3Linear("x", 300, 200, t["trellis"], t["suh"], t["svh"], codebook, bias)
+    ext = FakeExt()
+    be = Exl3Backend(fused_max_rows=8, ext=ext)
+    x = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(6))
+    ref = x.double() @ lin.exact_weight().t() + bias.double()
+    y = be.forward(lin, x.to(torch.bfloat16))
+    assert y.shape == (2, 3, 200) and y.dtype == torch.bfloat16 and y.is_contiguous() and ext.rows == [6]
+    assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()  # fp16 A, bf16 out
+    y32 = be.forward(lin, x)
+    assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
+    assert be.calls == {"fused": 2, "dense": 0}
+
+
+def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
+    t = random_linear(256, 128, 4, "mul1", seed=7)
+    lin = Exl3Linear("x", 128, 256, t["trellis"], t["suh"], t["svh"], "mul1")
+    ext = FakeExt()
+    be = Exl3Backend(fused_max_rows=16, ext=ext)
+    x = torch.randn(17, 128)
+    assert torch.equal(be.forward(lin, x), F.linear(x, lin.weight(torch.float32)))
+    assert ext.rows == [] and be.calls == {"fused": 0, "dense": 1} and be.path(16) == "fused"
+
+
+def test_dense_only_needs_no_exllamav3_and_the_env_knob() -> None:
+    assert Exl3Backend(fused_max_rows=0).ext is None  # never loads the extension
+    with pytest.raises(Exl3Unavailable):  # CPU torch: a one-line reason, not a build attempt
+        Exl3Backend(fused_max_rows=1)
+    for raw, want in (("", 16), ("0", 0), ("64", 64)):
+        os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"] = raw
+        try:
+            assert fused_max_rows_from_env() == want
+        finally:
+            del os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"]
+    for bad in ("x", "-1"):
+        os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"] = bad
+        try:
+            with pytest.raises(Exl3Unavailable):
+                fused_max_rows_from_env()
+        finally:
+            del os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, str]]:
+    """variant -> (EXL3 draft, its dense original, target)."""
+    root = tmp_path_factory.mktemp("pair")
+    out = {}
+    for variant, ov in (("k3", {"num_hidden_layers": 2}), ("qwen3", {"num_hidden_layers": 2, "attention_bias": True})):
+        draft, target = make_tiny(variant, str(root / variant), **ov)
+        q = str(root / f"{variant}_q")
+        write_exl3_checkpoint(draft, q, bits=4, codebook="mcg", encoder="random")
+        out[variant] = (q, draft, target)
+    return out
+
+
+@pytest.mark.parametrize("variant", ["k3", "qwen3"])
+def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None:
+    """Every quantized GEMM site of both variants runs through the backend; the fused (fake kernel) path
+    and the dense path give the same drafts, and the bucket picks the path by rows."""
+    q, _, target = pair[variant]
+    rows = torch.randn(9, load_drafter(q, target, "cpu", "float32", 1 << 20).contract.tap_width)
+    results = {}
+    try:
+        for max_rows in (0, 8, 1 << 20):  # dense only; ingest (9 rows) dense, block (B rows) fused; fused only
+            d = load_drafter(q, target, "cpu", "float32", 1 << 20)
+            ext = FakeExt()
+            be = Exl3Backend(fused_max_rows=max_rows, ext=ext)
+            set_backend(be)
+            results[max_rows] = drafts(d, rows)
+            m = d.model
+            sites = len(m.linears) + 1  # every routed module, and the context K/V of all layers
+            if max_rows == 0:
+                assert be.calls["fused"] == 0 and be.calls["dense"] >= sites
+            elif max_rows == 8:
+                assert set(ext.rows) == {d.contract.block_size} and 9 not in ext.rows
+                assert be.calls["dense"] >= 1 and be.calls["fused"] >= 1
+            else:
+                assert be.calls["dense"] == 0 and 9 in ext.rows
+            assert isinstance(m.kv_a_all if variant == "k3" else m.kv_w, FusedLinear)
+    finally:
+        set_backend(DequantBackend())
+    assert results[0] == results[8] == results[1 << 20]
+
+
+def test_dense_model_keeps_the_plain_ops(pair) -> None:
+    from draft_server.models.layers import ops
+
+    _, draft, target = pair["k3"]
+    m = load_drafter(draft, target, "cpu", "float32", 1 << 20).model
+    assert m.weight_info.format == "dense" and not m.linears
+    assert (m.linear, m.linear_add, m.swiglu_add) == (F.linear, ops.linear_add, ops.swiglu_add)
+    assert not {"linear", "linear_add", "swiglu_add"} & set(vars(m))
+
+
+# -- exllamav3 1.6.5's own sources (the wheel the device run carries) --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exl3_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not WHEEL.exists():
+        pytest.skip(f"no {WHEEL.relative_to(ROOT)} (python -m pip download exllamav3==1.6.5 --no-deps -d .whl)")
+    root = tmp_path_factory.mktemp("exl3src")
+    with zipfile.ZipFile(WHEEL) as z:
+        z.extractall(root)
+    return root
+
+
+def test_build_args_are_exllamav3s_own(exl3_src: Path) -> None:
+    """Our JIT build of exllamav3_ext has exllamav3/ext.py's arguments (one shared TORCH_EXTENSIONS_DIR
+    build), its source list is every CUDA translation unit, and the exllamav3 names we use exist."""
+    probe = textwrap.dedent(
+        f"""
+        import importlib.machinery, inspect, json, os, sys, types
+        sys.path.insert(0, {str(exl3_src)!r})
+        sys.modules["llguidance"] = None  # optional in exllamav3, absent on the device
+        sys.modules["marisa_trie"] = None
+        from torch.utils import cpp_extension
+        seen = {{}}
+        fake = types.ModuleType("exllamav3_ext")
+        def getattr_(n):
+            if n.startswith("__"):
+                raise AttributeError(n)
+            return lambda *a, **k: None
+        fake.__getattr__ = getattr_
+        def load(**kw):
+            seen.update(kw)
+            return fake
+        cpp_extension.load = load
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+        from draft_server.models.exl3.cuda import build_args, package_root
+        ours = build_args(package_root())
+        import exllamav3  # runs exllamav3/ext.py, which calls load(): captured
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+        from exllamav3.modules.quant.exl3_lib.quantize import quantize_exl3
+        from exllamav3.modules.linear import Linear
+        sig = lambda f: list(inspect.signature(f).parameters)
+        print(json.dumps({{
+            "same": ours == seen, "ours": {{k: v for k, v in ours.items() if k != "sources"}},
+            "sources": ours["sources"],
+            "LinearEXL3": sig(LinearEXL3.__init__), "forward": sig(LinearEXL3.forward),
+            "inner": sig(LinearEXL3.get_inner_weight_tensor), "weight": sig(LinearEXL3.get_weight_tensor),
+            "quantize_exl3": sig(quantize_exl3), "init_H_data": sig(Linear.init_H_data),
+        }}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["same"], r["ours"]
+    src = [os.path.relpath(s, exl3_src / "exllamav3" / "exllamav3_ext") for s in r["sources"]]
+    assert "bindings.cpp" in src and "quant/exl3_gemm.cu" in src and "quant/reconstruct.cu" in src
+    assert not any(s.startswith("rocm/") for s in src) and all(s.endswith((".cu", ".cpp", ".c")) for s in src)
+    assert sum(s.endswith(".cu") for s in src) > 150 and sum(s.endswith(".cpp") for s in src) > 10
+    assert "-O3" in r["ours"]["extra_cuda_cflags"] and "--use_fast_math" in r["ours"]["extra_cuda_cflags"]
+    init = ["self", "config", "in_features", "out_features", "scale", "su", "sv", "suh", "svh", "trellis", "mcg"]
+    assert r["LinearEXL3"][: len(init) + 3] == [*init, "mul1", "bias", "out_dtype"]
+    assert r["forward"] == ["self", "x", "params", "out_dtype"]
+    assert r["inner"][0] == "self" and r["weight"] == ["self"]
+    assert r["quantize_exl3"][:5] == ["weight", "H_data", "quant_args", "return_weight_q", "progress_str"]
+    assert r["init_H_data"] == ["self", "init_tensor"]
+
+
+def test_exl3_gemm_binding_takes_what_we_pass(exl3_src: Path) -> None:
+    ext = exl3_src / "exllamav3" / "exllamav3_ext"
+    header = (ext / "quant" / "exl3_gemm.cuh").read_text()
+    decl = header[header.index("int exl3_gemm\n") :]
+    decl = decl[: decl.index(");")]
+    params = [p.split()[-1].strip("&*") for p in decl[decl.index("(") + 1 :].split(",")]
+    assert params == ["A", "B", "C", "suh", "A_had", "svh", "force_shape_idx", "mcg", "mul1", "force_num_sms"]
+    assert 'm.def("exl3_gemm", &exl3_gemm' in (ext / "bindings.cpp").read_text()
+    assert 'getenv("EXL3_INT8_GEMV")' in (ext / "quant" / "exl3_gemv_int8.cu").read_text()
+
+
+def test_golden_job_reads_with_our_decoder(tmp_path: Path) -> None:
+    """The golden job's CPU-side comparison (what it prints on the GPU box) on a CPU-made fixture."""
+    from draft_tools.exl3_golden import compare
+
+    t = random_linear(256, 128, 2, "mul1", seed=8)
+    lin = Exl3Linear("x", 128, 256, t["trellis"], t["suh"], t["svh"], "mul1")
+    from draft_server.models.exl3.decode import weight_fp16_like_exllamav3
+
+    x = torch.randn(7, 128).half()
+    w = weight_fp16_like_exllamav3(lin.inner(), lin.suh, lin.svh)
+    fx = {**t, "inner": lin.inner(), "weight": w, "x": x, "y_gemm": (x.float() @ w.float()).half()}
+    row = compare(SimpleNamespace(stem="f"), {"codebook": "mul1", "in": "128", "out": "256", "K": "2"}, fx)
+    assert row["inner"] == "exact" and row["weight_err"] < 2e-3 and row["y_err"] < 1e-2
