@@ -9,6 +9,7 @@ msgspec only: both sides import it, and the client side lives inside the target 
 
 from protocol.codec import ProtocolError, decode_any, decode_reply, decode_request, encode, spec_for, tensor
 from protocol.messages import (
+    FEATURE_EARLY_TAPS,
     GREEDY,
     PROTOCOL_VERSION,
     DType,
@@ -18,6 +19,7 @@ from protocol.messages import (
     Free,
     Hello,
     ModelContract,
+    Phase,
     Ping,
     Pong,
     RingAck,
@@ -39,6 +41,7 @@ from protocol.messages import (
 from protocol.validate import check_entry, validate_step
 
 __all__ = [
+    "FEATURE_EARLY_TAPS",
     "GREEDY",
     "PROTOCOL_VERSION",
     "DType",
@@ -48,6 +51,7 @@ __all__ = [
     "Free",
     "Hello",
     "ModelContract",
+    "Phase",
     "Ping",
     "Pong",
     "ProtocolError",

@@ -24,6 +24,31 @@ class Status(enum.IntEnum):
     EXPIRED = 2  # budget passed before drafting could start; rows applied, no drafts
     BAD_ENTRY = 3  # entry invalid (message says why); rows NOT applied
     INTERNAL = 4  # server-side failure while computing; rows state unknown (resend)
+    # a commit (``Phase.COMMIT``) whose context rows below its position are not all held (a lost
+    # Taps, a restart in between): nothing drafted, its rows NOT applied; ``end``/``start`` say what
+    # the session holds (-1: nothing). Only ever sent for commit entries, which only a client that
+    # saw ``FEATURE_EARLY_TAPS`` in the Welcome sends: an older client never sees this value.
+    MISSING_ROWS = 5
+
+
+class Phase(enum.IntEnum):
+    """Which part of a verify step a Step entry carries (DESIGN §4, "Early taps").
+
+    WHOLE is the single message: rows, then the anchor and k drafts. With early taps (negotiated:
+    ``FEATURE_EARLY_TAPS`` in the Welcome) the target sends every row of its verified span as an
+    ingest-only TAPS entry right after its forward, then, once its sampler has decided, a COMMIT
+    entry (rows usually 0, ``pos`` = the committed context end, the anchor, k): the server drafts
+    from the rows it holds below ``pos`` (rows past it, the rejected drafts, are cut), or answers
+    ``Status.MISSING_ROWS`` when it does not hold them all. Rejected rows are simply overwritten
+    by position later.
+    """
+
+    WHOLE = 0
+    TAPS = 1  # ingest only (k = 0), early: ingested after any waiting commit's drafting
+    COMMIT = 2  # drafts only from context held below its first row; never from a gap
+
+
+FEATURE_EARLY_TAPS = "early_taps"  # Welcome.features: the server takes Phase.TAPS / Phase.COMMIT entries
 
 
 class ErrorCode(enum.IntEnum):
@@ -190,7 +215,8 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
 
     ``rows`` committed rows at absolute positions pos..pos+rows-1 (their taps are the next
     ``rows`` rows of the Step's tap frame, in entry order), then the anchor token at position
-    pos+rows, and the wish for ``k`` drafts after it (k=0: ingest only).
+    pos+rows, and the wish for ``k`` drafts after it (k=0: ingest only). ``phase``: see ``Phase``
+    (omitted on the wire when WHOLE, so older peers read and write the same bytes).
     """
 
     session: str
@@ -199,6 +225,7 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     anchor: int
     k: int
     sampling: Sampling = GREEDY
+    phase: Phase = Phase.WHOLE
 
 
 class Hello(_Message, tag="hello"):
@@ -221,6 +248,7 @@ class Welcome(_Message, tag="welcome"):
     wire: WireOffer = WireOffer()
     transports: tuple[str, ...] = (Transport.FRAMES.value,)  # what this server takes (older servers: frames)
     ring: str = ""  # the name of the Hello's ring, mapped ("" : none asked for)
+    features: tuple[str, ...] = ()  # optional behaviours this server has, e.g. FEATURE_EARLY_TAPS
 
 
 class Step(_Message, tag="step"):

@@ -21,6 +21,7 @@ from protocol.messages import (
     GREEDY,
     ErrorCode,
     ModelContract,
+    Phase,
     RowsAt,
     Sampling,
     ServerLimits,
@@ -67,6 +68,8 @@ def check_entry(e: StepEntry, contract: ModelContract, limits: ServerLimits) -> 
         return f"k={e.k} outside [0, block_size={contract.block_size}]"
     if not 0 <= e.anchor < contract.vocab_size:
         return f"anchor token {e.anchor} outside vocab [0, {contract.vocab_size})"
+    if e.phase == Phase.TAPS and e.k:
+        return f"a taps entry is ingest only (k=0), got k={e.k}"
     return check_sampling(e.sampling, contract.vocab_size)
 
 

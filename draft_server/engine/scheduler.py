@@ -16,6 +16,15 @@ One engine iteration:
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
 restarts the session at pos (counted by cause). Every reply names the context [start, end) its
 session holds. Sessions are keyed by (owner, session id).
+
+Early taps (``protocol.Phase``): a TAPS entry (the whole verified span, sent right after the
+target's forward) is acknowledged once admitted and ingested only by a batch with no drafting
+in it (sessions with a draft waiting go first; their own taps precede their commit by the
+per-session FIFO). A COMMIT that arrives while its session's taps still wait is folded into
+them: one entry with the taps' rows up to the commit's position and the commit's drafts, the
+rejected rows never ingested: what the single message would have been. A COMMIT on its own
+drafts from [start, pos) only when the session holds every row below ``pos`` (the rows past it
+are cut, as any positional overwrite does); otherwise it answers MISSING_ROWS, never a gap restart.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from draft_server.engine.admission import Admission
 from draft_server.engine.sessions import Session, SessionTable
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
-from protocol import DType, EntryResult, Status, StepResult, Timing, spec_for
+from protocol import DType, EntryResult, Phase, Status, StepResult, Timing, spec_for
 
 log = logging.getLogger("draft_server.engine")
 
@@ -145,10 +154,41 @@ class Engine:
                 old.k = 0
                 self.metrics.stale_steps.labels("superseded").inc()
                 self._resolve(old, EntryResult(Status.EXPIRED, end=old.end, message="superseded by a newer step"))
+        if w.phase == Phase.COMMIT and self._fold_commit(s, w):
+            return
         s.pending.append(w)
         if not w.k:  # ingest only: acknowledged now that its session is admitted
             start = s.start if s.known and s.start <= w.pos <= s.end else w.pos
             self._resolve(w, EntryResult(Status.OK, end=w.end, start=start))
+
+    def _fold_commit(self, s: Session, w: Work) -> bool:
+        """Fold a commit (no rows) into its session's early taps still waiting (see the module
+        docstring): the taps' work takes the commit's call, anchor, k and end. False if there are none."""
+        t = s.pending[-1] if s.pending else None
+        if w.rows or t is None or t.phase != Phase.TAPS or t.taps is None or not t.pos < w.pos <= t.pos + t.rows:
+            return False
+        cut = t.pos + t.rows - w.pos  # rejected drafts' rows: never ingested
+        if cut:
+            self.admission.retire_rows(t.call.owner, cut)
+            t.taps = t.taps[: w.pos - t.pos]
+        t.call, t.idx, t.anchor, t.k, t.sampling, t.end = w.call, w.idx, w.anchor, w.k, w.sampling, w.end
+        t.phase = Phase.WHOLE
+        return True
+
+    def _rows_missing(self, s: Session, w: Work) -> bool:
+        """A commit whose session does not hold every row below its first row: answered
+        MISSING_ROWS (nothing applied, nothing drafted; the client resends), True."""
+        if w.phase != Phase.COMMIT or w.pos == 0 or (s.known and s.start <= w.pos <= s.end):
+            return False
+        s.pending.popleft()
+        held = EntryResult(
+            Status.MISSING_ROWS,
+            end=s.end if s.known else -1,
+            start=s.start if s.known else -1,
+            message=f"rows below {w.pos} not held",
+        )
+        self._resolve(w, held, rows_done=True, why="missing_rows")
+        return True
 
     def _has_decode_work(self) -> bool:
         return any(s.pending and s.pending[0].rows <= self.chunk for s in self.sessions)
@@ -157,6 +197,7 @@ class Engine:
         now = time.monotonic()
         self._expire(now)
         ready: dict[bytes, list[Session]] = {}
+        early: dict[bytes, list[Session]] = {}  # nothing but early taps queued: only in a batch without drafts
         prefill: Session | None = None
         for s in self.sessions:
             if not s.pending:
@@ -166,10 +207,11 @@ class Engine:
                 if prefill is None or w.call.recv_t < prefill.pending[0].call.recv_t:
                     prefill = s
                 continue
-            ready.setdefault(s.owner, []).append(s)
+            urgent = w.phase != Phase.TAPS or any(x.k for x in s.pending)
+            (ready if urgent else early).setdefault(s.owner, []).append(s)
         decode: list[tuple[Session, Work]] = []
         rows = 0
-        clients = list(ready.values())
+        clients = list((ready or early).values())
         if clients:
             self._rr = (self._rr + 1) % len(clients)
             clients = clients[self._rr :] + clients[: self._rr]  # who goes first rotates
@@ -247,6 +289,8 @@ class Engine:
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
         for s, w in batch:
+            if self._rows_missing(s, w):
+                continue
             if not self._place(s, w, w.rows):
                 self._kv_full(s, w)
                 continue
@@ -303,6 +347,8 @@ class Engine:
         w = s.pending[0]
         assert w.taps is not None
         n = min(self.chunk, w.rows)
+        if self._rows_missing(s, w):
+            return
         if not self._place(s, w, n):
             self._kv_full(s, w)
             return

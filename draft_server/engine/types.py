@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import EntryResult, Sampling, WireFormat
+from protocol import EntryResult, Phase, Sampling, WireFormat
 
 SessionKey = tuple[bytes, str]  # (owner, session id)
 
@@ -49,6 +49,9 @@ class Work:
     sampling: Sampling
     end: int  # session end once all rows are in
     fmt: str = WireFormat.BF16.value  # the wire format of ``taps`` (the Step's)
+    # TAPS: early rows, ingested after waiting commits; COMMIT: drafts only if the session holds the
+    # rows below ``pos`` (else MISSING_ROWS); WHOLE: today's single message (a gap restarts)
+    phase: Phase = Phase.WHOLE
 
     @property
     def rows(self) -> int:

@@ -52,6 +52,7 @@ from draft_server.engine import Call, Engine, Work
 from draft_server.io.rings import Rings
 from draft_server.metrics import ServerMetrics
 from protocol import (
+    FEATURE_EARLY_TAPS,
     PROTOCOL_VERSION,
     DType,
     EntryResult,
@@ -60,6 +61,7 @@ from protocol import (
     Free,
     Hello,
     ModelContract,
+    Phase,
     Ping,
     Pong,
     ProtocolError,
@@ -351,6 +353,7 @@ class Router:
                 wire=self.offer,
                 transports=self.transports,
                 ring=ring,
+                features=(FEATURE_EARLY_TAPS,),
             ),
         )
 
@@ -398,12 +401,12 @@ class Router:
             if unread:  # answered now; its rows still commit, in order
                 self._set(call, i, EntryResult(Status.EXPIRED, end=end, message=f"read {waited:.0f} ms late"))
                 k = 0
-            elif e.k == 0 and rows is None:
-                self._set(call, i, EntryResult(Status.OK, end=end))  # nothing to do
+            elif e.k == 0 and rows is None:  # nothing to do (a commit of k=0 claims no context either)
+                self._set(call, i, EntryResult(Status.OK, end=-1 if e.phase == Phase.COMMIT else end))
             else:
                 call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
             if rows is not None or k:
-                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire))
+                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire, e.phase))
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on

@@ -9,7 +9,8 @@ drop and delay is logged with its monotonic time and routing id, so the soak can
 calls a fault touched. Backends use IMMEDIATE and a 10 ms reconnect interval: a request the
 backend cannot take (a new backend still connecting, the server down) is retried for
 ``hold_unroutable_ms`` (20 ms), then dropped and counted as ``unroutable``, never queued long
-and delivered stale.
+and delivered stale. ``phases`` narrows request faults to Steps whose entries are early taps or
+commits (``protocol.Phase``: the faults between a Taps and its Commit).
 
 Runs in its own process (``run_proxy``) so that its work never competes with a client's GIL;
 SIGTERM stops it and it writes its counters and event log as JSON.
@@ -29,6 +30,8 @@ from typing import Any
 
 import zmq
 
+from protocol import ProtocolError, Step, decode_request
+
 
 @dataclass
 class ProxyConfig:
@@ -41,6 +44,7 @@ class ProxyConfig:
     seed: int = 0
     only_steps: bool = False  # drop/delay only Step requests and their replies (not Hello/Ping/Free)
     hold_unroutable_ms: float = 20.0  # retry a request the backend cannot take yet for this long
+    phases: tuple[str, ...] = ()  # e.g. ("taps", "commit"): request faults only for Steps of these phases
 
 
 @dataclass
@@ -70,6 +74,17 @@ def _is_step(header: bytes) -> bool:
 
 def _is_result(header: bytes) -> bool:
     return _RESULT_TAG in header[:16]
+
+
+def _step_phase(header: bytes) -> str:
+    """The phase of a Step's entries ("whole", "taps" or "commit"; a Step carries one)."""
+    try:
+        step = decode_request(header)
+    except ProtocolError:
+        return ""
+    if not isinstance(step, Step) or not step.entries:
+        return ""
+    return step.entries[0].phase.name.lower()
 
 
 class ChaosProxy:
@@ -111,6 +126,8 @@ class ChaosProxy:
         self.stats.events.append((time.monotonic(), kind, ident.decode("latin-1")))
 
     def _chaos_applies(self, header: bytes, reply: bool = False) -> bool:
+        if self.cfg.phases and not reply:
+            return _is_step(header) and _step_phase(header) in self.cfg.phases
         return not self.cfg.only_steps or (_is_result(header) if reply else _is_step(header))
 
     def _on_request(self, frames: list[bytes]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import StepEntry
+from protocol import Phase, StepEntry
 from target_client.api import DraftReply
 
 
@@ -34,7 +34,8 @@ class StepCall:
     taps: np.ndarray | None
     deadline: float  # time.monotonic() by which the caller stops waiting
     send: bool  # False: buffer the rows only (breaker open / not ready)
-    future: Future | None = None
+    future: Future | None = None  # None: nobody waits (early taps)
+    phase: Phase = Phase.WHOLE  # of every entry (``protocol.Phase``)
 
 
 @dataclass(slots=True, eq=False)
@@ -59,7 +60,7 @@ class CloseCmd:
 
 @dataclass(slots=True, eq=False)
 class Pending:
-    kind: str  # "step" | "ping" (a caller's) | "probe" (the breaker's) | "hello"
+    kind: str  # "step" | "taps" (early taps: nobody waits) | "ping" (a caller's) | "probe" (the breaker's) | "hello"
     call_id: int
     deadline: float
     sent_at: float

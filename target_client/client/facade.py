@@ -1,7 +1,8 @@
 """DraftClient: the target engine's thin client of the draft server (the public API only).
 
-Owns what callers see: the constructor, ``connect``, ``step``/``astep``, ``free``, ``ping``,
-``stats``, ``close`` and the read-only properties. Everything else is in the parts:
+Owns what callers see: the constructor, ``connect``, ``step``/``astep``, ``send_taps`` and
+``commit`` (early taps), ``free``, ``ping``, ``stats``, ``close`` and the read-only properties.
+Everything else is in the parts:
 
 * ``io_loop.IoLoop``: the one I/O thread that alone touches the ZeroMQ DEALER socket (the vLLM
   ``core_client`` shape); callers append a command to its queue and wake it through a pipe;
@@ -18,6 +19,15 @@ deadline. ``step()`` blocks at most its budget and never raises for a draft-side
 down, slow, restarted, overloaded, garbage, another model): it returns empty drafts for the
 requests it could not serve and counts why. ``ValueError`` is raised only for caller bugs,
 checked with ``protocol.validate`` before anything is sent.
+
+Early taps (``protocol.Phase``; only when the server's Welcome lists ``FEATURE_EARLY_TAPS``, see
+``early_taps``): ``send_taps`` hands the rows of a verify step to the I/O thread and returns at
+once, right after the target's forward; ``commit`` then asks for the drafts with entries of no
+rows (``pos`` = the committed context end), a few bytes on the critical path. The rows stay in
+the resend buffer until the Taps call's reply acknowledges them; a commit never carries rows
+that Taps call is still carrying, but does once it failed, and the next step does after a
+MISSING_ROWS answer. Without the feature ``send_taps`` returns False and the caller sends the
+single message with ``step()``.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import ModelContract, Pong, ServerLimits, Timing, Welcome
+from protocol import FEATURE_EARLY_TAPS, ModelContract, Phase, Pong, ServerLimits, Timing, Welcome
 from protocol.wire import RowLayout
 from target_client.api import (
     ClientConfig,
@@ -102,6 +112,12 @@ class DraftClient:
     def advised_k(self) -> int:
         """The server's latest load-aware k advice (-1: none)."""
         return self._io.advised_k
+
+    @property
+    def early_taps(self) -> bool:
+        """Whether the server takes early taps and commits (its Welcome lists FEATURE_EARLY_TAPS)."""
+        w = self._io.handshake.welcome
+        return w is not None and FEATURE_EARLY_TAPS in w.features
 
     @property
     def gate(self) -> str | None:
@@ -181,6 +197,37 @@ class DraftClient:
         ticket = StepTicket(self, t0, None)  # answered without waiting
         ticket.replies, ticket.outcome = call
         return ticket
+
+    def send_taps(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+    ) -> bool:
+        """Early taps: the rows of a verify step (requests with ``k=0``, every row of the span by
+        position, rejected ones included), sent by the I/O thread without waiting; acknowledged
+        within the budget or resent. False, with nothing sent or kept, when the server lacks early
+        taps (``early_taps``): send them with ``step()``. ValueError for a caller bug. ``taps`` is
+        kept by reference, as in ``step()``."""
+        if not self.early_taps:
+            return False
+        budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
+        hs = self._io.handshake
+        welcome = hs.welcome
+        limits = welcome.limits if welcome is not None else None
+        entries, taps = prepare(requests, taps, hs.pinned, limits, hs.layout, Phase.TAPS)
+        if entries and self._call_gate() != "closed":
+            deadline = time.monotonic() + budget / 1000.0
+            self._io.submit(StepCall(entries, taps, deadline, send=self._io.gate is None, phase=Phase.TAPS))
+        return True
+
+    def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:
+        """Drafts after early taps: ``step()`` with entries of no rows at ``pos`` = the committed
+        context end (the anchor's position). The server drafts from the rows below ``pos`` it
+        holds, or answers ``Status.MISSING_ROWS`` (no drafts) when it lacks some."""
+        t0 = time.monotonic()
+        call = self._begin(requests, None, budget_ms, t0, Phase.COMMIT)
+        if not isinstance(call, StepCall):
+            return call[0]
+        self._io.submit(call)
+        return StepTicket(self, t0, call).collect()
 
     async def astep(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
@@ -269,7 +316,12 @@ class DraftClient:
     # ------------------------------------------------------------------ step(), both flavours
 
     def _begin(
-        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, t0: float
+        self,
+        requests: Sequence[StepRequest],
+        taps: np.ndarray | None,
+        budget_ms: float | None,
+        t0: float,
+        phase: Phase = Phase.WHOLE,
     ) -> tuple[list[DraftReply], str] | StepCall:
         """The part of a step before the wait: the replies and outcome when it is answered at
         once (no requests; gate closed, rows only buffered), else the call to submit, with its future."""
@@ -277,7 +329,7 @@ class DraftClient:
         contract = self._io.handshake.pinned
         welcome = self._io.handshake.welcome
         limits = welcome.limits if welcome is not None else None
-        entries, taps = prepare(requests, taps, contract, limits, self._io.handshake.layout)
+        entries, taps = prepare(requests, taps, contract, limits, self._io.handshake.layout, phase)
         n = len(entries)
         if n == 0:
             return [], "ok"
@@ -285,9 +337,9 @@ class DraftClient:
         gate = self._call_gate()
         if gate is not None:
             if gate != "closed":
-                self._io.submit(StepCall(entries, taps, deadline, send=False))
+                self._io.submit(StepCall(entries, taps, deadline, send=False, phase=phase))
             return self._finish(t0, empty_replies(n), gate), gate
-        return StepCall(entries, taps, deadline, send=True, future=Future())
+        return StepCall(entries, taps, deadline, send=True, future=Future(), phase=phase)
 
     def _end(self, t0: float, call: StepCall, out: Outcome | None) -> list[DraftReply]:
         """The part after the wait: the outcome the I/O thread set, or a timeout."""

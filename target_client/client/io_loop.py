@@ -26,10 +26,24 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
-from protocol import EntryResult, Error, ErrorCode, Free, Ping, Pong, Status, StepResult, Timing, Welcome
+from protocol import (
+    FEATURE_EARLY_TAPS,
+    EntryResult,
+    Error,
+    ErrorCode,
+    Free,
+    Phase,
+    Ping,
+    Pong,
+    Status,
+    StepResult,
+    Timing,
+    Welcome,
+)
 from protocol.codec import ProtocolError, decode_reply, encode, tensor
 from target_client.api import ClientConfig, DraftClientError, DraftReply, empty_replies
 from target_client.client.breaker import Breaker
@@ -275,18 +289,25 @@ class IoLoop:
         n = len(call.entries)
         welcome = hs.welcome
         send = call.send and self.gate is None and welcome is not None
+        if call.phase != Phase.WHOLE and (welcome is None or FEATURE_EARLY_TAPS not in welcome.features):
+            # the server (restarted into an older build?) lacks early taps: taps are only buffered
+            # (the commit carries them), a commit goes as the single message's entry
+            send = send and call.phase == Phase.COMMIT
+            call.entries = tuple(msgspec.structs.replace(e, phase=Phase.WHOLE) for e in call.entries)
+            call.phase = Phase.WHOLE
         layout = hs.layout
         room = _NO_ROOM_LIMIT
         if send:
             assert layout is not None and welcome is not None
             room = room_for_resend(cfg, call, layout, welcome.limits)
         cid = next(self._ids) if send else None
-        merged = merge_rows(call, self.sessions, now, cid, layout, room, cfg.resend_rows_limit)
+        merged = merge_rows(call, self.sessions, now, cid, layout, room, cfg.resend_rows_limit, self._in_taps)
         if merged.skipped:
             self._c.entries_skipped.inc(merged.skipped)
         self._c.dropped_rows(merged.dropped)
         if not send:
-            self.breaker.gated_step(now, hs.need_hello)  # probe now if the breaker is open
+            if call.phase != Phase.TAPS:
+                self.breaker.gated_step(now, hs.need_hello)  # probe now if the breaker is open
             resolve(call.future, empty_replies(n), self.gate or "not_ready")
             return
         if not merged.entries:  # everything held back
@@ -310,8 +331,10 @@ class IoLoop:
         if merged.resent:
             self._m.resent_rows.inc(merged.resent)
             self._c.add("resent_rows", merged.resent)
+        if call.phase == Phase.TAPS:
+            self._c.add("taps_sent")
         self.pending[cid] = Pending(
-            "step",
+            "taps" if call.phase == Phase.TAPS else "step",
             cid,
             call.deadline,
             now,
@@ -322,6 +345,11 @@ class IoLoop:
             merged.local,
             n,
         )
+
+    def _in_taps(self, call_id: int) -> bool:
+        """Whether ``call_id`` is an early Taps call still awaiting its reply."""
+        p = self.pending.get(call_id)
+        return p is not None and p.kind == "taps"
 
     def _do_ping(self, cmd: PingCmd, now: float) -> None:
         if not self._send_ping(cmd, now):
@@ -385,12 +413,13 @@ class IoLoop:
         late = now - _EXPIRE_GRACE_S
         for cid in [c for c, p in self.pending.items() if p.deadline <= (late if p.kind == "step" else now)]:
             p = self.pending.pop(cid)
-            if p.kind == "step":
-                if p.future is not None:
-                    p.future.cancel()  # the caller gives up at the same deadline; a later reply is late
+            if p.kind in ("step", "taps"):  # a late reply may still acknowledge rows
                 self._expired[cid] = p
                 while len(self._expired) > _EXPIRED_KEEP:
                     self._expired.popitem(last=False)
+            if p.kind == "step":
+                if p.future is not None:
+                    p.future.cancel()  # the caller gives up at the same deadline; a later reply is late
                 self._miss(now)
             elif p.kind == "ping" and p.future is not None:
                 set_future(p.future, None)
@@ -439,8 +468,11 @@ class IoLoop:
         if msg.ring is not None and self.handshake.ring is not None:
             self.handshake.ring.ack(msg.ring)  # regions the server is done with, whatever the call
         p, late = self._take_pending(msg.call_id)
-        if p is None or p.kind != "step":
+        if p is None or p.kind not in ("step", "taps"):
             self._c.bad_reply()  # a call we never made, or one long forgotten
+            return
+        if p.kind == "taps":
+            self._on_taps_result(msg, p, now)
             return
         self._m.rtt.observe(now - p.sent_at)
         self.budget.add(now - p.sent_at)
@@ -454,14 +486,7 @@ class IoLoop:
             self._c.bad_reply()
             self._failed_step(p, now, late)
             return
-        for name, r in zip(p.sessions, msg.results, strict=True):
-            s = self.sessions.get(name)
-            if s is None:
-                continue
-            if r.status in _APPLIED:
-                s.ack(p.call_id, r.end)
-            elif r.status == Status.OVERLOADED and r.retry_after_ms > 0:
-                s.retry_at = now + min(r.retry_after_ms / 1000.0, _MAX_RETRY_AFTER_S)
+        self._ack(p, msg.results, now)
         self._note_epoch(msg.epoch)  # after the acks: this reply's own acks stand
         self.last_timing = msg.timing  # set before the future resolves, so a lone caller sees its own
         if late or not resolve(p.future, self._replies(p, msg.results, payloads), "ok"):
@@ -472,6 +497,30 @@ class IoLoop:
         self.advised_k = msg.advised_k
         for r in msg.results:
             self._c.entries[r.status].inc()
+
+    def _on_taps_result(self, msg: StepResult, p: Pending, now: float) -> None:
+        """An early Taps call's reply: acknowledgements only (nobody waits; never a breaker miss)."""
+        if self.handshake.contract_differs(msg.contract_id) or len(msg.results) != len(p.sessions):
+            self._note_epoch(msg.epoch)
+            self._c.bad_reply()
+            return
+        self._ack(p, msg.results, now)
+        for r in msg.results:
+            self._c.entries[r.status].inc()
+        self._note_epoch(msg.epoch)
+
+    def _ack(self, p: Pending, results: Sequence[EntryResult], now: float) -> None:
+        """The resend buffers after a reply to call ``p``: rows acknowledged, held back, or due again."""
+        for name, r in zip(p.sessions, results, strict=True):
+            s = self.sessions.get(name)
+            if s is None:
+                continue
+            if r.status in _APPLIED:
+                s.ack(p.call_id, r.end)
+            elif r.status == Status.MISSING_ROWS:
+                s.unsent()  # the early taps carrying them did not arrive: the next step resends
+            elif r.status == Status.OVERLOADED and r.retry_after_ms > 0:
+                s.retry_at = now + min(r.retry_after_ms / 1000.0, _MAX_RETRY_AFTER_S)
 
     def _failed_step(self, p: Pending, now: float, late: bool) -> None:
         """A step's reply came but is unusable: the caller gets empty drafts and it is a miss."""
@@ -499,7 +548,7 @@ class IoLoop:
 
     def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
         if r.status != Status.OK:
-            return DraftReply([], r.status, retry_after_ms=r.retry_after_ms, message=r.message)
+            return DraftReply([], r.status, retry_after_ms=r.retry_after_ms, message=r.message, start=r.start)
         tokens = list(r.drafts[:k])  # msgspec already checked they are ints
         if vocab is not None and tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             self._c.bad_reply()
@@ -553,6 +602,8 @@ class IoLoop:
             if refusal is not None:
                 self._refuse(*refusal, now)
             return  # other errors (e.g. NOT_READY): the Hello is retried on its timer
+        if p.kind == "taps":  # its rows stay buffered: the commit (or the next step) resends them
+            return
         if p.kind == "step":
             if late:
                 self._late(p, now, True)

@@ -22,14 +22,14 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from protocol import ModelContract, RowsAt, Sampling, ServerLimits, Status, Step, StepEntry, TensorSpec
+from protocol import ModelContract, Phase, RowsAt, Sampling, ServerLimits, Status, Step, StepEntry, TensorSpec
 from protocol.codec import NUMPY_DTYPE, encode, spec_for
 from protocol.validate import check_entry, check_sampling
 from protocol.wire import RowLayout
@@ -78,8 +78,9 @@ def prepare(
     contract: ModelContract | None,
     limits: ServerLimits | None,
     layout: RowLayout | None,
+    phase: Phase = Phase.WHOLE,
 ) -> tuple[tuple[StepEntry, ...], np.ndarray | None]:
-    """Check the caller's arguments (ValueError on a caller bug); build the wire entries.
+    """Check the caller's arguments (ValueError on a caller bug); build the wire entries (of ``phase``).
 
     ``layout``: (dtype, width) of the client's rows, None while unknown. Returns the entries and
     the taps (None when no request has rows)."""
@@ -97,8 +98,10 @@ def prepare(
                     raise ValueError(f"requests[{i}].{name} must be an int, got {getattr(r, name)!r}")
         if not isinstance(r.sampling, Sampling):
             raise ValueError(f"requests[{i}].sampling must be a protocol.Sampling")
-        e = StepEntry(r.session, int(r.pos), int(r.rows), int(r.anchor), int(r.k), r.sampling)
+        e = StepEntry(r.session, int(r.pos), int(r.rows), int(r.anchor), int(r.k), r.sampling, phase)
         err = entry_error(e, contract, limits)
+        if err is None and phase == Phase.TAPS and e.k:
+            err = f"early taps are ingest only (k=0), got k={e.k}"
         if err is None and e.session in seen:
             err = "session appears twice in one step"
         if err is not None:
@@ -190,12 +193,16 @@ def merge_rows(
     layout: RowLayout | None,
     room: int,
     limit: int,
+    in_taps: Callable[[int], bool] | None = None,
 ) -> MergedStep:
     """Merge each session's buffered rows with its new rows and buffer them again.
 
     ``call_id`` None: the step is not sent, its rows are only buffered. Else the rows go out
     with call ``call_id`` (at most ``room`` resent rows in all, ``limit`` per session) and stay
     buffered until acknowledged. Creates the SessionRows of sessions seen for the first time.
+    A commit (``Phase.COMMIT``, no rows of its own) does not resend rows an early Taps call still
+    in flight carries (``in_taps(call id)``): they stay buffered under that call, so its reply
+    acknowledges them; once it failed (or the commit was answered MISSING_ROWS) they go again.
     """
     send = call_id is not None
     out = MergedStep()
@@ -208,6 +215,9 @@ def merge_rows(
         if s is None:
             s = sessions[e.session] = SessionRows(now)
         s.last_used = now
+        carried = s.call_id if (send and new is None and e.phase == Phase.COMMIT) else None
+        if carried is not None and not (in_taps is not None and in_taps(carried)):
+            carried = None
         prev, d = s.take(e.pos, limit)
         out.dropped += d
         if prev and not fits(prev[0][1], layout):  # buffered before the row layout was known
@@ -229,6 +239,13 @@ def merge_rows(
             )
             out.skipped += 1
             out.zero_copy = out.zero_copy and new is None
+            continue
+        if carried is not None:  # on their way in the early Taps call: not twice
+            out.dropped += s.store(prev, limit, carried)
+            out.entries.append(e)
+            out.index.append(i)
+            out.sessions.append(e.session)
+            out.ks.append(e.k)
             continue
         if prev:
             have = chunk_rows(prev)

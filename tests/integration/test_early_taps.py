@@ -1,0 +1,214 @@
+"""Early taps and commits (``protocol.Phase``) against real draft-server processes.
+
+The checksum drafter's drafts are a hash of every context row and its position, so drafts equal
+to ``expected_drafts`` over the accepted rows prove the server drafted from exactly them: the
+rejected rows an early Taps carried were cut by the commit's position. Faults between a Taps and
+its Commit go through the chaos proxy (in a thread, its drop rates switched per step): a lost
+Taps is answered MISSING_ROWS (never drafts from the rows it has) and the next step resends the
+rows; a lost Commit costs that step's drafts only; a server restart in between and a preemption
+(Free) in between answer MISSING_ROWS, and the next step drafts again.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from draft_server.drafters.checksum import expected_drafts
+from draft_tools.chaos.proxy import ChaosProxy, ProxyConfig
+from protocol import Status
+from target_client import ClientConfig, DraftClient, DraftReply, StepRequest
+from tests.conftest import CHECKSUM_CONTRACT, free_port, random_taps, wait_for
+
+BUDGET = 500.0  # a real server in a subprocess on a shared 2-core machine
+VOCAB = CHECKSUM_CONTRACT.vocab_size
+K = 4
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+
+def make_client(endpoint: str, **kw) -> DraftClient:
+    kw.setdefault("budget_ms", BUDGET)
+    c = DraftClient(ClientConfig(endpoint=endpoint, expect=CHECKSUM_CONTRACT, registry=CollectorRegistry(), **kw))
+    c.connect(wait=True)
+    return c
+
+
+class Engine:
+    """One request as a target engine sees it: verify steps of k+1 rows, some accepted."""
+
+    def __init__(self, client: DraftClient, session: str = "r1", seed: int = 0) -> None:
+        self.client = client
+        self.session = session
+        self.rng = np.random.default_rng(seed)
+        self.rows: dict[int, bytes] = {}  # what the server must hold: accepted rows by position
+        self.start = 0
+        self.end = 0
+
+    def taps(self, n: int) -> tuple[int, np.ndarray]:
+        """Early taps of a span of ``n`` rows at the current end (sent now); (pos, rows)."""
+        pos, arr = self.end, random_taps(self.rng, n)
+        assert self.client.send_taps([StepRequest(self.session, pos, n, 0, 0)], arr)
+        return pos, arr
+
+    def commit(self, pos: int, arr: np.ndarray, accepted: int, budget_ms: float = BUDGET) -> DraftReply:
+        """Commit ``accepted`` of the span's rows; the rest were rejected drafts."""
+        for i in range(accepted):
+            self.rows[pos + i] = arr[i].tobytes()
+        self.end = pos + accepted
+        self.anchor = int(self.rng.integers(0, VOCAB))
+        return self.client.commit([StepRequest(self.session, self.end, 0, self.anchor, K)], budget_ms)[0]
+
+    def want(self) -> list[int]:
+        rows = {p: r for p, r in self.rows.items() if p >= self.start}
+        return expected_drafts(rows, self.start, self.end, self.anchor, K, VOCAB)
+
+    def step(self, n: int = K + 1, accepted: int | None = None) -> DraftReply:
+        pos, arr = self.taps(n)
+        acc = int(self.rng.integers(1, n + 1)) if accepted is None else accepted
+        return self.commit(pos, arr, acc)
+
+
+@pytest.fixture
+def proxied(server):
+    port = free_port()
+    proxy = ChaosProxy(ProxyConfig(frontend=f"tcp://127.0.0.1:{port}", backend=server.endpoint, seed=1))
+    t = threading.Thread(target=proxy.run, daemon=True)
+    t.start()
+    yield proxy, f"tcp://127.0.0.1:{port}"
+    proxy.stop()
+    t.join(5)
+
+
+def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
+    client = make_client(server.endpoint)
+    try:
+        assert client.early_taps and "early_taps" in client.welcome.features
+        eng = Engine(client)
+        r = eng.step(n=17, accepted=17)  # a prompt
+        assert r.status == Status.OK and r.tokens == eng.want() and r.start == 0
+        for _ in range(25):
+            r = eng.step()
+            assert r.status == Status.OK and r.tokens == eng.want(), (r, eng.end)
+        st = client.stats()
+        assert st["taps_sent"] == 26 and st["resent_rows"] == 0 and st["bad_replies"] == 0
+        assert wait_for(lambda: client.stats()["sessions"] == 1 and client._io.sessions["r1"].rows == 0, 5)
+        # the single message still works on the same session, by position
+        arr = random_taps(eng.rng, 2)
+        for i in range(2):
+            eng.rows[eng.end + i] = arr[i].tobytes()
+        out = client.step([StepRequest("r1", eng.end, 2, 7, K)], arr)[0]
+        eng.end, eng.anchor = eng.end + 2, 7
+        assert out.status == Status.OK and out.tokens == eng.want()
+    finally:
+        client.close()
+
+
+def lose_next(proxy: ChaosProxy, phase: str, eng: Engine) -> tuple[int, np.ndarray]:
+    """The next early Taps (phase "taps") or Commit ("commit") never reaches the server; sends the taps."""
+    proxy.cfg.phases = (phase,)
+    proxy.cfg.drop_request_p = 1.0
+    pos, arr = eng.taps(K + 1)
+    if phase == "taps":
+        assert wait_for(lambda: proxy.stats.dropped_requests == 1, 5)
+        proxy.cfg.drop_request_p = 0.0
+    return pos, arr
+
+
+def test_lost_taps_answer_missing_rows_then_resend(server, proxied) -> None:
+    proxy, endpoint = proxied
+    client = make_client(endpoint)
+    try:
+        eng = Engine(client, seed=1)
+        assert eng.step(n=9, accepted=9).tokens == eng.want()
+        pos, arr = lose_next(proxy, "taps", eng)
+        r = eng.commit(pos, arr, 3)
+        assert r.status == Status.MISSING_ROWS and r.tokens == [] and r.start == 0 and r.message
+        # the next step's Taps carries the missing rows again: full context, exact drafts
+        r = eng.step()
+        assert r.status == Status.OK and r.tokens == eng.want() and r.start == 0
+        assert client.stats()["resent_rows"] == 3
+        assert client.stats()["breaker_opens"] == 0
+        m = server.metrics()
+        assert m.get('draft_server_entries_total{status="missing_rows"}') == 1
+    finally:
+        client.close()
+
+
+def test_lost_commit_costs_its_step_only(server, proxied) -> None:
+    proxy, endpoint = proxied
+    client = make_client(endpoint)
+    try:
+        eng = Engine(client, seed=2)
+        assert eng.step(n=5, accepted=5).tokens == eng.want()
+        pos, arr = lose_next(proxy, "commit", eng)
+        r = eng.commit(pos, arr, 2, budget_ms=60.0)
+        assert r.status is None and r.tokens == []  # no answer within the budget
+        proxy.cfg.drop_request_p = 0.0
+        for _ in range(3):
+            r = eng.step()
+            assert r.status == Status.OK and r.tokens == eng.want()
+    finally:
+        client.close()
+
+
+def test_server_restart_between_taps_and_commit(server) -> None:
+    client = make_client(server.endpoint, restart_resend_rows=0)
+    try:
+        eng = Engine(client, seed=3)
+        assert eng.step(n=12, accepted=12).tokens == eng.want()
+        pos, arr = eng.taps(K + 1)
+        assert wait_for(lambda: client._io.sessions["r1"].rows == 0, 5)  # acknowledged by the old server
+        server.restart()
+        r = None
+        for _ in range(100):  # until the client talks to the new server
+            r = eng.commit(pos, arr, 2)
+            if r.status is not None:
+                break
+            eng.end = pos
+        assert r is not None and r.status == Status.MISSING_ROWS and r.tokens == [] and r.start == -1
+        # the next step's rows start a session after the gap, said by its start; drafts from those rows
+        eng.start = eng.end
+        r = eng.step()
+        assert r.status == Status.OK and r.start == eng.start and r.tokens == eng.want()
+        assert client.stats()["epoch_changes"] == 1
+    finally:
+        client.close()
+
+
+def test_preemption_between_taps_and_commit(server) -> None:
+    client = make_client(server.endpoint)
+    try:
+        eng = Engine(client, seed=4)
+        assert eng.step(n=6, accepted=6).tokens == eng.want()
+        pos, arr = eng.taps(K + 1)
+        client.free(["r1"])  # the engine preempted the request (ordered after the Taps)
+        r = eng.commit(pos, arr, 3)
+        assert r.status == Status.MISSING_ROWS and r.tokens == []
+        # recomputed from position 0 on resume: the whole context again, exact drafts
+        eng.rows, eng.end = {}, 0
+        r = eng.step(n=pos + 3, accepted=pos + 3)
+        assert r.status == Status.OK and r.start == 0 and r.tokens == eng.want()
+    finally:
+        client.close()
+
+
+def test_commit_after_failed_taps_carries_the_rows(server, proxied) -> None:
+    """A Taps call that failed (no reply within its budget) no longer counts as carrying its rows:
+    the commit sends them, and drafts come from the full context in that same step."""
+    proxy, endpoint = proxied
+    client = make_client(endpoint, budget_ms=40.0)
+    try:
+        eng = Engine(client, seed=5)
+        r = eng.step(n=4, accepted=4)
+        assert r.tokens == eng.want()
+        pos, arr = lose_next(proxy, "taps", eng)
+        assert wait_for(lambda: not client._io.pending, 2)  # the Taps call expired unanswered
+        r = eng.commit(pos, arr, 4, budget_ms=BUDGET)
+        assert r.status == Status.OK and r.tokens == eng.want()
+        assert client.stats()["breaker_opens"] == 0
+    finally:
+        client.close()
