@@ -95,6 +95,53 @@ class ClientMetrics:
         self.shm_fallbacks.labels("ring_full")
 
 
+VERIFY_STAGES = ("received", "sent", "accepted")
+MAX_POSITION_LABEL = 16  # draft positions past this share the label "16+"
+
+
+def position_label(j: int) -> str:
+    """Label of 1-based draft position j (a small fixed set)."""
+    return str(j) if j < MAX_POSITION_LABEL else f"{MAX_POSITION_LABEL}+"
+
+
+class VerifyMetrics:
+    """The draft_client_verify_* metrics of load-aware verification (``target_client.trim``,
+    fed by the vLLM proposer) on one registry."""
+
+    def __init__(self, registry: Any) -> None:
+        kw = {"registry": registry}
+        self.drafts = Counter(
+            "draft_client_verify_drafts",
+            "Drafts by 1-based position: received from the server, sent to the target for verification "
+            "(after trimming), accepted by the target",
+            ["stage", "position"],
+            **kw,
+        )
+        self.trimmed = Counter(
+            "draft_client_verify_trimmed_drafts", "Drafts received but not verified: load-aware trimming", **kw
+        )
+        self.trimmed_requests = Counter(
+            "draft_client_verify_trimmed_requests", "Request-steps that had at least one draft trimmed", **kw
+        )
+        self.advice_capped = Counter(
+            "draft_client_verify_advice_capped_requests",
+            "Request-steps that asked the server for fewer drafts because it advised a smaller k",
+            **kw,
+        )
+        self.cost = Gauge(
+            "draft_client_verify_cost_seconds",
+            "Fitted target step time: base (per step) and per_token (per verified token); -1 until fitted",
+            ["term"],
+            multiprocess_mode="livemax",
+            **kw,
+        )
+        for stage in VERIFY_STAGES:
+            for j in range(1, MAX_POSITION_LABEL + 1):
+                self.drafts.labels(stage, position_label(j))
+        for term in ("base", "per_token"):
+            self.cost.labels(term).set(-1)
+
+
 class FleetMetrics:
     """The draft_client_fleet_* metrics of ``target_client.fleet`` on one registry (its member
     clients count their own calls in the draft_client_* family on the same registry)."""
@@ -145,6 +192,11 @@ def _shared(cls: type, registry: Any) -> Any:
 def metrics_for(registry: Any = None) -> ClientMetrics:
     """The shared ClientMetrics of ``registry`` (default REGISTRY), created on first use."""
     return _shared(ClientMetrics, registry)
+
+
+def verify_metrics_for(registry: Any = None) -> VerifyMetrics:
+    """The shared VerifyMetrics of ``registry`` (default REGISTRY), created on first use."""
+    return _shared(VerifyMetrics, registry)
 
 
 def fleet_metrics_for(registry: Any = None) -> FleetMetrics:

@@ -4,6 +4,10 @@ Owns the queued-row counters (rows admitted by the I/O thread and not yet ingest
 state both threads touch, under a lock), in total and per client, the retry hint, and KV room
 for a session (the drafter's reservation, evicting idle sessions the session table allows).
 
+Load-aware k (DESIGN §5): every reply advises a k (``StepResult.advised_k``) once the queue is
+more than ``ADVISE_FROM`` full, shrinking linearly from the block size to 0 at a full queue (0:
+ingest only, no draft forward at all); below that, -1 (no advice).
+
 A client may hold at most its share of the queue: ``max_queue_rows / clients`` (clients with
 rows queued or live sessions, itself counted), so one client's row flood is answered
 ``overloaded`` to that client and room stays for every other client's rows.
@@ -17,6 +21,8 @@ from draft_server.drafters import Drafter
 from draft_server.engine.sessions import Session, SessionTable
 from draft_server.metrics import ServerMetrics
 from protocol import EntryResult, Status
+
+ADVISE_FROM = 0.25  # queue fill above which replies advise a smaller k
 
 
 class Admission:
@@ -69,6 +75,13 @@ class Admission:
         """How long until the current queue has likely drained."""
         iters = self._queued_rows / max(1, self.max_batch_rows) + 1
         return round(max(1.0, iters * self.iter_ewma_s * 1000.0), 3)
+
+    def advised_k(self, block_size: int) -> int:
+        """-1 (no advice) up to ``ADVISE_FROM`` queue fill, then block_size .. 0 as the queue fills."""
+        fill = self._queued_rows / max(1, self.max_queue_rows)
+        if fill <= ADVISE_FROM:
+            return -1
+        return max(0, int(block_size * (1.0 - fill) / (1.0 - ADVISE_FROM)))
 
     def overloaded(self, why: str) -> EntryResult:
         return EntryResult(Status.OVERLOADED, retry_after_ms=self.retry_hint_ms(), message=why)

@@ -400,6 +400,7 @@ class Engine:
                 compute_ms=round(call.compute_s * 1000, 4),
                 server_ms=round((now - call.recv_t) * 1000, 4),
             ),
+            advised_k=self.admission.advised_k(self.drafter.contract.block_size),
         )
         self.metrics.step_latency.observe(now - call.recv_t)
         self.send_reply(call.ident, res, call.payloads)

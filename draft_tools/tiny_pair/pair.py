@@ -93,7 +93,14 @@ class TinyDSpark(nn.Module):
         is the anchor token, prev[:, :, j] the label of row j-1). Returns logits [b, N, B, V]
         (base logits plus Markov bias); row j of anchor p predicts the token at p + j + 1.
         """
-        m, c = self.model(), self.c
+        m = self.model()
+        return m.logits(self.train_block(m, taps, anchors, tokens)) + m.markov_bias(m.markov_embed(prev))
+
+    def train_block(
+        self, m: DSparkModel, taps: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """The final-normed block rows z [b, N, B, H] of ``train_logits`` (same arguments)."""
+        c = self.c
         bsz, t_len, _ = taps.shape
         n_anc, blk = anchors.shape[1], c.block_size
         dev = taps.device
@@ -111,8 +118,7 @@ class TinyDSpark(nn.Module):
         own = own.tril() if c.causal else own
         blk_vis = torch.block_diag(*[own] * n_anc).expand(bsz, -1, -1)
         ctx = DenseContext(lambda layer: kv[layer], torch.cat([ctx_vis, blk_vis], dim=-1), m.layout, c.softmax_scale)
-        z = m.block(blk_ids.reshape(bsz, n_anc * blk), blk_pos, ctx).reshape(bsz, n_anc, blk, -1)
-        return m.logits(z) + m.markov_bias(m.markov_embed(prev))
+        return m.block(blk_ids.reshape(bsz, n_anc * blk), blk_pos, ctx).reshape(bsz, n_anc, blk, -1)
 
 
 def bf16_bits(x: torch.Tensor) -> np.ndarray:
@@ -221,12 +227,14 @@ def acceptance(
     k: int | None = None,
     stats: AcceptStats | None = None,
     wire: str = "bf16",
+    events: list[tuple[list[float], int]] | None = None,
 ) -> AcceptStats:
     """Greedy acceptance of ``draft`` on one prompt, mirroring the engine loop.
 
     The target's greedy continuation is computed once (greedy verification makes the output
     exactly that sequence); taps come from one causal forward of prompt + continuation, which
     equals what the engine computes row by row. Steps stop once the anchor passes the end.
+    ``events`` (when given) gets one (per-draft confidence, accepted drafts) per step.
     """
     stats = stats if stats is not None else AcceptStats()
     k = draft.c.block_size if k is None else k
@@ -241,7 +249,8 @@ def acceptance(
     drafter.ingest([IngestItem(session, 0, 0, rows(taps[0, : len(prompt)]), wire)])  # prefill
     p = len(prompt)  # anchor position; seq[p] is the target's first sampled token
     while p < total - 1:
-        drafts = drafter.draft([DraftItem(session, 0, p, seq[p], k, GREEDY)])[0].tokens
+        out = drafter.draft([DraftItem(session, 0, p, seq[p], k, GREEDY)])[0]
+        drafts = out.tokens
         acc = 0
         for d in drafts:
             if p + 1 + acc < total and d == seq[p + 1 + acc]:
@@ -250,6 +259,8 @@ def acceptance(
                 break
         stats.steps += 1
         stats.accepted_tokens += acc + 1
+        if events is not None:
+            events.append((list(out.confidence), acc))
         drafter.ingest([IngestItem(session, 0, p, rows(taps[0, p : p + acc + 1]), wire)])  # anchor + accepted
         p = p + acc + 1  # new anchor: the target's correction / bonus token
     drafter.release(session)

@@ -57,6 +57,7 @@ Configuration (environment variables, read in the worker process):
                            shared-memory ring (server on this host, same user and /dev/shm; else start-up
                            fails with one line), ``auto`` (shm when the server can map it, else frames).
 ``DRAFT_SHM_RING_MIB``     the ring's size with ``shm``/``auto`` (default 64; 2-4x a decode step's rows).
+``DRAFT_TRIM``             ``0``: send every draft to verification (default: load-aware trimming, below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
 ``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
@@ -113,6 +114,16 @@ probabilities gets a one-hot row (the same point-mass rule, per row). Without th
 under the point-mass rule) and ``_draft_probs`` stays None. ``stats()``: ``draft_prob_rows``,
 ``sampled_greedy_fallback``.
 
+Load-aware verification (``target_client.trim``, DSpark Algorithm 1). When the server's replies
+carry a confidence per draft (a checkpoint with a confidence head), each step's drafts are trimmed
+to the prefixes that maximise expected tokens per second, from the confidences and a cost model of
+the target's step time fitted from this engine's own steps: the time from ``_update_states``
+(``on_scheduler_output``) to ``propose_remote`` is the target's forward of ``query_start_loc[-1]``
+tokens; the rest of a step (drafting, scheduling) is a fixed cost. A trim happens only when the
+model predicts it pays by ``trim.Verifier.margin``; greedy output is unchanged either way (vLLM
+verifies a prefix of the drafts). The server's ``advised_k`` (it advises a smaller k as its queue
+grows) caps the k each request asks for. ``stats()["verify"]``; metrics ``draft_client_verify_*``.
+
 vLLM skips drafting for a whole step when some request is within k tokens of
 ``max_model_len`` (``_input_fits_in_drafter``); that step's rows are not sent and the session
 continues after a gap (counted in ``stats()["gaps"]``).
@@ -150,6 +161,7 @@ from target_client import (
 )
 from target_client.fleet.endpoints import is_fleet
 from target_client.projection import Projection
+from target_client.trim import Verifier
 from target_client.vllm.plugin import (
     RESOLVED_AUX_LAYERS,
     DraftStepContext,
@@ -324,6 +336,7 @@ class RemoteDSparkProposer:
         self._step_s = 0.0  # time spent inside client.step
         self._waits_ms: collections.deque[float] = collections.deque(maxlen=4096)  # recent step() waits
         self._lock = threading.Lock()  # guards _sent/_counts against close() from atexit
+        self.verifier = Verifier(enabled=os.environ.get("DRAFT_TRIM", "1").strip() != "0")
         atexit.register(self.close)
         logger.info(
             "RemoteDSparkProposer: server %s, taps %s (aux layers %s), k=%d, budget %.1f ms, %s, draft probs %s",
@@ -348,6 +361,7 @@ class RemoteDSparkProposer:
         self.aux_layer_ids = ()
         self._probs_top_n = 0
         self._pending_probs = None
+        self.verifier = None
         RESOLVED_AUX_LAYERS[CLASS_PATH] = ()  # this rank's graph has no aux outputs: its own cache key
         logger.info("RemoteDSparkProposer: passive rank (%s): vLLM uses another rank's drafts", self._layout_text())
 
@@ -384,6 +398,7 @@ class RemoteDSparkProposer:
     def on_scheduler_output(self, scheduler_output: Any) -> None:
         if self.client is None:
             return
+        self.verifier.step_started()  # the target's forward of this step follows
         finished = list(getattr(scheduler_output, "finished_req_ids", ()) or ())
         preempted = getattr(scheduler_output, "preempted_req_ids", None) or ()
         resumed = getattr(getattr(scheduler_output, "scheduled_cached_reqs", None), "resumed_req_ids", None) or ()
@@ -404,6 +419,8 @@ class RemoteDSparkProposer:
         """Drafts for one verify step, one list per row ([] = no drafts). Never raises (unless debugging)."""
         self._pending_probs = None
         self._counts["propose_calls"] += 1
+        if self.client is not None:
+            self.verifier.propose_started(int(ctx.query_start_loc[len(ctx.req_ids)]))
         try:
             return self._propose(ctx)
         except Exception:
@@ -414,6 +431,9 @@ class RemoteDSparkProposer:
                 logger.exception("RemoteDSparkProposer: internal error, no drafts this step (logged once)")
             self._pending_probs = None
             return [[] for _ in ctx.req_ids]
+        finally:
+            if self.client is not None:
+                self.verifier.propose_done()
 
     def take_draft_probs(self) -> Any:
         """The last step's ``[rows, k, vocab]`` float32 draft probabilities for vLLM's rejection
@@ -436,6 +456,8 @@ class RemoteDSparkProposer:
             if self._disabled is not None:
                 return out
         qsl = ctx.query_start_loc
+        advised = self.client.advised_k  # the server's load advice from its last reply (-1: none)
+        k_ask = self.k if advised < 0 else min(self.k, advised)
         requests: list[StepRequest] = []
         want: list[int] = []  # batch row of each request that asked for drafts (k > 0), else -1
         starts: list[int] = []
@@ -451,7 +473,11 @@ class RemoteDSparkProposer:
                 if sampled:
                     n_valid = (e - s) - nd + len(sampled) - 1
                     anchor = int(sampled[-1])
-                    k = self.k
+                    k = k_ask
+                    if nd:
+                        self.verifier.verified(len(sampled) - 1)  # last step's drafts: accepted
+                    if k < self.k:
+                        self.verifier.m.advice_capped.inc()
                 else:
                     n_valid = (e - s) - nd
                     nxt = pos + n_valid
@@ -497,6 +523,7 @@ class RemoteDSparkProposer:
         self._counts["steps"] += 1
         self._counts["rows_sent"] += total
         row_probs: dict[int, Any] = {}
+        confidence: list[list[float] | None] = [None] * n
         for j, reply in enumerate(replies):
             i = want[j] if j < len(want) else -1
             if i < 0:
@@ -504,6 +531,7 @@ class RemoteDSparkProposer:
             tokens = reply.tokens
             if tokens and len(tokens) <= self.k and all(0 <= t < self.vocab_size for t in tokens):
                 out[i] = [int(t) for t in tokens]
+                confidence[i] = list(getattr(reply, "confidence", None) or ()) or None
                 self._counts["drafted_requests"] += 1
                 self._counts["draft_tokens"] += len(tokens)
                 if i in with_probs:
@@ -512,6 +540,8 @@ class RemoteDSparkProposer:
                 if tokens:
                     self._counts["bad_drafts"] += 1
                 self._counts["empty_drafts"] += 1
+        keep = self.verifier.trim(confidence, [len(d) for d in out], n)
+        out = [d[:m] for d, m in zip(out, keep, strict=True)]
         if row_probs:
             self._pending_probs = self._dense_probs(out, row_probs, device)
         return out
@@ -653,6 +683,7 @@ class RemoteDSparkProposer:
         d["role"] = "driver"
         d["layout"] = self._layout_text()
         d["draft_probs_top_n"] = self._probs_top_n
+        d["verify"] = self.verifier.stats()
         d["client"] = self.client.stats()
         return d
 

@@ -98,6 +98,7 @@ def test_compute_hash_key() -> None:
 class FakeClient:
     contract: Any = None
     row_layout: Any = None
+    advised_k = -1  # the server's load advice (none)
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
@@ -232,6 +233,44 @@ def test_step_rows_anchors_taps(proposer: Any) -> None:
     col = np.arange(HIDDEN, dtype=np.float32)[None, :]
     expect = np.concatenate([_code(tok, col, -1.0), _code(tok, col, 1.0)], axis=1)  # contract order: tap 3, tap 1
     np.testing.assert_array_equal(vals, expect)
+
+
+def test_advised_k_caps_requests_and_confidence_trims_drafts(proposer: Any) -> None:
+    from target_client.trim import Line
+
+    table = np.arange(4 * 64, dtype=np.int32).reshape(4, 64) % VOCAB
+    ctx = _ctx(["a", "b", "c"], [0, 4, 9, 15], [3, 0, 0], [[11, 77], [42], []], [20, 30, 6], table)
+    proposer.client.advised_k = 2  # the server advises a smaller k: every request asks for 2
+    assert proposer.propose_remote(ctx) == [[78, 79], [43, 44], []]
+    assert [r.k for r in proposer.client.calls[-1][0]] == [2, 2, 0]
+    proposer.client.advised_k = -1
+    step = proposer.client.step
+
+    def with_confidence(requests: list[Any], taps: Any) -> list[Any]:
+        replies = step(requests, taps)
+        for r in replies:
+            r.confidence = [0.9, 0.3, 0.05][: len(r.tokens)]
+        return replies
+
+    proposer.client.step = with_confidence
+
+    class Steep:  # verifying a token costs as much as a step: the unlikely tail goes
+        observed = 0
+
+        def line(self) -> Line:
+            return Line(0.001, 0.001)
+
+        def observe(self, tokens: int, seconds: float) -> None:
+            pass
+
+    proposer.verifier.cost, proposer.verifier.margin = Steep(), 0.0
+    # survivals 0.9, 0.27, 0.0135: rates 2/4, 2.9/5, 3.8/6, 4.07/7 per ms for 0..3 of the 6 drafts
+    assert proposer.propose_remote(ctx) == [[78], [43], []]
+    v = proposer.stats()["verify"]
+    assert v["trimmed_drafts"] == 4 and v["trimmed_requests"] == 2
+    assert v["per_position"]["received"] == [4, 4, 2] and v["per_position"]["sent"] == [4, 2]
+    proposer.verifier.enabled = False  # DRAFT_TRIM=0
+    assert proposer.propose_remote(ctx) == [[78, 79, 80], [43, 44, 45], []]
 
 
 def test_wire_formats_encode_the_steps_rows(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:

@@ -110,3 +110,16 @@ def test_a_row_flood_is_held_to_its_share_of_the_queue() -> None:
     assert adm.try_admit_rows(b"calm", 20)  # two clients: 50 each
     assert not adm.try_admit_rows(b"flood", 30)  # 30 + 30 > 50: the flood is over its share
     assert adm.try_admit_rows(b"calm", 30)
+
+
+def test_advised_k_shrinks_as_the_queue_fills() -> None:
+    _, _, adm = _table(capacity=1000)  # max_queue_rows=100
+    assert adm.advised_k(5) == -1  # empty queue: no advice
+    assert adm.try_admit_rows(b"a", 25)
+    assert adm.advised_k(5) == -1  # a quarter full: still none
+    assert adm.try_admit_rows(b"a", 15)
+    assert adm.advised_k(5) == 4  # 40 %: 5 * 0.6 / 0.75
+    assert adm.try_admit_rows(b"a", 60)
+    assert adm.advised_k(5) == 0  # full: ingest only
+    adm.retire_rows(b"a", 100)
+    assert adm.advised_k(5) == -1
