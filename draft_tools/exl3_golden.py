@@ -8,8 +8,8 @@ CUDA machine with the ``exllamav3`` package installed (``draft_tools/exl3_gpu.sh
 
 - ``trellis`` int16, ``suh``/``svh`` fp16 and the codebook marker (``mcg``/``mul1``) as stored;
 - metadata ``inner_sha256``: sha256 of ``LinearEXL3.get_inner_weight_tensor()`` (fp16 ``Wq``, CUDA
-  ``reconstruct``), and for small shapes (k * n <= 32768) the tensors ``inner`` and ``weight``
-  (``get_weight_tensor()``, fp16 ``(in, out)``), so the committed fixtures stay small;
+  ``reconstruct``: the bit-exact check needs no tensor), and for small shapes (k * n <= 32768)
+  ``weight``: ``get_weight_tensor()``, fp16 ``(in, out)`` (the committed fixtures stay a few MB);
 - ``x`` fp16 ``[7, in]``; ``y_gemm`` / ``y_gemm_fp32``: ``exllamav3_ext.exl3_gemm(x, trellis, y, suh,
   A_had, svh, -1, mcg, mul1, 0)`` with fp16 / fp32 output (``EXL3_INT8_GEMV=0``, as ``Exl3Backend``
   calls it); ``y_forward``: ``LinearEXL3.forward(x, {})`` (7 rows: the ``BC_LinearEXL3.run_alloc`` path);
@@ -45,7 +45,7 @@ from draft_server.models.exl3.linear import Exl3Linear
 OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "exl3"
 SHAPES = ((128, 256), (256, 128), (512, 384))
 ROWS = 7
-SMALL = 128 * 256  # k * n up to which inner / weight are stored as tensors
+SMALL = 128 * 256  # k * n up to which get_weight_tensor() is stored
 MULT = {"mcg": MCG_MULT, "mul1": MUL1_MULT}
 Y_KEYS = ("y_gemm", "y_gemm_fp32", "y_forward")
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         inner = lin.get_inner_weight_tensor()
         t = {"trellis": trellis.cpu(), "suh": suh.cpu(), "svh": svh.cpu(), **{a: v.cpu() for a, v in extra.items()}}
         if k * n <= SMALL:
-            t.update(inner=inner.cpu(), weight=lin.get_weight_tensor().cpu())
+            t["weight"] = lin.get_weight_tensor().cpu()
         if mk is not None:
             t[cb] = mk
         x = (torch.randn((ROWS, k), generator=g) * 0.5).half().to(dev)
