@@ -14,6 +14,8 @@ scenarios. It reads JSON commands on stdin and answers each with one stdout line
 ``{"op": "stats"}``  the proposer's ``stats()`` and vLLM's spec-decode counters.
 ``{"op": "ranks", "port": P}``  every worker's proposer ``stats()`` (one per rank, in rank order)
     and how many TCP connections that worker process holds to port P (the draft server).
+``{"op": "rpc", "fn": "module:function", "args": [..]}``  ``LLM.collective_rpc`` of that function
+    (called with each worker and ``args``); answers ``{"results": [..]}`` (one per worker).
 ``generate``/``start`` take an optional ``"sampling": {"temperature": T, "seed": S}``: request i
 gets ``SamplingParams(temperature=T, seed=S + i)`` instead of greedy.
 ``{"op": "exit"}``
@@ -227,6 +229,12 @@ def main() -> int:
                 res = {"outputs": drv.drain()}
             elif op == "stats":
                 res = drv.stats()
+            elif op == "rpc":
+                import importlib
+
+                mod, name = cmd["fn"].split(":")
+                fn = getattr(importlib.import_module(mod), name)
+                res = {"results": list(drv.llm.collective_rpc(fn, args=tuple(cmd.get("args", ()))))}
             elif op == "ranks":
                 res = {"ranks": drv.ranks(int(cmd["port"]))}
             elif op == "exit":
