@@ -7,8 +7,8 @@ Two comparisons, each side by side in one run on one machine:
    ZeroMQ DEALER/ROUTER echo of the same bytes, and a gRPC (grpcio) unary echo of the same
    bytes. Echoes answer with a 64-byte reply, as small as ours. Ray Serve is not measured: it is
    not installable on the machines this runs on (say so in the JSON).
-2. **Drafts per second with 16 concurrent callers** (one session each, 3 rows + k drafts per
-   call): our server, which batches the callers' entries into one drafter call, against a
+2. **Drafts per second with 16 concurrent callers** (16 processes, one session each, 3 rows + k
+   drafts per call): our server, which batches the callers' entries into one drafter call, against a
    REQ/REP server that runs the same drafter on one request per call, one call at a time.
 
     python -m draft_tools.bench.peers --model checksum --out bench/results/peers_cpu.json
@@ -211,65 +211,66 @@ def ours_ms(endpoint: str, n: int, width: int, iters: int) -> dict[str, float]:
         client.close()
 
 
-def concurrent_drafts_per_s(call_factory: Any, seconds: float) -> float:
-    """CALLERS threads, each calling its own ``call()`` (one session, ROWS rows, K drafts) for ``seconds``."""
-    counts = [0] * CALLERS
-    stop = time.monotonic() + seconds
-    barrier = threading.Barrier(CALLERS)
+def _caller(kind: str, endpoint: str, width: int, i: int, seconds: float, barrier: Any, q: Any) -> None:
+    """One caller process: one session, ROWS rows + K drafts per call, for ``seconds``."""
+    call = (ours_caller if kind == "ours" else reqrep_caller)(endpoint, width, i)
+    barrier.wait()
+    n, stop = 0, time.monotonic() + seconds
+    while time.monotonic() < stop:
+        n += call()
+    q.put(n)
 
-    def run(i: int) -> None:
-        call = call_factory(i)
-        barrier.wait()
-        while time.monotonic() < stop:
-            counts[i] += call()
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(CALLERS)]
+def concurrent_drafts_per_s(kind: str, endpoint: str, width: int, seconds: float) -> float:
+    """CALLERS processes (as separate target engines are), all calling at once for ``seconds``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(CALLERS + 1), ctx.Queue()
+    procs = [ctx.Process(target=_caller, args=(kind, endpoint, width, i, seconds, barrier, q)) for i in range(CALLERS)]
+    for p in procs:
+        p.start()
+    barrier.wait(timeout=120)
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.monotonic() - t0)
+    total = sum(q.get(timeout=seconds + 60) for _ in procs)
+    dt = time.monotonic() - t0
+    for p in procs:
+        p.join(10)
+    return total / dt
 
 
-def ours_caller(endpoint: str, width: int) -> Any:
+def ours_caller(endpoint: str, width: int, i: int) -> Any:
     from target_client import ClientConfig, DraftClient, StepRequest
 
-    def factory(i: int) -> Any:
-        client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"caller-{i}"))
-        assert client.connect(wait=True) is not None
-        taps = np.ones((ROWS, width), np.uint16)
-        pos = [0]
+    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"caller-{i}"))
+    assert client.connect(wait=True) is not None
+    taps = np.ones((ROWS, width), np.uint16)
+    pos = [0]
 
-        def call() -> int:
-            r = client.step([StepRequest(f"c{i}", pos[0], ROWS, 1, K)], taps)
-            pos[0] = (pos[0] + ROWS) % 240
-            return len(r[0].tokens)
+    def call() -> int:
+        r = client.step([StepRequest(f"c{i}", pos[0], ROWS, 1, K)], taps)
+        pos[0] = (pos[0] + ROWS) % 240
+        return len(r[0].tokens)
 
-        return call
-
-    return factory
+    return call
 
 
-def reqrep_caller(endpoint: str, width: int) -> Any:
+def reqrep_caller(endpoint: str, width: int, i: int) -> Any:
     from protocol import DType, Step, StepEntry, decode_reply, encode, spec_for
 
-    def factory(i: int) -> Any:
-        s = zmq.Context.instance().socket(zmq.REQ)
-        s.connect(endpoint)
-        taps = np.ones((ROWS, width), np.uint16)
-        pos = [0]
+    s = zmq.Context.instance().socket(zmq.REQ)
+    s.connect(endpoint)
+    taps = np.ones((ROWS, width), np.uint16)
+    pos = [0]
 
-        def call() -> int:
-            msg = Step(1, 1000.0, (StepEntry(f"c{i}", pos[0], ROWS, 1, K),), spec_for(taps, DType.BF16, 0))
-            s.send_multipart(encode(msg, [taps]), copy=False)
-            rep = decode_reply(s.recv_multipart()[0])
-            pos[0] = (pos[0] + ROWS) % 240
-            return len(rep.results[0].drafts)  # type: ignore[union-attr]
+    def call() -> int:
+        msg = Step(1, 1000.0, (StepEntry(f"c{i}", pos[0], ROWS, 1, K),), spec_for(taps, DType.BF16, 0))
+        s.send_multipart(encode(msg, [taps]), copy=False)
+        rep = decode_reply(s.recv_multipart()[0])
+        pos[0] = (pos[0] + ROWS) % 240
+        return len(rep.results[0].drafts)  # type: ignore[union-attr]
 
-        return call
-
-    return factory
+    return call
 
 
 # ------------------------------------------------------------------------------ main
@@ -328,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ours_overhead_ms']:.3f}) ms",
                 flush=True,
             )
-        ours = concurrent_drafts_per_s(ours_caller(ep_srv, width), args.seconds)
+        ours = concurrent_drafts_per_s("ours", ep_srv, width, args.seconds)
         procs.append(spawn(["--reqrep", ep_rr, "--model", args.model, "--device", args.device]))
-        rr = concurrent_drafts_per_s(reqrep_caller(ep_rr, width), args.seconds)
+        rr = concurrent_drafts_per_s("reqrep", ep_rr, width, args.seconds)
         out["concurrent"] = {
             "callers": CALLERS, "ours_drafts_per_s": ours, "reqrep_drafts_per_s": rr, "ratio": ours / rr
         }  # fmt: skip
