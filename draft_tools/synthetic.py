@@ -5,6 +5,11 @@ Sessions arrive (staggered), stream a prefill, then decode: each step commits 1.
 and finishes after a random number of steps with a Free. Taps are random bf16 bit patterns
 taken as zero-copy slices of a pre-made pool. Every call is recorded (wait, statuses, drafts)
 for the demo, the benchmark and the soak. Uses the client only: no server code.
+
+``early_taps`` (when the server offers them): each step first sends its whole verified span as
+early taps (the committed rows and the rejected drafts' rows after them), then spends
+``sample_ms`` as the target's sampling would, then commits; the record's wait is the commit's
+(the critical path). ``draft_tools.bench.early_taps_gpu`` compares both ways at K3 size.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class CallRecord:
     tokens: int
     statuses: dict[str, int]
     bad_tokens: int = 0  # drafts outside the vocab or of the wrong count (must stay 0)
+    compute_ms: float = -1.0  # the server's compute for the reply (Timing.compute_ms; -1: none came)
 
 
 @dataclass(slots=True)
@@ -60,6 +66,8 @@ class SyntheticTarget:
     stagger_steps: int = 1  # a new session joins every this many steps at the start
     seed: int = 0
     pool_rows: int = 8192
+    early_taps: bool = False  # taps right after the "forward", a commit after sample_ms
+    sample_ms: float = 0.0  # the target's sampling between its forward and the commit (busy wait)
     records: list[CallRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -107,22 +115,33 @@ class SyntheticTarget:
         if not self._active:
             return None
         reqs: list[StepRequest] = []
+        spans: list[StepRequest] = []  # early taps: the verified span, rejected rows included
         for s in self._active:
+            span = 0
             if not s.prefilled:
-                rows = int(self.rng.integers(self.prefill_rows[0], self.prefill_rows[1] + 1))
+                rows = span = int(self.rng.integers(self.prefill_rows[0], self.prefill_rows[1] + 1))
                 s.prefilled = True
             else:  # anchor of the last step plus the drafts it accepted
                 accepted = 0
                 while accepted < self.k and self.rng.random() < self.accept_p:
                     accepted += 1
-                rows = 1 + accepted
+                rows, span = 1 + accepted, 1 + self.k
             anchor = int(self.rng.integers(0, self.contract.vocab_size))
             reqs.append(StepRequest(s.sid, s.end, rows, anchor, self.k))
+            spans.append(StepRequest(s.sid, s.end, span, 0, 0))
             s.end += rows
         total_rows = sum(r.rows for r in reqs)
-        taps = self._taps(total_rows)
-        start = time.perf_counter()
-        replies = self.client.step(reqs, taps)
+        early = self.early_taps and getattr(self.client, "early_taps", False)
+        if early and self.client.send_taps(spans, self._taps(sum(r.rows for r in spans))):
+            until = time.perf_counter() + self.sample_ms / 1000.0
+            while time.perf_counter() < until:  # the target samples meanwhile
+                pass
+            start = time.perf_counter()
+            replies = self.client.commit([StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs])
+        else:
+            taps = self._taps(total_rows)
+            start = time.perf_counter()
+            replies = self.client.step(reqs, taps)
         wait_ms = (time.perf_counter() - start) * 1000.0
         statuses: dict[str, int] = {}
         drafted = tokens = bad = 0
@@ -147,6 +166,7 @@ class SyntheticTarget:
             tokens=tokens,
             statuses=statuses,
             bad_tokens=bad,
+            compute_ms=timing.compute_ms if (timing := getattr(self.client, "last_timing", None)) and drafted else -1.0,
         )
         self.records.append(rec)
         finished = []

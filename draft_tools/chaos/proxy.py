@@ -9,8 +9,9 @@ drop and delay is logged with its monotonic time and routing id, so the soak can
 calls a fault touched. Backends use IMMEDIATE and a 10 ms reconnect interval: a request the
 backend cannot take (a new backend still connecting, the server down) is retried for
 ``hold_unroutable_ms`` (20 ms), then dropped and counted as ``unroutable``, never queued long
-and delivered stale. ``phases`` narrows request faults to Steps whose entries are early taps or
-commits (``protocol.Phase``: the faults between a Taps and its Commit).
+and delivered stale. Besides, a fraction ``phase_drop_p`` of the Steps whose entries are of one of
+``phases`` (``protocol.Phase`` names: "taps", "commit") is dropped: the faults between an early
+Taps and its Commit.
 
 Runs in its own process (``run_proxy``) so that its work never competes with a client's GIL;
 SIGTERM stops it and it writes its counters and event log as JSON.
@@ -44,7 +45,8 @@ class ProxyConfig:
     seed: int = 0
     only_steps: bool = False  # drop/delay only Step requests and their replies (not Hello/Ping/Free)
     hold_unroutable_ms: float = 20.0  # retry a request the backend cannot take yet for this long
-    phases: tuple[str, ...] = ()  # e.g. ("taps", "commit"): request faults only for Steps of these phases
+    phases: tuple[str, ...] = ()  # e.g. ("taps", "commit"): Steps of these phases ...
+    phase_drop_p: float = 0.0  # ... are dropped at this rate (on top of drop_request_p)
 
 
 @dataclass
@@ -126,14 +128,17 @@ class ChaosProxy:
         self.stats.events.append((time.monotonic(), kind, ident.decode("latin-1")))
 
     def _chaos_applies(self, header: bytes, reply: bool = False) -> bool:
-        if self.cfg.phases and not reply:
-            return _is_step(header) and _step_phase(header) in self.cfg.phases
         return not self.cfg.only_steps or (_is_result(header) if reply else _is_step(header))
 
     def _on_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             return
         ident, body = frames[0], frames[1:]
+        if self.cfg.phase_drop_p and _is_step(body[0]) and (phase := _step_phase(body[0])) in self.cfg.phases:
+            if self._rng.random() < self.cfg.phase_drop_p:
+                self.stats.dropped_requests += 1
+                self._event(f"drop_{phase}", ident)
+                return
         if self._chaos_applies(body[0]):
             if self.cfg.drop_request_p and self._rng.random() < self.cfg.drop_request_p:
                 self.stats.dropped_requests += 1

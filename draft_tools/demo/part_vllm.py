@@ -39,6 +39,11 @@ def _drafter_stats(worker: Any) -> dict[str, Any]:
     return drafter.stats() if drafter is not None and hasattr(drafter, "stats") else {}
 
 
+def _drafter_phases(worker: Any) -> list[dict[str, float]]:
+    drafter = getattr(worker.model_runner, "drafter", None)
+    return drafter.step_phases() if drafter is not None and hasattr(drafter, "step_phases") else []
+
+
 def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     """Runs inside a subprocess: one vLLM engine, the prompts, the numbers."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -65,6 +70,8 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     res["spec"] = counters
     if cfg.get("k"):
         res["drafter"] = llm.collective_rpc(_drafter_stats)[0]
+        if cfg.get("phases"):  # per-step times (draft_tools.bench.early_taps)
+            res["phases"] = llm.collective_rpc(_drafter_phases)[0]
     return res
 
 

@@ -24,6 +24,8 @@ Chaos modes (``--chaos``, each with its own rate flags):
   nan     a client's taps hold NaN and Inf                           (--neighbour-every-s)
   hijack  a second connection presents an engine's routing id        (--neighbour-every-s)
   stale   a client's steps say they were sent 10 s ago               (--neighbour-every-s)
+  taps    engines send early taps then commits (protocol.Phase); the proxy drops a fraction of
+          both (lost taps: MISSING_ROWS, then resent; lost commit: that step's drafts)   (--taps-drop-p)
 
 Invariants (all must hold for exit code 0):
 
@@ -140,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pause-ms", type=float, default=700.0, help="how long a pause lasts")
     c.add_argument("--drop-request-p", type=float, default=0.005, help="share of requests the proxy drops (drop)")
     c.add_argument("--drop-reply-p", type=float, default=0.005, help="share of replies the proxy drops (drop)")
+    c.add_argument(
+        "--taps-drop-p", type=float, default=0.02, help="share of early Taps and of Commits the proxy drops (taps)"
+    )
     c.add_argument("--delay-p", type=float, default=0.005, help="share of Step requests the proxy holds back (delay)")
     c.add_argument("--delay-ms", type=float, default=60.0, help="how long a held-back request waits")
     c.add_argument("--slow-p", type=float, default=0.003, help="share of draft batches slowed in the server (slow)")

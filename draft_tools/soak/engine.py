@@ -12,6 +12,13 @@ ingest-only k=0 step), then decodes: every step commits 1..k+1 rows (anchor plus
 drafts), with now and then a k=0 step in between, and finishes with a Free. Between steps the
 engine sleeps ``step_ms`` (its own verify forward).
 
+Early taps (``early_taps``, chaos mode "taps"): when the server offers them, every step first
+sends its span as an early Taps (``send_taps``: the committed rows plus the step's rejected
+drafts' rows, random ones the commit's position cuts off), then the drafts request as a commit
+(``commit``: no rows, pos = the committed end); the call record's wait is the commit's. A
+MISSING_ROWS answer (its Taps was lost) is a miss like any other, and the checksum check is the
+same: OK drafts must be those of exactly the context the reply names.
+
 Determinism: every random choice of a session (length, prompt, taps, anchors, acceptance,
 k=0 steps) comes from that session's own generator seeded by (seed, engine, session number),
 and sessions arrive in a fixed order, so the same seed gives the same sessions, rows and
@@ -68,6 +75,7 @@ CALL_COLUMNS = (
     "gc_ms",  # time this process spent in the cyclic garbage collector (holds the GIL)
     "steal_ms",  # host-wide steal time (the hypervisor ran another guest), summed over vCPUs
     "majflt",  # major page faults of the process (blocked on I/O)
+    "missing_rows",  # commits answered MISSING_ROWS (early taps: their Taps never arrived)
 )
 
 
@@ -93,6 +101,7 @@ class EngineSpec:
     reconnect_ivl_ms: int = 10
     breaker_backoff_ms: float = 500.0
     connect_timeout_s: float = 60.0
+    early_taps: bool = False  # taps right after the "forward", then a commit (see the module docstring)
 
 
 @dataclass
@@ -276,7 +285,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
 
     from draft_server.drafters.checksum import drafts_from_digests, row_digest
     from protocol import Status
-    from target_client import ClientConfig, FleetClient, StepRequest, make_client
+    from target_client import ClientConfig, DraftReply, FleetClient, StepRequest, make_client
 
     client = make_client(
         ClientConfig(
@@ -341,7 +350,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 active.append(s)
                 started += 1
                 arrivals += 1
-            reqs, parts, wants = [], [], []
+            reqs, parts, wants, spans = [], [], [], []
             for s in active:
                 r = s.rng
                 if s.steps == 0:
@@ -358,6 +367,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                     kk = 0 if r.random() < spec.k0_p else k
                 anchor = int(r.integers(0, vocab))
                 taps = _bf16_taps(r, rows, width)
+                if spec.early_taps:  # the span: these rows and the rejected drafts' rows after them
+                    spans.append(np.concatenate([taps, _bf16_taps(r, s.k_prev + 1 - rows, width)]) if s.steps else taps)
                 reqs.append(StepRequest(s.sid, s.end, rows, anchor, kk))
                 parts.append(taps)
                 wants.append(kk)
@@ -365,8 +376,24 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
             gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             faulthandler.dump_traceback_later(late_s, file=stacks)
+            early = (
+                spec.early_taps
+                and fleet is None
+                and bool(reqs)
+                and client.send_taps(
+                    [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, spans, strict=True)],
+                    np.ascontiguousarray(np.concatenate(spans)),
+                )
+            )
             t0 = time.monotonic()
-            replies = client.step(reqs, taps_all)
+            if early:
+                wanted = [(i, q) for i, q in enumerate(reqs) if q.k]
+                got = client.commit([StepRequest(q.session, q.pos + q.rows, 0, q.anchor, q.k) for _, q in wanted])
+                replies = [DraftReply([], Status.OK) for _ in reqs]  # an ingest-only step: acknowledged early
+                for (i, _), g in zip(wanted, got, strict=True):
+                    replies[i] = g
+            else:
+                replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
             faulthandler.cancel_dump_traceback_later()
             if t1 - t0 > late_s:

@@ -28,6 +28,7 @@ ALL_MODES = (
     "kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz",
     # noisy neighbours: clients that hurt others without breaking the protocol
     "sflood", "rflood", "nan", "hijack", "stale",
+    "taps",  # early taps: engines send taps then commits; the proxy drops some of both
 )  # fmt: skip
 TOUCHING = ("kill", "pause", "flood")  # windows that can change a session's drafts without a failed call
 
@@ -462,7 +463,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
         assert welcome is not None
         width = welcome.contract.tap_width
         engine_endpoints = list(endpoints)
-        if modes & {"drop", "delay"}:
+        if modes & {"drop", "delay", "taps"}:
             from draft_tools.chaos.proxy import ProxyConfig
 
             pcfgs = [
@@ -474,6 +475,8 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
                     delay_p=args.delay_p if "delay" in modes else 0.0,
                     delay_ms=args.delay_ms,
                     seed=args.seed + 1000 * i,
+                    phases=("taps", "commit"),
+                    phase_drop_p=args.taps_drop_p if "taps" in modes else 0.0,
                 )
                 for i, ep in enumerate(endpoints)
             ]
@@ -504,6 +507,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
                 checksum=args.drafter == "checksum",
                 max_steps=max_steps[i] if max_steps else 0,
                 reconnect_ivl_ms=args.reconnect_ivl_ms,
+                early_taps="taps" in args.modes,  # in the fault-free pass too: the same drafts
             )
             specs.append(spec)
             ready = ctx.Event()

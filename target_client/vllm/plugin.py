@@ -9,7 +9,7 @@ entry point ``[project.entry-points."vllm.general_plugins"] draft_service =
 (vLLM imports that inside ``GPUModelRunner.__init__``, before ``load_model``).
 
 Wrapped (vLLM 0.32 V1 runner, ``vllm/v1/worker/gpu_model_runner.py``; ``CPUModelRunner``
-inherits all four):
+inherits all five):
 
 ==========================================================  =====================================
 ``GPUModelRunner._setup_eagle3_aux_hidden_state_outputs``   turn on ``use_aux_hidden_state_outputs``
@@ -17,11 +17,24 @@ inherits all four):
 ``GPUModelRunner._get_eagle3_aux_layers_from_config``       return ``drafter.aux_layer_ids``
 ``GPUModelRunner._update_states``                           ``drafter.on_scheduler_output(so)``
                                                             (finished / preempted / resumed)
+``GPUModelRunner.execute_model``                            after the target's forward, before
+                                                            sampling: ``drafter.send_taps(ctx)``
 ``GPUModelRunner.propose_draft_token_ids``                  ``drafter.propose_remote(ctx)``
 ``SpeculativeConfig.compute_hash``                          add the class path and tap layers, so
                                                             a graph compiled with aux outputs gets
                                                             its own torch.compile cache key
 ==========================================================  =====================================
+
+Early taps: vLLM 0.32's V1 runner splits a step in two calls from the engine core
+(``v1/engine/core.py: EngineCore.step``): ``execute_model`` runs the forward, computes the logits
+and parks everything ``sample_tokens`` needs in ``runner.execute_model_state``
+(``ExecuteModelState``: scheduler output, spec-decode metadata, common attention metadata, the aux
+hidden states) and returns None; then the core computes the grammar bitmask and calls
+``sample_tokens`` (sampling, rejection, bookkeeping, then ``propose_draft_token_ids``). The end of
+``execute_model`` is therefore the earliest point where every tap of the step exists and nothing
+of sampling has run: the wrapper hands the drafter a context built from that state (with
+``sampled_token_ids`` None), and sampling overlaps the server's ingest. On a GPU the rows'
+device-to-host copy there waits for the forward's kernels, which sampling would wait for anyway.
 
 Every wrapper acts only when ``speculative_config.method == "custom_class"`` and the drafter
 (for ``compute_hash``: the class named by ``speculative_config.model``) has
@@ -100,6 +113,7 @@ _RUNNER_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_setup_eagle3_aux_hidden_state_outputs": ("self",),
     "_get_eagle3_aux_layers_from_config": ("self",),
     "_update_states": ("self", "scheduler_output"),
+    "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
     "propose_draft_token_ids": (
         "self",
         "scheduler_output",
@@ -128,13 +142,14 @@ class DraftStepContext:
     Row ``i`` owns flat tokens ``query_start_loc[i]:query_start_loc[i+1]`` of this step; the
     first is at absolute position ``num_computed_tokens[i]`` (synchronous scheduling). The last
     ``num_draft_tokens[i]`` of them were drafts; ``sampled_token_ids[i]`` are the accepted drafts
-    plus the bonus/correction token (``[]``: a chunked-prefill row that sampled nothing).
+    plus the bonus/correction token (``[]``: a chunked-prefill row that sampled nothing; the whole
+    field is None right after the forward, before sampling: the early taps' context).
     """
 
     req_ids: list[str]
     query_start_loc: Any  # np.ndarray [num_reqs + 1] int32 (CPU)
     num_draft_tokens: list[int]
-    sampled_token_ids: list[list[int]]
+    sampled_token_ids: list[list[int]] | None
     num_computed_tokens: Any  # np.ndarray [num_reqs] int32 (CPU): position of each row's first token
     num_tokens_no_spec: Any  # np.ndarray [num_reqs]: committed length after this step (CPU)
     token_ids_cpu: Any  # np.ndarray [max_num_reqs, max_model_len]: token table (CPU)
@@ -334,7 +349,7 @@ def build_context(
     batch = runner.input_batch
     req_ids = list(batch.req_ids)
     n = len(req_ids)
-    if not isinstance(sampled_token_ids, list) or len(sampled_token_ids) != n:
+    if sampled_token_ids is not None and (not isinstance(sampled_token_ids, list) or len(sampled_token_ids) != n):
         raise _fail(
             f"expected sampled_token_ids as a list of {n} lists (synchronous custom_class path), "
             f"got {type(sampled_token_ids).__name__}"
@@ -421,6 +436,24 @@ def register() -> None:
 
         return wrapper
 
+    def execute_model(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Any, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+            out = orig(self, scheduler_output, intermediate_tensors)
+            drafter = _remote_drafter(self)
+            state = getattr(self, "execute_model_state", None)
+            send = getattr(drafter, "send_taps", None)
+            if send is not None and out is None and state is not None and state.aux_hidden_states is not None:
+                cm = state.spec_decode_common_attn_metadata
+                if cm is not None:  # early taps: sampling has not started yet
+                    send(
+                        build_context(
+                            self, state.scheduler_output, None, state.aux_hidden_states, state.spec_decode_metadata, cm
+                        )
+                    )
+            return out
+
+        return wrapper
+
     def propose(orig: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(
             self: Any,
@@ -481,6 +514,7 @@ def register() -> None:
     _wrap(GPUModelRunner, "_setup_eagle3_aux_hidden_state_outputs", setup_aux)
     _wrap(GPUModelRunner, "_get_eagle3_aux_layers_from_config", aux_layers)
     _wrap(GPUModelRunner, "_update_states", update_states)
+    _wrap(GPUModelRunner, "execute_model", execute_model)
     _wrap(GPUModelRunner, "propose_draft_token_ids", propose)
     _wrap(SpeculativeConfig, "compute_hash", compute_hash)
     _registered = True

@@ -62,6 +62,8 @@ Configuration (environment variables, read in the worker process):
                            internal errors instead of falling back (tests only).
 ``DRAFT_VLLM_REGISTER_ON_IMPORT`` ``0``: do not install the plugin when this module is imported;
                            rely on the ``vllm.general_plugins`` entry point alone (tests).
+``DRAFT_EARLY_TAPS``       ``0``: send each step's rows with its drafts request after sampling (the single
+                           message). Default: early taps, when the server offers them (below).
 
 Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1]``):
 
@@ -73,6 +75,17 @@ Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1
 * the valid rows of the aux hidden states are gathered on the device, encoded there in the wire
   format (``target_client.vllm.wire``: cast to bf16, quantized to fp8, or projected), copied to
   the host once and viewed (no further copy) as the step's rows frame.
+
+Early taps (``DraftClient.send_taps``/``commit``; when the server's Welcome offers them and
+``DRAFT_EARLY_TAPS`` is not 0): right after the target's forward (``send_taps``, called by the
+plugin's ``execute_model`` wrapper, before sampling) every scheduled row of the step goes out by
+position, drafts and all, as one contiguous slice of the aux hidden states (no gather), without
+waiting: the server ingests them while the target samples and rejects. After sampling,
+``propose_remote`` sends only a commit per request (its committed end ``pos+n_valid``, the anchor,
+k): the rejected rows are cut by that position on the server. A step whose rows did not go out
+early (no offer, the plugin's hook did not run) sends the single message as above.
+``step_phases()``: per step forward, sampling, taps and commit-to-drafts times (ms) and the
+server's compute for the reply (bench/``draft_tools.bench.early_taps``).
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
 
@@ -330,6 +343,10 @@ class RemoteDSparkProposer:
             self._contract_checked = True
             self._anchor_vocab = min(self.vocab_size, int(welcome.contract.vocab_size))
 
+        self._early = os.environ.get("DRAFT_EARLY_TAPS", "1").strip() != "0"
+        self._tapped = False  # this step's rows went out as early taps (commit after sampling)
+        self._marks: list[float] = [0.0, 0.0, 0.0]  # this step: forward start, forward end, taps sent
+        self._phases: collections.deque[tuple[float, ...]] = collections.deque(maxlen=1 << 16)
         self._device: Any = None
         self._sent: dict[str, int] = {}  # request id -> end of the context handed to the client
         self._preempted: set[str] = set()
@@ -414,6 +431,8 @@ class RemoteDSparkProposer:
             self._counts["resumed"] += len(resumed)
         if finished and not self._closed:
             self.client.free(finished)
+        self._tapped = False  # set again by send_taps once this step's forward has run
+        self._marks[0] = time.perf_counter()
 
     def propose_remote(self, ctx: DraftStepContext) -> list[list[int]]:
         """Drafts for one verify step, one list per row ([] = no drafts). Never raises (unless debugging)."""
@@ -441,6 +460,57 @@ class RemoteDSparkProposer:
         treats every draft as a point mass. Taken once."""
         probs, self._pending_probs = self._pending_probs, None
         return probs
+
+    def send_taps(self, ctx: DraftStepContext) -> None:
+        """Early taps, right after the target's forward (the plugin's ``execute_model`` wrapper):
+        every scheduled row of the step by position, sent without waiting. Never raises (unless
+        debugging); a step whose taps did not go out sends the single message after sampling."""
+        self._marks[1] = self._marks[2] = time.perf_counter()
+        client = self.client
+        if client is None or not self._early or self._closed or self._disabled is not None:
+            return
+        if not self._contract_checked or not getattr(client, "early_taps", False):
+            return
+        try:
+            self._tapped = self._send_taps(ctx)
+        except Exception:
+            self._counts["internal_errors"] += 1
+            if self.debug:
+                raise
+            if self._counts["internal_errors"] == 1:
+                logger.exception("RemoteDSparkProposer: internal error in early taps (logged once)")
+        self._marks[2] = time.perf_counter()
+
+    def _send_taps(self, ctx: DraftStepContext) -> bool:
+        import torch
+
+        n = len(ctx.req_ids)
+        qsl = ctx.query_start_loc
+        total = int(qsl[n])
+        requests = [
+            StepRequest(rid, int(ctx.num_computed_tokens[i]), int(qsl[i + 1] - qsl[i]), 0, 0)
+            for i, rid in enumerate(ctx.req_ids)
+            if qsl[i + 1] > qsl[i]
+        ]
+        if not requests:
+            return False
+        parts = [ctx.aux_hidden_states[j][:total] for j in self._aux_pick]  # every row: one slice
+        layout = self.client.row_layout
+        rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
+        sent = bool(self.client.send_taps(requests, taps))
+        if sent:
+            self._counts["taps_steps"] += 1
+            self._counts["taps_rows"] += total
+        return sent
+
+    def step_phases(self) -> list[dict[str, float]]:
+        """Per step, in ms: ``forward`` (scheduler output to the forward's end), ``taps`` (sending
+        the early taps), ``sample`` (their end to propose: sampling, rejection, bookkeeping),
+        ``wait`` (commit, or the single message, to drafts in hand), ``server`` (the reply's
+        server compute, -1: no reply), ``early`` (1: the step's rows went out early)."""
+        keys = ("forward", "taps", "sample", "wait", "server", "early")
+        return [dict(zip(keys, p, strict=True)) for p in list(self._phases)]
 
     # ------------------------------------------------------------------ the step
 
@@ -504,20 +574,46 @@ class RemoteDSparkProposer:
         total = sum(lengths)
         taps_dev = [ctx.aux_hidden_states[j] for j in self._aux_pick]
         device = taps_dev[0].device
-        if all_valid and len(requests) == n and starts[0] == 0 and total == int(qsl[n]):
-            idx = None  # every scheduled row is committed: one contiguous slice
+        t0 = tp = time.perf_counter()
+        tapped, self._tapped = self._tapped, False
+        if tapped:  # the rows went out right after the forward: commit (rejected rows cut by position)
+            commits = [
+                (StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k, r.sampling), i)
+                for r, i in zip(requests, want, strict=True)
+                if r.k
+            ]
+            want = [i for _, i in commits]
+            replies = self.client.commit([c for c, _ in commits]) if commits else []
         else:
-            idx_np = np.concatenate([np.arange(s, s + m, dtype=np.int64) for s, m in zip(starts, lengths, strict=True)])
-            idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
-        parts = [a[:total] if idx is None else a.index_select(0, idx) for a in taps_dev]
-        # The encoder always writes fresh rows, so the frame never aliases the runner's activation
-        # buffers (the client keeps it by reference until the server acknowledges the rows).
-        layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
-        rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
-        t0 = time.perf_counter()
-        replies = self.client.step(requests, taps)
-        wait = time.perf_counter() - t0
+            if all_valid and len(requests) == n and starts[0] == 0 and total == int(qsl[n]):
+                idx = None  # every scheduled row is committed: one contiguous slice
+            else:
+                idx_np = np.concatenate(
+                    [np.arange(s, s + m, dtype=np.int64) for s, m in zip(starts, lengths, strict=True)]
+                )
+                idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
+            parts = [a[:total] if idx is None else a.index_select(0, idx) for a in taps_dev]
+            # The encoder always writes fresh rows, so the frame never aliases the runner's activation
+            # buffers (the client keeps it by reference until the server acknowledges the rows).
+            layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
+            rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
+            t0 = time.perf_counter()
+            replies = self.client.step(requests, taps)
+        t1 = time.perf_counter()
+        timing = self.client.last_timing
+        fwd0, fwd1, sent = self._marks
+        self._phases.append(
+            (
+                (fwd1 - fwd0) * 1000.0,
+                (sent - fwd1) * 1000.0 if tapped else 0.0,
+                (tp - sent) * 1000.0,
+                (t1 - tp) * 1000.0,  # with the single message: its gather and encoding too
+                timing.compute_ms if (timing is not None and replies and replies[0].status is not None) else -1.0,
+                1.0 if tapped else 0.0,
+            )
+        )
+        wait = t1 - t0
         self._step_s += wait
         self._waits_ms.append(wait * 1000.0)
         self._counts["steps"] += 1

@@ -12,6 +12,7 @@ rows; a lost Commit costs that step's drafts only; a server restart in between a
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -110,11 +111,11 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
 def lose_next(proxy: ChaosProxy, phase: str, eng: Engine) -> tuple[int, np.ndarray]:
     """The next early Taps (phase "taps") or Commit ("commit") never reaches the server; sends the taps."""
     proxy.cfg.phases = (phase,)
-    proxy.cfg.drop_request_p = 1.0
+    proxy.cfg.phase_drop_p = 1.0
     pos, arr = eng.taps(K + 1)
     if phase == "taps":
         assert wait_for(lambda: proxy.stats.dropped_requests == 1, 5)
-        proxy.cfg.drop_request_p = 0.0
+        proxy.cfg.phase_drop_p = 0.0
     return pos, arr
 
 
@@ -147,7 +148,7 @@ def test_lost_commit_costs_its_step_only(server, proxied) -> None:
         pos, arr = lose_next(proxy, "commit", eng)
         r = eng.commit(pos, arr, 2, budget_ms=60.0)
         assert r.status is None and r.tokens == []  # no answer within the budget
-        proxy.cfg.drop_request_p = 0.0
+        proxy.cfg.phase_drop_p = 0.0
         for _ in range(3):
             r = eng.step()
             assert r.status == Status.OK and r.tokens == eng.want()
@@ -164,11 +165,13 @@ def test_server_restart_between_taps_and_commit(server) -> None:
         assert wait_for(lambda: client._io.sessions["r1"].rows == 0, 5)  # acknowledged by the old server
         server.restart()
         r = None
-        for _ in range(100):  # until the client talks to the new server
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # until the client talks to the new server
             r = eng.commit(pos, arr, 2)
             if r.status is not None:
                 break
             eng.end = pos
+            time.sleep(0.02)
         assert r is not None and r.status == Status.MISSING_ROWS and r.tokens == [] and r.start == -1
         # the next step's rows start a session after the gap, said by its start; drafts from those rows
         eng.start = eng.end

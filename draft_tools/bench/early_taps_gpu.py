@@ -1,0 +1,115 @@
+"""Early taps vs the single message at K3 size on one GPU (H200), B = 1..64: the synthetic engine.
+
+Starts `draft-server serve --model random:k3` (full-size K3 DSpark, random weights) on the GPU,
+then for each batch size B drives it with ``draft_tools.synthetic.SyntheticTarget`` twice, with
+early taps (each step's span sent first, ``--sample-ms`` of target sampling, then a commit) and
+with the single message, and records per step the critical-path wait (commit, or step, to
+drafts in hand) and the server's compute for that reply. The issue's goal: wait - compute at
+most 0.5 ms with early taps at every B. Writes JSON (command, machine, GPU) and prints a table.
+Needs the GPU host; one command:
+
+    python -m draft_tools.bench.early_taps_gpu --out bench/results/early_taps_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+from draft_tools.common import start_server, stop_server
+from draft_tools.synthetic import SyntheticTarget
+from protocol import PROTOCOL_VERSION
+from target_client import ClientConfig, DraftClient
+
+
+def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace) -> dict[str, Any]:
+    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=args.budget_ms, name=f"early-{b}-{int(early)}"))
+    try:
+        welcome = client.connect(wait=True)
+        assert welcome is not None
+        eng = SyntheticTarget(
+            client,
+            welcome.contract,
+            sessions=b,
+            k=args.k,
+            prefill_rows=(256, 256),
+            decode_steps=(args.steps + 1, args.steps + 1),
+            stagger_steps=0,
+            seed=b,
+            early_taps=early,
+            sample_ms=args.sample_ms,
+        )
+        eng.run(max_steps=args.steps + 1)
+        recs = [r for r in eng.records[1 + args.warmup :] if r.compute_ms >= 0]  # decode steps with a reply
+        wait = np.array([r.wait_ms for r in recs])
+        over = np.array([r.wait_ms - r.compute_ms for r in recs])
+
+        def q(v: np.ndarray, p: float) -> float:
+            return round(float(np.percentile(v, p)), 3) if len(v) else float("nan")
+
+        return {
+            "steps": len(recs),
+            "early_taps_negotiated": client.early_taps,
+            "wait_ms_p50": q(wait, 50),
+            "wait_ms_p90": q(wait, 90),
+            "compute_ms_p50": q(np.array([r.compute_ms for r in recs]), 50),
+            "wait_minus_compute_ms_p50": q(over, 50),
+            "wait_minus_compute_ms_p90": q(over, 90),
+            "drafted_share": round(sum(r.drafted for r in recs) / max(1, sum(r.wanted for r in recs)), 4),
+        }
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=200, help="decode steps per run")
+    ap.add_argument("--warmup", type=int, default=20, help="decode steps left out of the numbers")
+    ap.add_argument("--sample-ms", type=float, default=1.0, help="target sampling + rejection between taps and commit")
+    ap.add_argument("--budget-ms", type=float, default=50.0)
+    ap.add_argument("--server-args", default="--model random:k3 --device cuda --kv-budget-mib 16384")
+    ap.add_argument("--out", default="bench/results/early_taps_h200.json")
+    a = ap.parse_args(argv)
+    proc, endpoint, _ = start_server(a.server_args.split())
+    rows: list[dict[str, Any]] = []
+    try:
+        for b in (int(x) for x in a.batches.split(",")):
+            for early in (True, False):
+                r = {"B": b, "mode": "early_taps" if early else "single_message", **measure(endpoint, b, early, a)}
+                rows.append(r)
+                print(
+                    f"B={b:3d} {r['mode']:15s} wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
+                    f"{r['compute_ms_p50']:7.3f} ms  wait-compute p50 {r['wait_minus_compute_ms_p50']:6.3f} "
+                    f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  drafted {r['drafted_share']:.3f}",
+                    flush=True,
+                )
+    finally:
+        stop_server(proc)
+    gpu = (
+        subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+        if os.path.exists("/dev/nvidia0")
+        else ""
+    )
+    report = {
+        "command": "python -m draft_tools.bench.early_taps_gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu, "protocol": PROTOCOL_VERSION},
+        "setup": {k: v for k, v in vars(a).items() if k != "out"},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
