@@ -387,7 +387,7 @@ def describe(drafter: Drafter) -> dict:
     Weight bytes are what the format holds (EXL3: the packed tensors plus the dense ones), from
     the loader's ``weight_info``; without it (random presets), what the model's tensors hold."""
     model = getattr(drafter, "model", None)
-    weights = list(getattr(model, "w", {}).values())
+    weights = [t for t in getattr(model, "w", {}).values() if hasattr(t, "numel")]  # EXL3: routed modules beside
     cache = getattr(getattr(drafter, "cache", None), "data", None)
     info = getattr(model, "weight_info", None)
     dense = sum(t.numel() * t.element_size() for t in weights)
