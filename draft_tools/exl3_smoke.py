@@ -8,9 +8,10 @@ smoke``; GPU only, exllamav3 installed, ``exllamav3_ext`` loaded or built throug
    max error), and their median times (CUDA-synchronised, ms) beside a BF16 GEMM, at the rows a K3 step
    meets (8 per session: 8 .. 512) and at 1 and 2 rows.
 2. ``tiny``: the shipped tiny EXL3 drafter (``draft_tools/tiny_pair/assets/draft_exl3_k4``) on CUDA in
-   bf16 with ``fused_max_rows`` 0 (dense), 16 and 2**20 (fused only): ``prepare`` captures the graphs and
-   replays each against eager (raises on a difference); greedy drafts of 8 sessions are compared with the
-   dense path's (token agreement; fp16 vs bf16 arithmetic, so not required to be exact).
+   bf16 through the loader with ``DRAFT_EXL3_FUSED_MAX_ROWS`` 0 (dense), 16 and 2**20 (fused only):
+   ``prepare`` captures the graphs and replays each against eager (raises on a difference); greedy
+   drafts of 8 sessions are compared with the dense path's (token agreement; fp16 vs bf16 arithmetic,
+   so not required to be exact).
 3. ``k3``: the full-size random K3 drafter (``random:k3``), then the same model with its decoder-layer
    projections (kv_b_proj excepted: it is absorbed) and ``context_proj`` replaced by random EXL3 linears
    (K = 4, mul1) and routed (``route_linears``): step time at 1..64 sessions (1,024 context rows each)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from draft_server.drafters.base import DraftItem, IngestItem
 from draft_server.models import DSparkDrafter, load_drafter
 from draft_server.models.exl3 import Exl3Linear, FusedLinear, set_backend
-from draft_server.models.exl3.cuda import Exl3Backend, load_ext
+from draft_server.models.exl3.cuda import ENV_FUSED_MAX_ROWS, Exl3Backend, load_ext
 from draft_server.models.presets import K3_FULL, random_drafter
 from draft_tools.bench.draft_step_cuda import taps, time_steps
 from draft_tools.bench.draft_step_gpu import timed
@@ -127,7 +129,7 @@ def tiny(dev: torch.device, ext: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     toks = {}
     for rows in SETTINGS:
-        set_backend(Exl3Backend(rows, ext))
+        os.environ[ENV_FUSED_MAX_ROWS] = str(rows)  # the loader installs the backend from it
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
         d = load_drafter(str(tp.ASSET_DIR / "draft_exl3_k4"), str(tp.TARGET_DIR), "cuda", "bfloat16", 64 << 20)
