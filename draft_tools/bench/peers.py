@@ -118,13 +118,13 @@ def spawn(args: list[str]) -> subprocess.Popen:
     raise RuntimeError(f"{args[0]} exited before READY")
 
 
-def spawn_server(endpoint: str, model: str, device: str) -> subprocess.Popen:
+def spawn_server(endpoint: str, model: str, device: str, extra: list[str]) -> subprocess.Popen:
     if model == "checksum":  # K3-size taps, the checksum drafter (draft-bench's server)
         from draft_tools.bench.rpc import spawn as spawn_rpc
 
         return spawn_rpc("serve", endpoint)
     cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", "-1"]
-    cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64"]
+    cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64", *extra]
     p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert p.stdout is not None
     for line in p.stdout:
@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--seconds", type=float, default=10.0, help="per side of the concurrency comparison")
     ap.add_argument("--out", default="bench/results/peers.json")
+    ap.add_argument("--server-args", default="", help="extra draft-server flags (e.g. --batch-window-ms 1)")
+    ap.add_argument("--no-round-trip", action="store_true", help="only the concurrency comparison")
     ap.add_argument("--grpc-echo", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--reqrep", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -304,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "ray_serve": "not measured: ray is not installable on these machines (no network on the GPU host)",
         "round_trip": [],
     }
-    procs = [spawn_rpc("echo", ep_echo), spawn_server(ep_srv, args.model, args.device)]
+    procs = [spawn_rpc("echo", ep_echo), spawn_server(ep_srv, args.model, args.device, args.server_args.split())]
     procs.append(spawn(["--grpc-echo", str(gport)]))
     try:
         from target_client import ClientConfig, DraftClient
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         probe.close()
         assert w is not None
         width = w.contract.tap_width
-        for n in SESSIONS:
+        out["server_args"] = args.server_args
+        for n in () if args.no_round_trip else SESSIONS:
             row = {"sessions": n, "mb": n * ROWS * width * 2 / 1e6}
             row["zmq_echo_ms"] = zmq_echo_ms(ep_echo, n, width, args.iters)
             row["grpc_echo_ms"] = grpc_echo_ms(gport, n, width, args.iters)
