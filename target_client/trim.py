@@ -8,9 +8,10 @@ time a step spends outside the target's forward.
 * ``StepCost``: the target's step time as a function of the tokens the step runs, fitted online
   from the engine's own step times. Per token-count bucket (exact below 32 tokens, then 16
   buckets per octave) the median of its last ``per_bucket`` samples, so a stalled step or an
-  idle gap moves nothing and memory is bounded; a weighted least-squares line
-  ``base + per_token * T`` through the bucket medians. It answers only once samples cover two
-  buckets far enough apart; until then nothing is trimmed.
+  idle gap moves nothing and memory is bounded; a Theil-Sen line ``base + per_token * T``
+  through the bucket medians (robust to a whole odd bucket). The engine's first steps are
+  skipped (warm-up). It answers only once samples cover two buckets far enough apart; until
+  then nothing is trimmed.
 * ``plan``: the paper's greedy prefix scheduler for one step. Candidates (request r, draft j)
   enter in descending prefix survival a_{r,j} = ∏_{i≤j} c_{r,i}; each adds one verified token
   and a_{r,j} expected accepted tokens; the step's expected tokens per second is
@@ -59,10 +60,11 @@ class Line:
 class StepCost:
     """Step time (seconds) vs tokens in the step, fitted online (see the module docstring)."""
 
-    def __init__(self, per_bucket: int = 16, min_samples: int = 3, min_span: float = 1.25) -> None:
+    def __init__(self, per_bucket: int = 16, min_samples: int = 5, min_span: float = 1.25, warmup: int = 32) -> None:
         self.per_bucket = per_bucket
         self.min_samples = min_samples
         self.min_span = min_span  # the largest fitted bucket is at least this multiple of the smallest
+        self.warmup = warmup  # the engine's first steps (allocations, first-shape work) are not its cost
         self._samples: dict[int, deque[float]] = {}
         self._line: Line | None = None
         self._dirty = False
@@ -71,12 +73,14 @@ class StepCost:
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or not 0.0 < seconds < 60.0:
             return
+        self.observed += 1
+        if self.observed <= self.warmup:
+            return
         b = _bucket(int(tokens))
         q = self._samples.get(b)
         if q is None:
             q = self._samples[b] = deque(maxlen=self.per_bucket)
         q.append(float(seconds))
-        self.observed += 1
         self._dirty = True
 
     def line(self) -> Line | None:
@@ -87,19 +91,15 @@ class StepCost:
         return self._line
 
     def _fit(self) -> Line | None:
-        pts = [(b, statistics.median(q), len(q)) for b, q in self._samples.items() if len(q) >= self.min_samples]
-        if len(pts) < 2:
+        """Theil-Sen through the bucket medians: the median of the pairwise slopes, then the median
+        intercept, so one bucket of odd steps (a stall, a first-of-its-shape step) cannot tilt it."""
+        pts = sorted((b, statistics.median(q)) for b, q in self._samples.items() if len(q) >= self.min_samples)
+        if len(pts) < 2 or pts[-1][0] < self.min_span * max(1, pts[0][0]):
             return None
-        xs = [p[0] for p in pts]
-        if max(xs) < self.min_span * max(1, min(xs)):
-            return None
-        sw = sum(p[2] for p in pts)
-        mx = sum(p[0] * p[2] for p in pts) / sw
-        my = sum(p[1] * p[2] for p in pts) / sw
-        sxx = sum(p[2] * (p[0] - mx) ** 2 for p in pts)
-        sxy = sum(p[2] * (p[0] - mx) * (p[1] - my) for p in pts)
-        slope = max(0.0, sxy / sxx) if sxx > 0 else 0.0
-        return Line(max(0.0, my - slope * mx), slope)
+        slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts) for x2, y2 in pts[i + 1 :]]
+        slope = max(0.0, statistics.median(slopes))
+        base = statistics.median(y - slope * x for x, y in pts)
+        return Line(max(0.0, base), slope)
 
 
 @dataclass(frozen=True, slots=True)

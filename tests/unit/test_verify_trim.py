@@ -13,7 +13,9 @@ from target_client.trim import Line, StepCost, Verifier, plan, survival
 
 
 def test_cost_model_fits_a_line_ignores_stalls_and_stays_bounded() -> None:
-    c = StepCost(per_bucket=8)
+    c = StepCost(per_bucket=8, warmup=4)
+    for _ in range(4):
+        c.observe(6, 1.0)  # warm-up steps of a fresh engine: not its cost
     for _ in range(5):
         c.observe(10, 0.010 + 0.0001 * 10)
     assert c.line() is None  # one bucket: no slope yet
@@ -23,6 +25,8 @@ def test_cost_model_fits_a_line_ignores_stalls_and_stays_bounded() -> None:
         c.observe(t, 0.010 + 0.0001 * t + rng.uniform(-1e-4, 1e-4))
     for t in (12, 96, 300):  # a few stalls (a preempted process, an idle gap) move nothing
         c.observe(t, 5.0)
+    for _ in range(8):  # nor does a whole bucket of odd steps
+        c.observe(2000, 0.001)
     line = c.line()
     assert line is not None
     assert line.base_s == pytest.approx(0.010, abs=5e-4)
@@ -33,8 +37,8 @@ def test_cost_model_fits_a_line_ignores_stalls_and_stays_bounded() -> None:
 
 
 def test_cost_model_never_goes_negative_and_rejects_nonsense() -> None:
-    c = StepCost()
-    for _ in range(4):
+    c = StepCost(warmup=0)
+    for _ in range(5):
         c.observe(10, 0.02)
         c.observe(100, 0.01)  # faster with more tokens: clamp the slope at 0
         c.observe(50, -1.0)
@@ -78,8 +82,9 @@ def test_flat_cost_keeps_everything_and_steep_cost_trims_the_unlikely_tail() -> 
 def test_verifier_accounts_per_position_and_trims_only_with_a_fitted_model() -> None:
     v = Verifier(margin=0.0, registry=CollectorRegistry())
     conf = [[0.9, 0.5, 0.1, 0.1], None, [0.99, 0.99]]
+    v.cost = StepCost(warmup=0)
     assert v.trim(conf, [4, 3, 2], 3) == [4, 3, 2]  # no cost model yet
-    for t, s in [(8, 0.010), (40, 0.030), (100, 0.060)] * 4:
+    for t, s in [(8, 0.010), (40, 0.030), (100, 0.060)] * 5:
         v.cost.observe(t, s)  # steep: 0.5 ms per token
     keep = v.trim(conf, [4, 3, 2], 3)
     assert keep[1] == 3 and keep[2] == 2 and keep[0] < 4  # no confidence: kept whole
