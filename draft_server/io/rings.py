@@ -21,6 +21,7 @@ import mmap
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,9 +59,18 @@ class Ring:
 class Rings:
     """Rings per connection (I/O thread; ``Ring.release`` from any thread). See the module docstring."""
 
-    def __init__(self, idle_s: float, gauge: Any) -> None:  # gauge: a prometheus Gauge
+    def __init__(
+        self,
+        idle_s: float,
+        gauge: Any,  # a prometheus Gauge
+        pin: Callable[[memoryview], bool] | None = None,
+        unpin: Callable[[memoryview], None] | None = None,
+    ) -> None:
+        """``pin``/``unpin``: the drafter's ``register_host``/``unregister_host``, so rows read from a
+        mapped ring reach the device with no staging copy (``Drafter.register_host``)."""
         self.idle_s = idle_s
         self._gauge = gauge
+        self._pin, self._unpin = pin, unpin
         self._by_ident: dict[bytes, dict[str, Ring]] = {}
         self._last_sweep = time.monotonic()
 
@@ -82,10 +92,17 @@ class Rings:
                 del self._by_ident[ident]
             raise ProtocolError(ErrorCode.TRANSPORT, f"transport 'shm' refused: {e}", call_id) from None
         rings[ann.name] = Ring(ann.name, ann.nonce, owner, mm)
+        pinned = self._pin is not None and self._pin(memoryview(mm))
         for old in list(rings)[:-MAX_RINGS_PER_CONNECTION]:  # the oldest: the client has moved on from them
             self._drop(ident, old)
         self._gauge.set(len(self))
-        log.info("mapped shm ring %s (%d MiB) for %r", ann.name, ann.nbytes >> 20, owner[-16:])
+        log.info(
+            "mapped shm ring %s (%d MiB, %s) for %r",
+            ann.name,
+            ann.nbytes >> 20,
+            "registered with the device" if pinned else "rows staged",
+            owner[-16:],
+        )
         return ann.name
 
     def rows(self, ident: bytes, owner: bytes, at: RowsAt, call_id: int) -> np.ndarray:
@@ -126,9 +143,13 @@ class Rings:
     def _drop(self, ident: bytes, name: str) -> None:
         rings = self._by_ident[ident]
         ring = rings[name]
+        if self._unpin is not None:
+            self._unpin(memoryview(ring.mm))
         try:
             ring.mm.close()
         except BufferError:  # rows still referenced (queued work): try again at the next sweep
+            if self._pin is not None:
+                self._pin(memoryview(ring.mm))  # (meanwhile their copies go through staging)
             return
         del rings[name]
         if not rings:

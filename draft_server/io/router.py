@@ -144,7 +144,8 @@ class Router:
         self._ctx = zmq.Context()
         self._auth: ThreadAuthenticator | None = None
         self.transports = (Transport.FRAMES.value, Transport.SHM.value) if cfg.shm else (Transport.FRAMES.value,)
-        self.rings = Rings(cfg.session_ttl_s, metrics.shm_rings)
+        drafter = engine.drafter
+        self.rings = Rings(cfg.session_ttl_s, metrics.shm_rings, drafter.register_host, drafter.unregister_host)
         self.endpoints: list[str] = []
         self._sock = self._make_socket()
         self.endpoint = ",".join(self.endpoints)
@@ -406,7 +407,9 @@ class Router:
             else:
                 call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
             if rows is not None or k:
-                works.append(Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire, e.phase))
+                works.append(
+                    Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire, e.phase, e.after)
+                )
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on

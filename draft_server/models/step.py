@@ -53,6 +53,9 @@ TYPICAL_CONTEXT, WORK_ITEMS = 1024, 40
 MIN_CHUNK, MAX_CHUNK = 64, 2048
 
 
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
+
+
 def _storage(rows: np.ndarray) -> np.ndarray:
     """Rows as torch can hold them: bf16 bit patterns (uint16) as int16, others as they are."""
     return rows.view(np.int16) if rows.dtype == np.uint16 else rows
@@ -341,8 +344,10 @@ class FastStep:
         arr = np.frombuffer(buf, dtype=np.uint8)
         ptr = arr.ctypes.data
         if self.dev.type == "cuda":
-            if torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, 0) != 0:
-                return False
+            flags = _HOST_REGISTER_PORTABLE | (_HOST_REGISTER_READ_ONLY if buf.readonly else 0)
+            with torch.cuda.device(self.dev):  # any thread may call: the drafter's device, explicitly
+                if torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, flags) != 0:
+                    return False
         self._host_ranges.append((ptr, ptr + arr.nbytes, arr))
         return True
 
@@ -352,8 +357,9 @@ class FastStep:
         for i, (a, _, _) in enumerate(self._host_ranges):
             if a == ptr:
                 if self.dev.type == "cuda":
-                    torch.cuda.synchronize(self.dev)  # no copy may still read it
-                    torch.cuda.cudart().cudaHostUnregister(ptr)
+                    with torch.cuda.device(self.dev):
+                        torch.cuda.synchronize(self.dev)  # no copy may still read it
+                        torch.cuda.cudart().cudaHostUnregister(ptr)
                 del self._host_ranges[i]
                 return
 

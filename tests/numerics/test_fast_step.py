@@ -156,3 +156,41 @@ def test_sampled_batches_take_the_paged_kernels_and_draw_what_the_dense_path_dra
         if a.probs is not None:
             np.testing.assert_array_equal(a.prob_ids, b.prob_ids)
             np.testing.assert_allclose(a.probs, b.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_a_mapped_shm_ring_is_registered_and_its_rows_skip_staging(tmp_path) -> None:
+    """The server's rings register each mapping with the drafter: rows a Step names in the ring
+    are read-only views of it that ingest copies straight to the device; unmapping unregisters."""
+    from draft_server.io.rings import Rings
+    from target_client.client.ring import ClientRing
+
+    class Gauge:
+        def set(self, v: float) -> None:
+            self.v = v
+
+    _, plain = _pair(tmp_path / "a", "k3")
+    _, drafter = _pair(tmp_path / "b", "k3")
+    fast = drafter.fast
+    assert fast is not None
+    W, B = plain.contract.tap_width, plain.cfg.block_size
+    ring = ClientRing(1 << 20)
+    rings = Rings(0.01, Gauge(), drafter.register_host, drafter.unregister_host)
+    rings.map(b"c", b"c", ring.announce, 1)
+    ring.confirm()
+    assert len(fast._host_ranges) == 1
+    rows = _bits(np.random.default_rng(9), 12, W)
+    at = ring.put([rows])
+    assert at is not None
+    view = rings.rows(b"c", b"c", at, 2).view(np.uint16).reshape(12, W)
+    assert not view.flags.writeable and fast._registered_runs([view[:5], view[5:]]) is not None
+    for d, src in ((plain, rows), (drafter, view)):
+        for key, (a, b) in enumerate(((0, 5), (5, 12))):
+            assert d.reserve(key, 0, (b - a) + B)
+        d.ingest([IngestItem(key, 0, 0, src[a:b]) for key, (a, b) in enumerate(((0, 5), (5, 12)))])
+    items = [DraftItem(0, 0, 5, 3, B, GREEDY), DraftItem(1, 0, 7, 4, B, GREEDY)]
+    assert [o.tokens for o in drafter.draft(items)] == [o.tokens for o in plain.draft(items)]
+    del view, src  # the engine's references to the rows: gone once the batch is done
+    rings._last_sweep = 0.0
+    rings.sweep(1e12)  # idle: unmapped, and unregistered first
+    assert fast._host_ranges == []
+    ring.close()
