@@ -226,6 +226,10 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     k: int
     sampling: Sampling = GREEDY
     phase: Phase = Phase.WHOLE
+    # COMMIT: the call id of the early Taps still carrying rows below ``pos`` (0: none, all acknowledged).
+    # Unless that Taps is the session's latest, the rows below ``pos`` it holds are stale (a span's
+    # rejected rows whose commit was lost): MISSING_ROWS.
+    after: int = 0
 
 
 class Hello(_Message, tag="hello"):

@@ -24,7 +24,10 @@ per-session FIFO). A COMMIT that arrives while its session's taps still wait is 
 them: one entry with the taps' rows up to the commit's position and the commit's drafts, the
 rejected rows never ingested: what the single message would have been. A COMMIT on its own
 drafts from [start, pos) only when the session holds every row below ``pos`` (the rows past it
-are cut, as any positional overwrite does); otherwise it answers MISSING_ROWS, never a gap restart.
+are cut, as any positional overwrite does) and, when it names the Taps call carrying them
+(``after``), that call's taps were the session's latest (else the rows it holds there may be an
+older span's rejected rows whose commit was lost); otherwise it answers MISSING_ROWS, never a
+gap restart.
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ class Engine:
                 old.k = 0
                 self.metrics.stale_steps.labels("superseded").inc()
                 self._resolve(old, EntryResult(Status.EXPIRED, end=old.end, message="superseded by a newer step"))
+        if w.phase == Phase.TAPS:
+            s.taps_call = w.call.call_id
         if w.phase == Phase.COMMIT and self._fold_commit(s, w):
             return
         s.pending.append(w)
@@ -167,6 +172,8 @@ class Engine:
         t = s.pending[-1] if s.pending else None
         if w.rows or t is None or t.phase != Phase.TAPS or t.taps is None or not t.pos < w.pos <= t.pos + t.rows:
             return False
+        if w.after and w.after != t.call.call_id:
+            return False
         cut = t.pos + t.rows - w.pos  # rejected drafts' rows: never ingested
         if cut:
             self.admission.retire_rows(t.call.owner, cut)
@@ -178,16 +185,17 @@ class Engine:
     def _rows_missing(self, s: Session, w: Work) -> bool:
         """A commit whose session does not hold every row below its first row: answered
         MISSING_ROWS (nothing applied, nothing drafted; the client resends), True."""
-        if w.phase != Phase.COMMIT or w.pos == 0 or (s.known and s.start <= w.pos <= s.end):
+        held = s.known and s.start <= w.pos <= s.end and (not w.after or w.after == s.taps_call)
+        if w.phase != Phase.COMMIT or w.pos == 0 or held:
             return False
         s.pending.popleft()
-        held = EntryResult(
+        missing = EntryResult(
             Status.MISSING_ROWS,
             end=s.end if s.known else -1,
             start=s.start if s.known else -1,
             message=f"rows below {w.pos} not held",
         )
-        self._resolve(w, held, rows_done=True, why="missing_rows")
+        self._resolve(w, missing, rows_done=True, why="missing_rows")
         return True
 
     def _has_decode_work(self) -> bool:

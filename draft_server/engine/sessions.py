@@ -33,6 +33,7 @@ class Session:
     end: int = 0
     known: bool = False  # False until the first ingest sets [start, end)
     pending: deque[Work] = field(default_factory=deque)
+    taps_call: int = 0  # call id of the latest early Taps that reached this session
     last_used: float = 0.0
 
     @property

@@ -52,6 +52,7 @@ class Work:
     # TAPS: early rows, ingested after waiting commits; COMMIT: drafts only if the session holds the
     # rows below ``pos`` (else MISSING_ROWS); WHOLE: today's single message (a gap restarts)
     phase: Phase = Phase.WHOLE
+    after: int = 0  # COMMIT: the call id of the Taps that must be its session's latest (0: any)
 
     @property
     def rows(self) -> int:

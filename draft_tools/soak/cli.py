@@ -26,6 +26,7 @@ Chaos modes (``--chaos``, each with its own rate flags):
   stale   a client's steps say they were sent 10 s ago               (--neighbour-every-s)
   taps    engines send early taps then commits (protocol.Phase); the proxy drops a fraction of
           both (lost taps: MISSING_ROWS, then resent; lost commit: that step's drafts)   (--taps-drop-p)
+          only when named (not in "all"), with one server
 
 Invariants (all must hold for exit code 0):
 
@@ -69,7 +70,7 @@ from dataclasses import asdict
 from typing import Any
 
 from draft_tools.soak.report import analyze, make_plots, summary_text
-from draft_tools.soak.run import ALL_MODES, ChaosEvent, RunResult, run_pass
+from draft_tools.soak.run import ALL_MODES, EXTRA_MODES, ChaosEvent, RunResult, run_pass
 
 # ------------------------------------------------------------------------------------ CLI
 
@@ -231,9 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     modes = [] if args.chaos == "none" else list(ALL_MODES) if args.chaos == "all" else args.chaos.split(",")
-    unknown = [m for m in modes if m not in ALL_MODES]
+    unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES]
     if unknown:
-        print(f"draft-soak: unknown chaos modes {unknown} (known: {', '.join(ALL_MODES)})", file=sys.stderr)
+        print(f"draft-soak: unknown chaos modes {unknown} (known: {', '.join(ALL_MODES + EXTRA_MODES)})", file=sys.stderr)
         return 2
     if args.servers < 1:
         print("draft-soak: --servers must be >= 1", file=sys.stderr)

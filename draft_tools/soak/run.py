@@ -28,8 +28,10 @@ ALL_MODES = (
     "kill", "pause", "drop", "delay", "slow", "rogue", "vanish", "flood", "fuzz",
     # noisy neighbours: clients that hurt others without breaking the protocol
     "sflood", "rflood", "nan", "hijack", "stale",
-    "taps",  # early taps: engines send taps then commits; the proxy drops some of both
 )  # fmt: skip
+# Named explicitly only ("all" keeps the single message): early taps, engines send taps then commits
+# and the proxy drops some of both (one server: a FleetClient sends the single message).
+EXTRA_MODES = ("taps",)
 TOUCHING = ("kill", "pause", "flood")  # windows that can change a session's drafts without a failed call
 
 

@@ -242,7 +242,7 @@ def merge_rows(
             continue
         if carried is not None:  # on their way in the early Taps call: not twice
             out.dropped += s.store(prev, limit, carried)
-            out.entries.append(e)
+            out.entries.append(msgspec.structs.replace(e, after=carried))
             out.index.append(i)
             out.sessions.append(e.session)
             out.ks.append(e.k)

@@ -110,11 +110,12 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
 
 def lose_next(proxy: ChaosProxy, phase: str, eng: Engine) -> tuple[int, np.ndarray]:
     """The next early Taps (phase "taps") or Commit ("commit") never reaches the server; sends the taps."""
+    dropped = proxy.stats.dropped_requests
     proxy.cfg.phases = (phase,)
     proxy.cfg.phase_drop_p = 1.0
     pos, arr = eng.taps(K + 1)
     if phase == "taps":
-        assert wait_for(lambda: proxy.stats.dropped_requests == 1, 5)
+        assert wait_for(lambda: proxy.stats.dropped_requests == dropped + 1, 5)
         proxy.cfg.phase_drop_p = 0.0
     return pos, arr
 
@@ -213,5 +214,26 @@ def test_commit_after_failed_taps_carries_the_rows(server, proxied) -> None:
         r = eng.commit(pos, arr, 4, budget_ms=BUDGET)
         assert r.status == Status.OK and r.tokens == eng.want()
         assert client.stats()["breaker_opens"] == 0
+    finally:
+        client.close()
+
+
+def test_lost_commit_then_lost_taps_never_drafts_from_rejected_rows(server, proxied) -> None:
+    """The server still holds the rejected rows of a span whose commit was lost; the next Taps is
+    lost too: the next commit names that Taps call, which never reached the session, so the
+    answer is MISSING_ROWS, not drafts from the stale rows."""
+    proxy, endpoint = proxied
+    client = make_client(endpoint)
+    try:
+        eng = Engine(client, seed=6)
+        assert eng.step(n=5, accepted=5).tokens == eng.want()
+        pos, arr = lose_next(proxy, "commit", eng)
+        assert eng.commit(pos, arr, 1, budget_ms=60.0).status is None  # lost: the server keeps [pos, pos + K + 1)
+        proxy.cfg.phase_drop_p = 0.0
+        pos, arr = lose_next(proxy, "taps", eng)
+        r = eng.commit(pos, arr, 2, budget_ms=BUDGET)  # pos + 2 lies inside the stale span
+        assert r.status == Status.MISSING_ROWS and r.tokens == []
+        r = eng.step()  # resent: exact again
+        assert r.status == Status.OK and r.tokens == eng.want()
     finally:
         client.close()
