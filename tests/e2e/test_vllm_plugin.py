@@ -99,6 +99,7 @@ class FakeClient:
     contract: Any = None
     row_layout: Any = None
     advised_k = -1  # the server's load advice (none)
+    last_timing: Any = None  # no server: no timing
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
