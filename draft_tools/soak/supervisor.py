@@ -153,5 +153,3 @@ class AttachedServer:
 
     def stop(self) -> None:
         self.incarnations[-1]["end"] = time.monotonic()
-
-

@@ -149,6 +149,7 @@ def test_batch_of_16_equals_each_alone_and_reruns_are_exact(drafter):
     for s in range(16):
         drafter.release(300 + s)
 
+
 def test_k_zero_and_context_outside_the_reservation(drafter):
     w = drafter.contract.tap_width
     assert drafter.draft([DraftItem(400, 0, 5, 1, 0, Sampling())])[0].tokens == []
