@@ -274,9 +274,7 @@ def host_copy(width: int, sessions: int = 64) -> dict[str, float]:
 # ------------------------------------------------------------------------------------ presets
 
 
-def bench_preset(
-    name: str, floors: dict[str, float], dev: torch.device, quick: bool, skip: set[str]
-) -> dict[str, Any]:
+def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: bool, skip: set[str]) -> dict[str, Any]:
     res: dict[str, Any] = {"preset": name}
     t0 = time.perf_counter()
     d = random_drafter(PRESETS[name], dev, 24 << 30, torch.bfloat16, attention="paged")

@@ -1,6 +1,6 @@
 """Plot a ``draft_step_gpu`` report: step time against batch size, dense vs fast vs the floor.
 
-    python -m draft_tools.bench.plot_draft_step bench/results/draft_step_h200_v2.json OUT.png
+python -m draft_tools.bench.plot_draft_step bench/results/draft_step_h200_v2.json OUT.png
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         from draft_tools.demo.part_load import run as run_load
 
         print("#### part 2: concurrency — synthetic target engines against one draft server")
-        ok = run_load(
-            args.engines, args.sessions, args.total_sessions, args.budget_ms, args.duration_s, args.server_arg
-        ) and ok
+        ok = (
+            run_load(args.engines, args.sessions, args.total_sessions, args.budget_ms, args.duration_s, args.server_arg)
+            and ok
+        )
     return 0 if ok else 1
 
 

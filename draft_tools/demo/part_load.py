@@ -103,4 +103,3 @@ def run(
     stop_server(proc)
     print(f"== server stopped (exit {proc.returncode}); demo {'OK' if not met['draft_server_sessions'] else 'LEAK'}")
     return met["draft_server_sessions"] == 0 and s["bad_tokens"] == 0
-

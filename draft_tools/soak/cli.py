@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = [] if args.chaos == "none" else list(ALL_MODES) if args.chaos == "all" else args.chaos.split(",")
     unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES]
     if unknown:
-        print(f"draft-soak: unknown chaos modes {unknown} (known: {', '.join(ALL_MODES + EXTRA_MODES)})", file=sys.stderr)
+        known = ", ".join(ALL_MODES + EXTRA_MODES)
+        print(f"draft-soak: unknown chaos modes {unknown} (known: {known})", file=sys.stderr)
         return 2
     if args.servers < 1:
         print("draft-soak: --servers must be >= 1", file=sys.stderr)

@@ -6,9 +6,10 @@ z_k and the Markov embedding of the row's predecessor, and is fitted by logistic
 (binary cross-entropy, L-BFGS) to acceptance events of the shipped target: row k's greedy draft
 equals the target's greedy token, over the rows whose earlier drafts all equal the target's
 tokens (so the predecessor is the draft's own), i.e. "draft k survives given that every earlier
-draft survived" (the conditional the paper trains; its soft target 1 - ½‖p_draft - p_target‖₁ is the same event's probability under
-sampling at T = 1, and our verification is greedy). Training sequences are the target's greedy
-continuations of training-split prompts (``train.make_draft_data``, another seed than the draft's).
+draft survived" (the conditional the paper trains; its soft target 1 - ½‖p_draft - p_target‖₁
+is the same event's probability under sampling at T = 1, and our verification is greedy).
+Training sequences are the target's greedy continuations of training-split prompts
+(``train.make_draft_data``, another seed than the draft's).
 
 The calibration report (``assets/confidence.json``) is measured on the 32 held-out prompts
 through the production drafter in the engine loop (``pair.acceptance``): per position, the
