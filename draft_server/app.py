@@ -53,9 +53,15 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
 
     kv_bytes = cfg.kv_budget_mib * (1 << 20) or None
     if cfg.model.startswith("random:"):
-        return load_preset(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, kv_bytes, attention=cfg.attention)
+        return load_preset(cfg.model.split(":", 1)[1], cfg.device, cfg.dtype, kv_bytes, cfg.attention, cfg.block_width)
     return load_drafter(
-        cfg.model, cfg.target_model or None, cfg.device, cfg.dtype, kv_budget_bytes=kv_bytes, attention=cfg.attention
+        cfg.model,
+        cfg.target_model or None,
+        cfg.device,
+        cfg.dtype,
+        kv_budget_bytes=kv_bytes,
+        attention=cfg.attention,
+        block_width=cfg.block_width,
     )
 
 

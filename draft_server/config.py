@@ -72,6 +72,11 @@ class ServerConfig:
     attention: str = _f(
         "auto", "auto (paged Triton kernels + CUDA graphs on CUDA, dense on CPU), paged, or dense (eager reference)"
     )
+    block_width: str = _f(
+        "k",
+        "draft block rows: k (the k drafts each request asks for, as vLLM's in-process DSpark runs it) or "
+        "trained (the checkpoint's block_size, first k returned); the block is not causal, so drafts differ",
+    )
     wire_formats: str = _f(
         "",
         "wire formats clients may send, comma-separated from bf16, projected, fp8 (empty: every one the drafter "
@@ -151,6 +156,8 @@ class ServerConfig:
             raise ValueError("prefill_chunk_rows must be <= max_batch_rows")
         if self.attention not in ("auto", "paged", "dense"):
             raise ValueError(f"unknown attention {self.attention!r} (auto, paged, dense)")
+        if self.block_width not in ("k", "trained"):
+            raise ValueError(f"unknown block width {self.block_width!r} (k, trained)")
         if self.drafter not in ("dspark", "checksum"):
             raise ValueError(f"unknown drafter {self.drafter!r} (dspark, checksum)")
         if self.drafter == "dspark" and not self.model:

@@ -67,6 +67,7 @@ class PagedBatch:
     lo: torch.Tensor  # context start
     pos: torch.Tensor  # anchor position: the block occupies [pos, pos + B)
     slots: torch.Tensor  # int64 [N * B]: cache slots of the block rows (scratch)
+    width: torch.Tensor  # block rows in use (<= B): a non-causal block sees its first ``width`` rows
     plan: object  # kernels.paged_attention.WorkPlan
     workspace: object  # kernels.paged_attention.Workspace
     out: torch.Tensor  # [N, B, H, Dv] output buffer, reused by every layer
@@ -86,7 +87,9 @@ class PagedContext:
         kv = cache.layer(layer)  # type: ignore[attr-defined]
         q, q_rope = q if isinstance(q, tuple) else (q, None)
         args = (q, kv, b.pages, b.first, b.lo, b.pos)
-        common = dict(scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out)
+        common = dict(
+            scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out, width=b.width
+        )
         if self.layout.mla:  # the kernel reads q and q_rope through their strides
             return mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
         return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 INGEST_CHUNK_ROWS = 4096
 DEFAULT_CPU_KV_BYTES = 256 << 20
+BLOCK_WIDTHS = ("k", "trained")
 
 
 class DSparkDrafter(Drafter):
@@ -49,11 +50,18 @@ class DSparkDrafter(Drafter):
         sts_temperatures: list[float] | None = None,
         attention: str = "auto",
         projection_id: str | None = None,
+        block_width: str = "k",
     ) -> None:
         """``projection_id``: of the context projection as stored in its checkpoint (default: of
-        the weights as held, the same unless a wider checkpoint dtype was narrowed at load)."""
+        the weights as held, the same unless a wider checkpoint dtype was narrowed at load).
+        ``block_width``: "k" runs a block of the k drafts a session asks for, as vLLM's in-process
+        DSpark does (the block is not causal, so its width changes the drafts); "trained" runs the
+        checkpoint's block_size rows always and returns the first k."""
         if attention not in ("auto", "paged", "dense"):
             raise CheckpointError(f"attention '{attention}' is not one of auto, paged, dense")
+        if block_width not in BLOCK_WIDTHS:
+            raise CheckpointError(f"block width '{block_width}' is not one of {', '.join(BLOCK_WIDTHS)}")
+        self.block_width = block_width
         self.model = model
         # paged: Triton kernels over the paged cache (CUDA graphs on a GPU) once prepare() ran;
         # dense: the eager reference (gather + masked softmax). auto: paged on CUDA.
@@ -85,6 +93,11 @@ class DSparkDrafter(Drafter):
 
     def wire_offer(self) -> WireOffer:
         return self.offer
+
+    def width(self, k: int) -> int:
+        """Block rows for a session asking for k drafts (see ``block_width``)."""
+        B = self.cfg.block_size
+        return B if self.block_width == "trained" else max(1, min(k, B))
 
     def cuda_device(self) -> object | None:
         dev = torch.device(self.model.device)
@@ -118,6 +131,7 @@ class DSparkDrafter(Drafter):
             graphs=True,
             sts=self.sampler.sts,
             offer=self.offer,
+            width=self.width,
         )
         report = fast.capture()
         self.fast = fast
@@ -245,7 +259,10 @@ class DSparkDrafter(Drafter):
             table, ctx_mask = self.cache.gather_plan([(it.key, it.start, it.pos) for it in its])
             positions = torch.tensor([it.pos for it in its], dtype=torch.int64)[:, None] + torch.arange(B)
             ctx = DenseContext(
-                lambda layer: self.cache.gather(layer, table), m.block_mask(ctx_mask, B), m.layout, cfg.softmax_scale
+                lambda layer: self.cache.gather(layer, table),
+                m.block_mask(ctx_mask, B, [self.width(it.k) for it in its]),
+                m.layout,
+                cfg.softmax_scale,
             )
             z = m.block(ids.to(m.device), positions.to(m.device), ctx)
         ks = [it.k for it in its]

@@ -72,6 +72,7 @@ def load_drafter(
     page_size: int = 16,
     sts_temperatures: list[float] | None = None,
     attention: str = "auto",
+    block_width: str = "k",
 ) -> DSparkDrafter:
     """Load a DSpark draft checkpoint (+ the target's lm_head / embedding) as a Drafter.
 
@@ -136,4 +137,5 @@ def load_drafter(
         sts_temperatures=sts_temperatures,
         attention=attention,
         projection_id=projection_id,
+        block_width=block_width,
     )

@@ -98,15 +98,21 @@ class DSparkModel:
         """Taps [R, n_taps * target_hidden] (compute dtype) -> fused context c [R, H]."""
         return rms_norm(self.linear(taps, self.ctx_proj), self.ctx_norm, self.eps)
 
-    def block_mask(self, ctx_mask: torch.Tensor, B: int) -> torch.Tensor:
-        """[N, B, S + B]: context visibility per session, then the block (full or causal)."""
+    def block_mask(self, ctx_mask: torch.Tensor, B: int, width: list[int] | None = None) -> torch.Tensor:
+        """[N, B, S + B]: context visibility per session, then the block (full or causal). ``width``:
+        per session, the block rows in use; a non-causal block sees only its first ``width`` rows."""
         blk = self.mask_cache.get(B)
         if blk is None:
             blk = torch.ones(B, B, dtype=torch.bool, device=self.device)
             blk = blk.tril() if self.cfg.causal else blk
             self.mask_cache[B] = blk
         n, s = ctx_mask.shape
-        return torch.cat([ctx_mask[:, None, :].expand(n, B, s), blk.expand(n, B, B)], dim=-1)
+        blocks = blk.expand(n, B, B)
+        if width is not None and not self.cfg.causal and any(w < B for w in width):
+            cols = torch.arange(B, device=self.device)
+            w = torch.tensor(width, device=self.device)
+            blocks = blocks & (cols[None, None, :] < w[:, None, None])
+        return torch.cat([ctx_mask[:, None, :].expand(n, B, s), blocks], dim=-1)
 
     def block(self, ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """Block rows ids/positions [N, B] over their sessions' context -> final-normed z [N, B, H]."""

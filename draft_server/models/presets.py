@@ -72,6 +72,7 @@ def random_drafter(
     kv_bytes: int | None,
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "auto",
+    block_width: str = "k",
 ) -> DSparkDrafter:
     """A drafter of the given config with seeded random weights, made on ``dev``."""
     cfg = parse_config(cfg_json, "random")
@@ -88,14 +89,15 @@ def random_drafter(
             w[name] = t.div_(shape[-1] ** 0.5) if name != "embed_tokens.weight" else t
         if name.startswith("confidence_head"):
             w[name] = w[name].float()
-    return DSparkDrafter(build_model(cfg, w, dev, dtype), kv_budget_bytes=kv_bytes, attention=attention)
+    model = build_model(cfg, w, dev, dtype)
+    return DSparkDrafter(model, kv_budget_bytes=kv_bytes, attention=attention, block_width=block_width)
 
 
 def load_preset(
-    name: str, device: str, dtype: str, kv_budget_bytes: int | None, attention: str = "auto"
+    name: str, device: str, dtype: str, kv_budget_bytes: int | None, attention: str = "auto", block_width: str = "k"
 ) -> DSparkDrafter:
     """``random:NAME``: a full-size drafter of a preset config with seeded random weights."""
     if name not in PRESETS:
         raise ValueError(f"unknown random preset {name!r} (have {sorted(PRESETS)})")
     dev = resolve_device(device)
-    return random_drafter(PRESETS[name], dev, kv_budget_bytes, resolve_dtype(dtype, dev), attention)
+    return random_drafter(PRESETS[name], dev, kv_budget_bytes, resolve_dtype(dtype, dev), attention, block_width)

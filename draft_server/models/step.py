@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,8 +93,10 @@ class FastStep:
         sts: torch.Tensor,
         max_context: int = 1 << 20,
         offer: WireOffer = BF16_ONLY,  # the wire formats ingested
+        width: Callable[[int], int] | None = None,  # block rows for k drafts (DSparkDrafter.width)
     ) -> None:
         self.m, self.cache, self.sts = model, cache, sts
+        self.width = width or (lambda k: model.cfg.block_size)
         cfg = model.cfg
         self.B = cfg.block_size
         self.P = cache.page_size
@@ -105,10 +107,11 @@ class FastStep:
         self.n_max, self.r_max = self.session_buckets[-1], self.row_buckets[-1]
         self.pages_cap = min(cache.num_pages + 1, max_context // self.P + 2) + self.n_max * 2
         n, B = self.n_max, self.B
-        # packed int32 step inputs: ids | positions | slots | lo | pos | first | pages (ragged)
+        # packed int32 step inputs: ids | positions | slots | lo | pos | first | width | pages (ragged)
         self._off: dict[str, tuple[int, int]] = {}
         o = 0
-        for name, size in (("ids", n * B), ("positions", n * B), ("slots", n * B), ("lo", n), ("pos", n), ("first", n)):
+        per_row, per_session = ("ids", "positions", "slots"), ("lo", "pos", "first", "width")
+        for name, size in [(k, n * B) for k in per_row] + [(k, n) for k in per_session]:
             self._off[name] = (o, o + size)
             o += size
         self._pages_at = o
@@ -188,6 +191,7 @@ class FastStep:
             lo=self._view("lo")[:n],
             pos=self._view("pos")[:n],
             slots=self.slots64[: n * B],
+            width=self._view("width")[:n],
             plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
             workspace=self._workspace(capacity),
             out=out,
@@ -264,6 +268,7 @@ class FastStep:
         h[slice(*self._off["lo"])] = 1
         h[slice(*self._off["pos"])] = 0
         h[slice(*self._off["first"])] = 0
+        h[slice(*self._off["width"])] = B
         h[self._pages_at : self._pages_at + self.pages_cap] = self.cache.num_pages
         self.stage.copy_(self.host)
         self.ing_host_np[: self.r_max] = self.cache.trash_slot
@@ -449,7 +454,7 @@ class FastStep:
         ids = h[slice(*self._off["ids"])].reshape(self.n_max, B)
         positions = h[slice(*self._off["positions"])].reshape(self.n_max, B)
         slots = h[slice(*self._off["slots"])].reshape(self.n_max, B)
-        lo, pos, first = (h[slice(*self._off[k])] for k in ("lo", "pos", "first"))
+        lo, pos, first, width = (h[slice(*self._off[k])] for k in ("lo", "pos", "first", "width"))
         pages = h[self._pages_at :]
         starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
         anchor_pos = np.fromiter((it.pos for it in items), dtype=np.int64, count=n)
@@ -468,11 +473,12 @@ class FastStep:
         ids[:n, 1:] = self.m.cfg.mask_token_id
         positions[:n] = t
         lo[:n], pos[:n] = starts, anchor_pos
+        width[:n] = np.fromiter((self.width(it.k) for it in items), dtype=np.int64, count=n)
         lens = (anchor_pos - starts).tolist()
         ids[n:nb] = 0  # padding sessions
         positions[n:nb] = 0
         slots[n:nb] = self.cache.trash_slot
-        lo[n:nb], pos[n:nb], first[n:nb] = 1, 0, 0
+        lo[n:nb], pos[n:nb], first[n:nb], width[n:nb] = 1, 0, 0, B
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
         return n, nb, lens

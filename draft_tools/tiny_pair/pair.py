@@ -79,9 +79,9 @@ class TinyDSpark(nn.Module):
         w["embed_tokens.weight"], w["lm_head.weight"] = self.embed_w, self.lm_head_w
         return build_model(self.c, w, self.embed_w.device, self.embed_w.dtype)
 
-    def drafter(self, kv_budget_bytes: int = 16 << 20) -> DSparkDrafter:
+    def drafter(self, kv_budget_bytes: int = 16 << 20, block_width: str = "k") -> DSparkDrafter:
         """The production drafter (paged KV cache, batched drafting) over these weights."""
-        return DSparkDrafter(self.model(), kv_budget_bytes)
+        return DSparkDrafter(self.model(), kv_budget_bytes, block_width=block_width)
 
     def train_logits(
         self, taps: torch.Tensor, anchors: torch.Tensor, tokens: torch.Tensor, prev: torch.Tensor
@@ -228,6 +228,7 @@ def acceptance(
     stats: AcceptStats | None = None,
     wire: str = "bf16",
     events: list[tuple[list[float], int]] | None = None,
+    block_width: str = "k",
 ) -> AcceptStats:
     """Greedy acceptance of ``draft`` on one prompt, mirroring the engine loop.
 
@@ -242,7 +243,7 @@ def acceptance(
     taps, _ = target_taps(target, ids, draft.c.target_layer_ids)
     seq = ids[0].tolist()
     total = len(seq)
-    drafter = draft.drafter()
+    drafter = draft.drafter(block_width=block_width)
     session = 0
     assert drafter.reserve(session, 0, total + draft.c.block_size)
     rows = wire_rows(draft, wire)

@@ -170,23 +170,26 @@ class Reference:
         k: int,
         forced: list[int] | None = None,
         sts: list[float] | None = None,
+        width: int | None = None,
     ) -> tuple[list[int], torch.Tensor, list[float]]:
-        """Drafts, per-step logits [k, draft_vocab] and confidences for context [start, pos)."""
+        """Drafts, per-step logits [k, draft_vocab] and confidences for context [start, pos), from
+        a block of ``width`` rows (vLLM runs k for k drafts; None: the trained block_size)."""
         w, eps = self.w, self.eps
         proj, norm = ("context_proj", "context_norm") if self.k3 else ("fc", "hidden_norm")
         cpos = list(range(start, pos))
         c = {t: rms(w[proj + ".weight"] @ ctx[t].to(F64), w[norm + ".weight"], eps) for t in cpos}
-        ids = [anchor] + [self.mask] * (self.B - 1)
+        nb = self.B if width is None else width
+        ids = [anchor] + [self.mask] * (nb - 1)
         h = [w["embed_tokens.weight"][t].clone() for t in ids]
         for i in range(self.L):
             p = f"layers.{i}."
             ctx_kv = [self.keys_values(i, c[t], t) for t in cpos]
             u = [rms(x, w[p + "input_layernorm.weight"], eps) for x in h]
-            blk_kv = [self.keys_values(i, u[j], pos + j) for j in range(self.B)]
+            blk_kv = [self.keys_values(i, u[j], pos + j) for j in range(nb)]
             new_h = []
-            for j in range(self.B):
+            for j in range(nb):
                 q = self.queries(i, u[j], pos + j)
-                visible = ctx_kv + [blk_kv[jj] for jj in range(self.B) if not self.causal or jj <= j]
+                visible = ctx_kv + [blk_kv[jj] for jj in range(nb) if not self.causal or jj <= j]
                 heads = []
                 for hh in range(self.nh):
                     scores = torch.stack([q[hh] @ kv[0][hh] for kv in visible]) * self.scale

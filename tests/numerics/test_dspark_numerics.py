@@ -118,7 +118,7 @@ def run_scenario(drafter, ref: Reference, seed: int, rel_tol: float, steps: int 
         for it, out, lg in zip(drafts, outs, logits, strict=True):
             s = next(x for x in sessions if x.key == it.key)
             assert sorted(s.rows) == list(range(it.start, it.pos))
-            toks, ref_logits, confs = ref.draft(s.rows, it.start, it.pos, it.anchor, it.k)
+            toks, ref_logits, confs = ref.draft(s.rows, it.start, it.pos, it.anchor, it.k, width=it.k)
             assert out.tokens == toks, f"step {step} session {it.key}"
             err = (lg.to(torch.float64) - ref_logits).abs().max() / ref_logits.abs().max()
             assert err < rel_tol, f"step {step} session {it.key}: logits rel err {err:.2e}"
@@ -173,7 +173,7 @@ def test_sampled_drafts_are_seeded_and_report_reference_probs(tmp_path, variant)
     for it, out, out2 in zip(items, outs, again, strict=True):
         assert out.tokens == out2.tokens
         np.testing.assert_array_equal(out.prob_ids, out2.prob_ids)
-        _, logits, _ = ref.draft(rows, 0, 12, it.anchor, it.k, forced=out.tokens)
+        _, logits, _ = ref.draft(rows, 0, 12, it.anchor, it.k, forced=out.tokens, width=it.k)
         s = it.sampling
         for j in range(it.k):
             q = processed_probs(logits[j], s.temperature, s.top_k, s.top_p)
@@ -200,7 +200,7 @@ def test_sampling_follows_the_processed_distribution(tmp_path):
     outs = drafter.draft([DraftItem(1, 0, 6, 2, 1, Sampling(s.temperature, s.top_k, seed=i)) for i in range(n)])
     counts = np.bincount([o.tokens[0] for o in outs], minlength=c.vocab_size) / n
     rows = {t: decode(taps[t : t + 1])[0] for t in range(6)}
-    _, logits, _ = ref.draft(rows, 0, 6, 2, 1, forced=[0])
+    _, logits, _ = ref.draft(rows, 0, 6, 2, 1, forced=[0], width=1)
     q = processed_probs(logits[0], s.temperature, s.top_k, 1.0).numpy()
     assert set(np.nonzero(counts)[0]) <= set(np.nonzero(q)[0])
     assert 0.5 * np.abs(counts - q).sum() < 0.05  # total variation

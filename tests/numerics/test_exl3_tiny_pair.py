@@ -31,8 +31,8 @@ class Loaded:
     c: DSparkConfig
     embed_w: torch.Tensor = field(default_factory=lambda: torch.zeros(1))  # its dtype: the drafter's (float32)
 
-    def drafter(self) -> DSparkDrafter:
-        return load_drafter(self.path, str(tp.TARGET_DIR), "cpu", "float32", 16 << 20)
+    def drafter(self, block_width: str = "k") -> DSparkDrafter:
+        return load_drafter(self.path, str(tp.TARGET_DIR), "cpu", "float32", 16 << 20, block_width=block_width)
 
 
 def test_loads_as_exl3() -> None:

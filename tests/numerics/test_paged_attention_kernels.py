@@ -268,3 +268,20 @@ def test_mla_separate_rope_query_through_strides_equals_concatenated() -> None:
         *args, scale=case.scale, causal=True, kv_lora=KV_LORA, chunk=chunk, config=cfg, q_rope=q_pe.to(DEVICE)
     )
     assert _bitwise_equal(apart, whole)
+
+
+@pytest.mark.parametrize("layout", ["mla", "gqa"])
+def test_block_width_narrows_what_a_non_causal_block_sees(layout: str) -> None:
+    """A block of k < Bq rows (vLLM's width for k drafts): every row sees the context and the
+    block's first k rows only, per session; width Bq is the whole block."""
+    case = _case(layout)
+    n = len(SESSIONS)
+    width = torch.tensor([ROWS, 1, 3, ROWS - 1, 2], dtype=torch.int32)[:n]
+    got = case.run(causal=False, width=width.to(DEVICE))
+    ref = pa.reference_paged_attention(
+        *case.args(), scale=case.scale, causal=False, layout=layout, kv_lora=KV_LORA, width=width
+    )
+    torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
+    full = case.run(causal=False)
+    assert _bitwise_equal(got[0], full[0])  # width Bq: unchanged
+    assert not torch.allclose(got[1], full[1])  # width 1: the block's other rows are out of sight

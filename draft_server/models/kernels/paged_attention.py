@@ -9,10 +9,12 @@ Owns the attention of a batch's draft blocks against the paged cache, for both c
   ``[N, Bq, H, head_dim]``, query head h reads kv head ``h // (H // kv_heads)``.
 
 Visibility: row b of session n (absolute position ``pos[n] + b``) sees the cached positions t with
-``lo[n] <= t < pos[n] + (b + 1 if causal else Bq)``. The caller has already written the block's own
-keys/values at ``[pos[n], pos[n] + Bq)``. Nothing else is read: every load outside a session's
-``[lo, pos + Bq)`` is masked (``other=0``) and every invisible score is set to -inf, so NaN/Inf in
-other slots, other sessions' pages, stale pages or padding block-table entries never reach an output.
+``lo[n] <= t < pos[n] + (b + 1 if causal else width[n])`` (``width``: the block rows in use, at most
+Bq; vLLM runs a block of the k drafts it asks for, and the block is not causal). The caller has
+already written the block's own keys/values at ``[pos[n], pos[n] + Bq)``. Nothing else is read:
+every load outside a session's ``[lo, pos + Bq)`` is masked (``other=0``) and every invisible score
+is set to -inf, so NaN/Inf in other slots, other sessions' pages, stale pages or padding block-table
+entries never reach an output.
 (The block's own rows must be finite even where causality hides them from a row: a tile of values is
 shared by all rows, and 0 * Inf would be NaN. They are the caller's freshly written keys, so they are.)
 Position t of session n lives in physical page ``block_table[n, t // P - first_page[n]]`` at offset
@@ -336,6 +338,7 @@ def _mla_stage1_kernel(
     FIRST,
     LO,
     POS,
+    WID,
     WORK,
     NCH,
     PO,
@@ -391,8 +394,8 @@ def _mla_stage1_kernel(
         b = p % ROWS
         if CAUSAL:
             row_end = pos + b + 1
-        else:
-            row_end = pos + ROWS + b * 0
+        else:  # the whole block sees its first WID rows (vLLM's block is the k it was asked for)
+            row_end = pos + tl.load(WID + n) + b * 0
         dl = tl.arange(0, BLOCK_DL)
         dr = tl.arange(0, BLOCK_DR)
         dlmask = dl < KV_LORA
@@ -445,6 +448,7 @@ def _gqa_stage1_kernel(
     FIRST,
     LO,
     POS,
+    WID,
     WORK,
     NCH,
     PO,
@@ -502,8 +506,8 @@ def _gqa_stage1_kernel(
         p = h * ROWS + b
         if CAUSAL:
             row_end = pos + b + 1
-        else:
-            row_end = pos + ROWS + b * 0
+        else:  # the whole block sees its first WID rows (vLLM's block is the k it was asked for)
+            row_end = pos + tl.load(WID + n) + b * 0
         d = tl.arange(0, BLOCK_D)
         dmask = d < HEAD_DIM
 
@@ -616,6 +620,7 @@ def _prepare(
     first_page: torch.Tensor,
     lo: torch.Tensor,
     pos: torch.Tensor,
+    width: torch.Tensor | None,
     *,
     page_size: int,
     chunk: int,
@@ -623,7 +628,7 @@ def _prepare(
     workspace: Workspace | None,
     out: torch.Tensor | None,
     v_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, WorkPlan, Workspace, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, WorkPlan, Workspace, torch.Tensor]:
     if q.dim() != 4 or q.stride(3) != 1:
         raise ValueError("q must be [N, Bq, H, D] with a contiguous last dim")
     n, rows, heads, _ = q.shape
@@ -632,7 +637,8 @@ def _prepare(
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     first_page, lo, pos = _as_i32(first_page), _as_i32(lo), _as_i32(pos)
-    for name, x in (("first_page", first_page), ("lo", lo), ("pos", pos)):
+    width = torch.full((n,), rows, dtype=torch.int32, device=q.device) if width is None else _as_i32(width)
+    for name, x in (("first_page", first_page), ("lo", lo), ("pos", pos), ("width", width)):
         if x.shape != (n,):
             raise ValueError(f"{name} must be [N]")
     if plan is None:
@@ -647,7 +653,7 @@ def _prepare(
         out = torch.empty((n, rows, heads, v_dim), dtype=q.dtype, device=q.device)
     elif out.shape != (n, rows, heads, v_dim) or out.stride(3) != 1:
         raise ValueError(f"out must be [{n}, {rows}, {heads}, {v_dim}] with a contiguous last dim")
-    return block_table, first_page, lo, pos, plan, workspace, out
+    return block_table, first_page, lo, pos, width, plan, workspace, out
 
 
 def _combine(
@@ -688,6 +694,7 @@ def _stage1(
     first_page: torch.Tensor,
     lo: torch.Tensor,
     pos: torch.Tensor,
+    width: torch.Tensor,
     plan: WorkPlan,
     ws: Workspace,
     out: torch.Tensor,
@@ -701,8 +708,9 @@ def _stage1(
     lead = () if q_rope is None else (q_rope,)
     tail = () if q_rope is None else (q_rope.stride(0), q_rope.stride(1), q_rope.stride(2))
     kernel[grid](  # type: ignore[index]
-        q, *lead, cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, ws.partial_out, ws.partial_lse,
-        out, q.stride(0), q.stride(1), q.stride(2), *cache_strides, block_table.stride(0), block_table.shape[1],
+        q, *lead, cache, block_table, first_page, lo, pos, width, plan.work, plan.nchunks, ws.partial_out,
+        ws.partial_lse, out, q.stride(0), q.stride(1), q.stride(2), *cache_strides, block_table.stride(0),
+        block_table.shape[1],
         ws.partial_out.stride(0), ws.partial_out.stride(1), ws.partial_lse.stride(0),
         out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E, *tail,
         ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
@@ -728,6 +736,7 @@ def mla_paged_attention(
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
     q_rope: torch.Tensor | None = None,
+    width: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA (absorbed) draft-block attention over one layer's paged latent cache.
 
@@ -740,6 +749,8 @@ def mla_paged_attention(
     with the same Bq, P, N; its chunk wins over ``chunk``), ``workspace`` and ``out`` make the call
     allocation-free and graph-capturable; without them they are made here (and ``plan_work`` syncs).
     config: launch shape; None picks ``MLA_CONFIG`` (``MLA_CONFIG_FP32`` for float32 inputs).
+    width: int32 [N], the block rows every row sees when not causal (a block of k <= Bq rows);
+    None: all Bq.
     """
     _, rows, heads, dq = q.shape
     if q_rope is not None:
@@ -756,12 +767,13 @@ def mla_paged_attention(
     page_size = int(cache.shape[1])
     if config is None:
         config = MLA_CONFIG_FP32 if q.element_size() > 2 else MLA_CONFIG
-    block_table, first_page, lo, pos, plan, ws, out = _prepare(
+    block_table, first_page, lo, pos, width, plan, ws, out = _prepare(
         q,
         block_table,
         first_page,
         lo,
         pos,
+        width,
         page_size=page_size,
         chunk=chunk,
         plan=plan,
@@ -774,7 +786,7 @@ def mla_paged_attention(
         q_rope = q[..., kv_lora:]
     _stage1(
         _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
-        plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,
+        width, plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,
         HEADS=heads, KV_LORA=kv_lora, ROPE=rope,
         BLOCK_DL=max(16, triton.next_power_of_2(kv_lora)), BLOCK_DR=max(16, triton.next_power_of_2(max(rope, 1))),
     )  # fmt: skip
@@ -797,6 +809,7 @@ def gqa_paged_attention(
     workspace: Workspace | None = None,
     out: torch.Tensor | None = None,
     config: KernelConfig | None = None,
+    width: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GQA draft-block attention over one layer's paged K/V cache.
 
@@ -816,12 +829,13 @@ def gqa_paged_attention(
     page_size = int(cache.shape[1])
     if config is None:
         config = GQA_CONFIG
-    block_table, first_page, lo, pos, plan, ws, out = _prepare(
+    block_table, first_page, lo, pos, width, plan, ws, out = _prepare(
         q,
         block_table,
         first_page,
         lo,
         pos,
+        width,
         page_size=page_size,
         chunk=chunk,
         plan=plan,
@@ -833,7 +847,7 @@ def gqa_paged_attention(
     grid = (kv_heads * m_blocks, plan.capacity)
     _stage1(
         _gqa_stage1_kernel, grid, q, cache, tuple(cache.stride(i) for i in range(4)), block_table, first_page, lo,
-        pos, plan, ws, out, scale, config, CAUSAL=causal,
+        pos, width, plan, ws, out, scale, config, CAUSAL=causal,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), M_BLOCKS=m_blocks,
     )  # fmt: skip
     _combine(plan, ws, out, rows=rows, heads=heads, v_dim=head_dim, config=config)
@@ -856,6 +870,7 @@ def reference_paged_attention(
     layout: Literal["mla", "gqa"],
     kv_lora: int | None = None,
     dtype: torch.dtype = torch.float64,
+    width: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager oracle: per session, gather the visible rows ``[lo, pos + Bq)`` and do a masked softmax.
 
@@ -892,7 +907,8 @@ def reference_paged_attention(
             v = kv[:, 1].repeat_interleave(group, dim=1)
             s = torch.einsum("bhd,thd->bht", qi, k)
         s = s * scale
-        end = pos_i + (torch.arange(rows) + 1 if causal else torch.full((rows,), rows))
+        w_i = rows if width is None else int(width[i])
+        end = pos_i + (torch.arange(rows) + 1 if causal else torch.full((rows,), w_i))
         vis = (t[None, :] < end[:, None]).to(s.device)
         s = s.masked_fill(~vis[:, None, :], -math.inf)
         w = torch.softmax(s, dim=-1)
