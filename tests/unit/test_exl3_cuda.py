@@ -158,10 +158,15 @@ def test_dense_model_keeps_the_plain_ops(pair) -> None:
 
 @pytest.fixture(scope="module")
 def exl3_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not WHEEL.exists():
-        pytest.skip(f"no {WHEEL.relative_to(ROOT)} (python -m pip download exllamav3==1.6.5 --no-deps -d .whl)")
+    wheel = WHEEL
+    if not wheel.exists():  # a fresh checkout: fetch the same wheel from the package index
+        got = tmp_path_factory.mktemp("exl3wheel")
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "exllamav3==1.6.5", "--no-deps", "-d", str(got)]
+        if subprocess.run(cmd, capture_output=True, timeout=300).returncode != 0 or not list(got.glob("*.whl")):
+            pytest.skip(f"no {WHEEL.relative_to(ROOT)} and no package index ({' '.join(cmd[2:])})")
+        wheel = next(got.glob("*.whl"))
     root = tmp_path_factory.mktemp("exl3src")
-    with zipfile.ZipFile(WHEEL) as z:
+    with zipfile.ZipFile(wheel) as z:
         z.extractall(root)
     return root
 
