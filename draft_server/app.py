@@ -34,7 +34,7 @@ from draft_server.drafters import Drafter, warm_up
 from draft_server.engine import Engine
 from draft_server.io.router import Router
 from draft_server.metrics import MetricsHTTPServer, ServerMetrics
-from protocol import ModelContract, ServerLimits, WireOffer
+from protocol import ModelContract, ServerLimits, Weights, WireOffer
 from protocol.wire import row_layout
 
 log = logging.getLogger("draft_server")
@@ -141,6 +141,7 @@ class DraftServer:
             limits=self.limits,
             healthy=self._healthy,
             offer=self.offer,
+            weights=_weights(drafter),
         )
         self.endpoint = self.router.endpoint
         self._running = threading.Event()
@@ -407,6 +408,14 @@ def describe(drafter: Drafter) -> dict:
         "weight_bytes": info.weight_bytes if info else dense,
         "kv_bytes": 0 if cache is None else cache.numel() * cache.element_size(),
     }
+
+
+def _weights(drafter: Drafter) -> Weights:
+    """The Welcome's account of the weights (model drafters; unknown for the checksum drafter)."""
+    if getattr(drafter, "model", None) is None:
+        return Weights()
+    d = describe(drafter)
+    return Weights(str(d["format"]), float(d["bits"]), int(d["weight_bytes"]))
 
 
 def _bytes(n: int) -> str:

@@ -242,6 +242,15 @@ class Hello(_Message, tag="hello"):
     ring: RingAnnounce | None = None  # transport "shm": the client's ring (refused if the server cannot map it)
 
 
+class Weights(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What the drafter's weights are: ``format`` (dense, exl3; "" unknown), ``bits`` per weight,
+    ``nbytes`` held (EXL3: the packed tensors plus the dense ones)."""
+
+    format: str = ""
+    bits: float = 0.0
+    nbytes: int = 0
+
+
 class Welcome(_Message, tag="welcome"):
     protocol_version: int
     call_id: int
@@ -253,6 +262,7 @@ class Welcome(_Message, tag="welcome"):
     transports: tuple[str, ...] = (Transport.FRAMES.value,)  # what this server takes (older servers: frames)
     ring: str = ""  # the name of the Hello's ring, mapped ("" : none asked for)
     features: tuple[str, ...] = ()  # optional behaviours this server has, e.g. FEATURE_EARLY_TAPS
+    weights: Weights = Weights()  # the drafter's weight format (older servers: unknown)
 
 
 class Step(_Message, tag="step"):

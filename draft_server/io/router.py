@@ -70,6 +70,7 @@ from protocol import (
     Step,
     StepResult,
     Transport,
+    Weights,
     Welcome,
     WireOffer,
     decode_request,
@@ -131,9 +132,11 @@ class Router:
         limits: ServerLimits,
         healthy: Callable[[], bool],
         offer: WireOffer = BF16_ONLY,
+        weights: Weights | None = None,
     ) -> None:
         self.cfg = cfg
         self.offer = offer
+        self.weights = weights or Weights()
         self.engine = engine
         self.metrics = metrics
         self.epoch = epoch
@@ -355,6 +358,7 @@ class Router:
                 transports=self.transports,
                 ring=ring,
                 features=(FEATURE_EARLY_TAPS,),
+                weights=self.weights,
             ),
         )
 

@@ -184,10 +184,13 @@ class Handshake:
         self.refused = None
         if first:
             log.info(
-                "draft client %s: welcomed by %s (model %s, contract %s, epoch %s)",
+                "draft client %s: welcomed by %s (model %s, weights %s, contract %s, epoch %s)",
                 self.cfg.name,
                 self.cfg.endpoint,
                 w.contract.model_name,
+                f"{w.weights.format} {w.weights.bits:g} bits {w.weights.nbytes >> 20} MiB"
+                if w.weights.format
+                else "unknown",
                 w.contract_id,
                 w.epoch,
             )

@@ -67,6 +67,8 @@ def test_three_formats_at_once_projected_equals_bf16(tiny) -> None:
         for f, c in clients.items():
             w = c.connect(wait=True)
             assert w is not None and set(w.wire.formats) == set(FORMATS) and w.wire.projection_id == proj.id
+            # the Welcome says what the weights are: the tiny checkpoint is dense float32
+            assert (w.weights.format, w.weights.bits) == ("dense", 32.0) and w.weights.nbytes > 0
             assert c.row_layout == (
                 {"bf16": (DType.BF16, w.contract.tap_width), "fp8": (DType.U8, w.contract.tap_width + 4)}.get(f)
                 or (DType.F32, w.wire.projected_width)
