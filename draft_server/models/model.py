@@ -55,6 +55,12 @@ class DSparkModel:
         self.stacked: dict[str, list[str]] = {}  # stacked weight -> its sources (EXL3 keeps one GEMM per source)
         self.linears: dict[str, Any] = {}  # EXL3: runtime weight name -> module holding the packed tensors
         self.weight_info: Any = None  # format, bits, weight bytes (set by the loader)
+        self.gate_up = [  # one GEMM for gate and up, as vLLM stacks them
+            self._stack(
+                f"layers.{i}.mlp.gate_up_proj.weight", [f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up")]
+            )
+            for i in range(cfg.num_layers)
+        ]
 
     def _stack(self, fused: str, parts: list[str]) -> torch.Tensor:
         """Replace weights that read the same input by one stacked weight (one GEMM), named as vLLM names it."""

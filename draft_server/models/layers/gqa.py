@@ -41,12 +41,6 @@ class Qwen3DSpark(DSparkModel):
             else None
             for i in L
         ]
-        self.gate_up = [
-            self._stack(
-                f"layers.{i}.mlp.gate_up_proj.weight", [f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up")]
-            )
-            for i in L
-        ]
 
     def _route_attention(self) -> None:
         """qkv_proj per layer; the context K/V of all layers: each layer's k and v sources (a dense

@@ -42,12 +42,6 @@ class K3DSpark(DSparkModel):
             )
             for i in L
         ]
-        self.gate_up = [
-            self._stack(
-                f"layers.{i}.mlp.gate_up_proj.weight", [f"layers.{i}.mlp.{n}_proj.weight" for n in ("gate", "up")]
-            )
-            for i in L
-        ]
 
     def _route_attention(self) -> None:
         """fused_qkv_a per layer; the context latents of all layers: one GEMM per layer's kv_a source
