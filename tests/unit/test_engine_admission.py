@@ -123,3 +123,54 @@ def test_advised_k_shrinks_as_the_queue_fills() -> None:
     assert adm.advised_k(5) == 0  # full: ingest only
     adm.retire_rows(b"a", 100)
     assert adm.advised_k(5) == -1
+
+
+def test_early_taps_wait_for_a_batch_without_drafting() -> None:
+    """A session with nothing but early taps queued is left out of a batch that drafts for others
+    (its rows are not urgent yet) and ingested in the next, draft-free batch; a commit arriving for
+    it folds into its taps and makes it urgent at once."""
+    from draft_server.engine.scheduler import Engine
+    from protocol import Phase
+
+    class Recording(ChecksumDrafter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches: list[tuple[list[str], list[str]]] = []  # (sessions ingested, sessions drafted)
+
+        def ingest(self, items: list) -> None:  # type: ignore[override]
+            self.batches.append(([name(it.key) for it in items], []))
+            super().ingest(items)
+
+        def draft(self, items: list) -> list:  # type: ignore[override]
+            self.batches[-1][1].extend(name(it.key) for it in items)
+            return super().draft(items)
+
+    def name(handle: int) -> str:
+        return next(s.key[1] for s in eng.sessions if s.handle == handle)
+
+    d = Recording()
+    eng = Engine(
+        d, ServerMetrics(), lambda ident, msg, payloads: None, "e", "c",
+        max_sessions=8, max_queue_rows=1000, max_batch_rows=64, max_batch_sessions=8,
+        prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0,
+    )  # fmt: skip
+    W = d.contract.tap_width
+
+    def work(sid: str, rows: int, k: int, phase: Phase, pos: int = 0) -> Work:
+        call = Call(b"c", 1, 0.0, 1e9, [None], remaining=1)
+        taps = np.ones((rows, W), np.uint16) if rows else None
+        assert not rows or eng.admission.try_admit_rows(b"c", rows)
+        return Work(call, 0, sid, pos, taps, 1, k, GREEDY, pos + rows, phase=phase)
+
+    eng.submit([work("early", 3, 0, Phase.TAPS), work("drafting", 2, 3, Phase.WHOLE)])
+    eng._drain_inbox()
+    assert eng._iteration()
+    assert d.batches[-1] == (["drafting"], ["drafting"])  # the early taps wait
+    assert eng._iteration()
+    assert d.batches[-1] == (["early"], [])  # and go in the next batch, which drafts nothing
+    eng.submit([work("late", 3, 0, Phase.TAPS), work("other", 2, 3, Phase.WHOLE)])
+    eng.submit([work("late", 0, 3, Phase.COMMIT, pos=2)])  # its commit: rows 0-1 accepted
+    eng._drain_inbox()
+    assert eng._iteration()
+    ingested, drafted = d.batches[-1]
+    assert sorted(ingested) == ["late", "other"] and sorted(drafted) == ["late", "other"]
