@@ -455,7 +455,7 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     return res
 
 
-def server_vs_inprocess(inproc: dict[str, float]) -> dict[str, Any]:
+def server_vs_inprocess(inproc: dict[str, float], steps: int = 25) -> dict[str, Any]:
     """The same K3 step through a real draft-server process and DraftClient: client wait, server
     compute (from the reply's timing) and the in-process step, 256 context rows, B = 1 and 64."""
     from draft_tools.common import free_port
@@ -494,8 +494,8 @@ def server_vs_inprocess(inproc: dict[str, float]) -> dict[str, Any]:
                 reqs = [StepRequest(sid, 0, 256, 1, 0) for sid in part]
                 client.step(reqs, bf16_rows(rng, 256 * len(part), W))
             pos = 256
-            waits, comp = [], []
-            for it in range(25):
+            waits, comp, server = [], [], []
+            for it in range(steps):
                 reqs = [StepRequest(sid, pos, NEW_ROWS, 5, K) for sid in sids]
                 t1 = time.perf_counter()
                 reps = client.step(reqs, pool[it % 4][: n * NEW_ROWS])
@@ -503,10 +503,12 @@ def server_vs_inprocess(inproc: dict[str, float]) -> dict[str, Any]:
                 assert all(len(r.tokens) == K for r in reps), [r.status for r in reps][:3]
                 tm = client.last_timing
                 comp.append(tm.compute_ms if tm is not None else float("nan"))
+                server.append(tm.server_ms if tm is not None else float("nan"))
                 pos += NEW_ROWS
-            waits, comp = waits[5:], comp[5:]
+            waits, comp, server = waits[5:], comp[5:], server[5:]
             row = {
                 "client_wait_ms": statistics.median(waits),
+                "server_ms": statistics.median(server),
                 "server_compute_ms": statistics.median(comp),
                 "inprocess_ms": inproc.get(str(n), float("nan")),
             }
