@@ -1,4 +1,4 @@
-"""`draft-server` command line: serve, make-tiny, keygen.
+"""`draft-server` command line: serve, make-tiny, keygen, quantize.
 
 `serve` takes every ServerConfig field as a flag (see `draft-server serve --help`) or from a
 TOML file (`--config FILE`, keys as in ServerConfig, optionally under a [server] table). The
@@ -81,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["make-tiny"]:
         return _make_tiny(argv[1:])
+    if argv[:1] == ["quantize"]:
+        from draft_server.models.exl3.convert import quantize_main
+
+        return quantize_main(argv[1:])
     parser = argparse.ArgumentParser(prog="draft-server", description="DSpark draft server over ZeroMQ")
     sub = parser.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser("serve", help="run the draft server", description="Run the draft server.")
     _serve_flags(serve)
     serve.set_defaults(func=_serve)
     sub.add_parser("make-tiny", help="write a tiny random DSpark checkpoint (see make-tiny --help)")
+    sub.add_parser("quantize", help="quantize a BF16 draft checkpoint to EXL3 on a GPU (see quantize --help)")
     keygen = sub.add_parser("keygen", help="create a CurveZMQ key pair (NAME.key, NAME.key_secret)")
     keygen.add_argument("--dir", default=".", help="directory for the key files (created, mode 0700, if missing)")
     keygen.add_argument("--name", default="server", help="base name of the key files")

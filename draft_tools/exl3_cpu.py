@@ -1,4 +1,4 @@
-"""A CPU EXL3 encoder and checkpoint writer: NOT exllamav3's quantizer, an independent stand-in.
+"""A CPU EXL3 encoder: NOT exllamav3's quantizer (``draft-server quantize`` runs that), an independent stand-in.
 
 Owns what CPU-only tests and the shipped tiny EXL3 drafter need to exist without a GPU:
 
@@ -9,12 +9,12 @@ Owns what CPU-only tests and the shipped tiny EXL3 drafter need to exist without
   each uint32 swapped, as exllamav3's ``pack_trellis_kernel`` stores them);
 - ``encode_linear``: a dense weight [out, in] -> ``trellis``/``suh``/``svh``(/marker) with random
   sign flips, per-channel scales, 128-point Hadamards and a small global-scale search.
-  Unlike exllamav3 (``quantize_exl3``) there is no Hessian and no LDLQ error feedback, so at the
-  same K the error is larger than a real conversion's; the *format* is the same;
+  Like ``draft-server quantize`` (exllamav3's ``quantize_exl3``, uncalibrated) there is no Hessian and
+  no LDLQ error feedback; the regularisation is simpler, so at the same K the error is somewhat larger;
 - ``random_linear``: a valid EXL3 linear from random trellis bits (fast fixtures for loader tests);
-- ``write_exl3_checkpoint`` / ``main``: a dense DSpark checkpoint -> an EXL3 one with exllamav3's
-  tensor names, ``config.json`` ``quantization_config`` and ``quantization_config.json``
-  ``tensor_storage`` (options to name layers or metadata in other numberings, for the loader's tests).
+- ``write_exl3_checkpoint`` / ``main``: a dense DSpark checkpoint -> an EXL3 one through
+  ``draft_server.models.exl3.convert.write_checkpoint`` (the layout ``draft-server quantize`` writes),
+  with options to name layers or metadata in other numberings, for the loader's tests.
 
 ``python -m draft_tools.exl3_cpu --bits 4 --model BF16_DIR --out DIR [--codebook mul1]``
 """
@@ -22,19 +22,15 @@ Owns what CPU-only tests and the shipped tiny EXL3 drafter need to exist without
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import re
-import shutil
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from draft_server.models.exl3.convert import DEFAULT_MODULES, write_checkpoint
 from draft_server.models.exl3.decode import (
     MCG_MULT,
     MUL1_MULT,
@@ -45,9 +41,6 @@ from draft_server.models.exl3.decode import (
     tile_perm,
 )
 from draft_server.models.exl3.linear import pad128
-
-# the draft's linears a conversion quantizes by default: every decoder-layer projection
-DEFAULT_MODULES = r"^layers\.\d+\.(self_attn|mlp)\.[a-z_]+_proj(_with_mqa)?$"
 
 
 def viterbi(x: torch.Tensor, K: int, codebook: str) -> torch.Tensor:
@@ -166,23 +159,6 @@ def random_linear(out_f: int, in_f: int, K: int, codebook: str = "mul1", seed: i
     return {"trellis": trellis.to(torch.int16), "suh": suh, "svh": svh, **_marker(codebook)}
 
 
-def _read_all(model_dir: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(model_dir, name), framework="pt") as f:
-                for k in f.keys():
-                    out[k] = f.get_tensor(k)
-    return out
-
-
-def _rename(name: str, prefix: str, offset: int) -> str:
-    m = re.match(r"^layers\.(\d+)\.(.+)$", name)
-    if m and offset:
-        name = f"layers.{int(m.group(1)) + offset}.{m.group(2)}"
-    return prefix + name
-
-
 def write_exl3_checkpoint(
     src: str,
     out: str,
@@ -191,70 +167,20 @@ def write_exl3_checkpoint(
     modules: str = DEFAULT_MODULES,
     encoder: str = "viterbi",
     seed: int = 0,
-    tensor_prefix: str = "",
-    tensor_layer_offset: int = 0,
-    meta_prefix: str = "",
-    meta_layer_offset: int = 0,
-    metadata: bool = True,
     log: Callable[[str], None] | None = None,
+    **names: Any,
 ) -> dict[str, Any]:
-    """Convert the dense DSpark checkpoint ``src`` into an EXL3 one at ``out``; returns the tensor_storage.
+    """``convert.write_checkpoint`` with this module's CPU encoders: ``viterbi`` (``encode_linear``) or
+    ``random`` (``random_linear``: valid format, random weights); ``names``: its renaming options."""
 
-    ``modules``: regex over module keys (``layers.0.mlp.down_proj``) to quantize. ``encoder``:
-    ``viterbi`` (``encode_linear``) or ``random`` (``random_linear``: valid format, random weights).
-    The prefixes and layer offsets rename tensors / metadata keys (``model.``, the target's numbering).
-    """
-    dense = _read_all(src)
-    pat = re.compile(modules)
-    tensors: dict[str, torch.Tensor] = {}
-    storage: dict[str, Any] = {}
-    for i, (name, t) in enumerate(sorted(dense.items())):
-        mod = name[: -len(".weight")] if name.endswith(".weight") else None
-        tname, mname = _rename(name, tensor_prefix, tensor_layer_offset), None
-        if mod is not None and t.dim() == 2 and pat.search(mod):
-            t0 = time.monotonic()
-            if encoder == "random":
-                q = random_linear(t.shape[0], t.shape[1], bits, codebook, seed=seed + i)
-            else:
-                q = encode_linear(t.float(), bits, codebook, seed=seed + i)
-            tkey = _rename(mod, tensor_prefix, tensor_layer_offset)
-            mname = _rename(mod, meta_prefix, meta_layer_offset)
-            entry: dict[str, Any] = {"stored_tensors": {}, "quant_format": "exl3", "bits_per_weight": bits}
-            if codebook != "3inst":
-                entry[f"{codebook}_multiplier"] = MCG_MULT if codebook == "mcg" else MUL1_MULT
-            for suffix, qt in q.items():
-                tensors[f"{tkey}.{suffix}"] = qt.contiguous()
-                entry["stored_tensors"][f"{mname}.{suffix}"] = {
-                    "shape": list(qt.shape),
-                    "n_bytes": qt.numel() * qt.element_size(),
-                    "dtype": str(qt.dtype),
-                }
-            storage[mname] = entry
-            if log:
-                log(f"{mod}: {list(t.shape)} K={bits} {codebook} in {time.monotonic() - t0:.1f} s")
-            continue
-        tensors[tname] = t.contiguous()
-        mkey = _rename(name.rpartition(".")[0], meta_prefix, meta_layer_offset)
-        storage.setdefault(mkey, {"stored_tensors": {}})["stored_tensors"][
-            _rename(name, meta_prefix, meta_layer_offset)
-        ] = {"shape": list(t.shape), "n_bytes": t.numel() * t.element_size(), "dtype": str(t.dtype)}
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    qcfg = {"quant_method": "exl3", "version": "draft_tools.exl3_cpu", "bits": float(bits), "codebook": codebook}
-    cfg["quantization_config"] = qcfg
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    if metadata:
-        with open(os.path.join(out, "quantization_config.json"), "w") as f:
-            json.dump({**qcfg, "tensor_storage": storage}, f, indent=2)
-    for extra in os.listdir(src):  # tokenizer files and the like travel along
-        if not extra.endswith(".safetensors") and extra not in ("config.json", "model.safetensors.index.json"):
-            p = os.path.join(src, extra)
-            if os.path.isfile(p):
-                shutil.copy(p, os.path.join(out, extra))
-    return storage
+    def encode(w: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+        if encoder == "random":
+            return random_linear(w.shape[0], w.shape[1], bits, codebook, seed=seed)
+        return encode_linear(w, bits, codebook, seed=seed)
+
+    return write_checkpoint(
+        src, out, encode, bits, codebook, "draft_tools.exl3_cpu", modules, seed, log=log, **names
+    )
 
 
 def dequantized_error(q: dict[str, torch.Tensor], weight: torch.Tensor, codebook: str) -> float:

@@ -6,7 +6,13 @@
 #           $OUT/exl3_fixtures.tar.gz + a table of our CPU decoder against them (inner bit-exact, errors)
 #   smoke   the GPU backend (draft_tools.exl3_smoke): K3-shape linears, the tiny EXL3 drafter under CUDA
 #           graphs, a full-size random K3 EXL3 drafter's step time vs BF16 -> $OUT/exl3_smoke.json
+#   bench   draft_tools.bench.exl3_h200: BF16 vs EXL3 (exllamav3-quantized) K3 drafters, the tiny drafter
+#           through `draft-server quantize` -> $OUT/exl3_h200.json, $OUT/tiny_exl3_k4.tar.gz
 #   all     golden, then smoke in the time left (does not fit 600 s when the build is not cached)
+# Extra arguments after the task go to the task's Python module (e.g. `bench --bits 4 --large recon`).
+#
+# The built extension comes back as $OUT/exl3_ext.so.z.part* (xz or gzip, 15 MB parts): put them in
+# .exl3_prebuilt/ (git-ignored) and carry that folder, and the next call imports it instead of building.
 #
 # Device tool (one H200; .whl must hold exllamav3-1.6.5, pydantic 2.14.4, pydantic-core 2.50.5,
 # annotated-types, typing-inspection, typing-extensions, msgspec and pyzmq wheels: README "EXL3"):
@@ -18,6 +24,7 @@
 # Outside the device tool: OUT=/some/dir bash draft_tools/exl3_gpu.sh golden (wheels from .whl/ if present).
 set -uo pipefail
 task=${1:-golden}
+shift || true
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/exl3}
 mkdir -p "$OUT"
@@ -35,31 +42,50 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export EXLLAMAV3_TUNE_CACHE=${EXLLAMAV3_TUNE_CACHE:-$TORCH_EXTENSIONS_DIR/exl3_autotune.bin}
 export PYTHONUNBUFFERED=1
 mkdir -p "$TORCH_EXTENSIONS_DIR"
+unz() { python3 -c "import gzip,lzma,sys; d=sys.stdin.buffer.read(); sys.stdout.buffer.write(lzma.decompress(d) if d[:1]==b'\xfd' else gzip.decompress(d))"; }
+if compgen -G ".exl3_prebuilt/exl3_ext.so.z.part*" >/dev/null; then  # a previous call's build
+    mkdir -p /tmp/exl3_prebuilt && cat .exl3_prebuilt/exl3_ext.so.z.part* | unz > /tmp/exl3_prebuilt/exllamav3_ext.so \
+        && export PYTHONPATH=/tmp/exl3_prebuilt:$PYTHONPATH && echo "prebuilt exllamav3_ext from .exl3_prebuilt"
+fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
   python3 -c "import torch, exllamav3.version as v; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'exllamav3', v.__version__)"
 } 2>&1 | tee "$OUT/build.log"
 python3 -c "from draft_server.models.exl3.cuda import load_ext; load_ext()" 2>&1 | tee -a "$OUT/build.log" || exit 1
 echo "build done at ${SECONDS}s"
+so=$(ls "$TORCH_EXTENSIONS_DIR"/exllamav3_ext/exllamav3_ext*.so 2>/dev/null | head -1)
+if [ -n "$so" ] && [ ! -e /tmp/exl3_prebuilt/exllamav3_ext.so ]; then  # ship the build back for the next call
+    if command -v xz >/dev/null; then xz -T0 -6 -c "$so"; else gzip -6 -c "$so"; fi \
+        | split -b 15M - "$OUT/exl3_ext.so.z.part" && ls -l "$so" "$OUT"/exl3_ext.so.z.part*
+    echo "packed at ${SECONDS}s"
+fi
 
 left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
 golden() {
     rm -rf /tmp/exl3_fixtures
     timeout "$(left)" python3 -m draft_tools.exl3_golden --out /tmp/exl3_fixtures \
-        --checkpoint draft_tools/tiny_pair/assets/draft_exl3_k4 2>&1 | tee "$OUT/golden.log"
+        --checkpoint draft_tools/tiny_pair/assets/draft_exl3_k4 "$@" 2>&1 | tee "$OUT/golden.log"
     local rc=$?
     tar czf "$OUT/exl3_fixtures.tar.gz" -C /tmp/exl3_fixtures . && ls -l "$OUT/exl3_fixtures.tar.gz"
     echo "golden rc=$rc at ${SECONDS}s"
     return $rc
 }
 smoke() {
-    timeout "$(left)" python3 -m draft_tools.exl3_smoke --out "$OUT/exl3_smoke.json" 2>&1 | tee "$OUT/smoke.log"
+    timeout "$(left)" python3 -m draft_tools.exl3_smoke --out "$OUT/exl3_smoke.json" "$@" 2>&1 | tee "$OUT/smoke.log"
     local rc=$?
     echo "smoke rc=$rc at ${SECONDS}s"
     return $rc
 }
+bench() {
+    timeout "$(left)" python3 -m draft_tools.bench.exl3_h200 --out "$OUT/exl3_h200.json" "$@" 2>&1 | tee "$OUT/bench.log"
+    local rc=$?
+    echo "bench rc=$rc at ${SECONDS}s"
+    return $rc
+}
 case "$task" in
-    golden) golden ;;
-    smoke) smoke ;;
+    golden) golden "$@" ;;
+    smoke) smoke "$@" ;;
+    bench) bench "$@" ;;
+    golden+bench) golden; g=$?; bench "$@"; b=$?; exit $((g || b)) ;;
     all) golden; g=$?; smoke; s=$?; exit $((g || s)) ;;
-    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|all" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|bench|golden+bench|all [args]" >&2; exit 2 ;;
 esac

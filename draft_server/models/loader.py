@@ -8,7 +8,14 @@ import torch
 from draft_server.models.config import K3, CheckpointError, DSparkConfig, load_config
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.exl3 import Exl3Checkpoint, WeightInfo, attach_linears, detect_format, set_backend
-from draft_server.models.exl3.cuda import ENV_FUSED_MAX_ROWS, Exl3Backend, Exl3Unavailable, fused_max_rows_from_env
+from draft_server.models.exl3.cuda import (
+    ENV_FUSED_MAX_ROWS,
+    ENV_LARGE,
+    Exl3Backend,
+    Exl3Unavailable,
+    fused_max_rows_from_env,
+    large_path_from_env,
+)
 from draft_server.models.exl3.linear import DequantBackend
 from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.layers.gqa import Qwen3DSpark
@@ -49,13 +56,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def _exl3_backend(model_dir: str, dev: torch.device) -> Exl3Backend | DequantBackend:
-    """CUDA: exllamav3's kernels (``DRAFT_EXL3_FUSED_MAX_ROWS``, 0 = dense only); CPU: decode once + GEMM."""
+    """CUDA: exllamav3's kernels (``DRAFT_EXL3_FUSED_MAX_ROWS``, ``DRAFT_EXL3_LARGE``); CPU: decode once + GEMM."""
     if dev.type != "cuda":
         return DequantBackend()
     try:
-        return Exl3Backend(fused_max_rows_from_env())
+        return Exl3Backend(fused_max_rows_from_env(), large=large_path_from_env())
     except Exl3Unavailable as e:
-        raise CheckpointError(f"{model_dir}: EXL3 on CUDA: {e} ({ENV_FUSED_MAX_ROWS}=0 runs it dense)") from None
+        dense = f"{ENV_FUSED_MAX_ROWS}=0 {ENV_LARGE}=dense runs it dense"
+        raise CheckpointError(f"{model_dir}: EXL3 on CUDA: {e} ({dense})") from None
 
 
 def build_model(cfg: DSparkConfig, w: dict[str, torch.Tensor], dev: torch.device, dtype: torch.dtype) -> DSparkModel:

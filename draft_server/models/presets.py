@@ -66,15 +66,8 @@ QWEN3_8B = {
 PRESETS = {"k3": K3_FULL, "qwen3-8b": QWEN3_8B}
 
 
-def random_drafter(
-    cfg_json: dict,
-    dev: torch.device,
-    kv_bytes: int | None,
-    dtype: torch.dtype = torch.bfloat16,
-    attention: str = "auto",
-    block_width: str = "k",
-) -> DSparkDrafter:
-    """A drafter of the given config with seeded random weights, made on ``dev``."""
+def random_weights(cfg_json: dict, dev: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Seeded random tensors of every checkpoint name of the config (embedding and lm_head included), on ``dev``."""
     cfg = parse_config(cfg_json, "random")
     req, _ = expected_shapes(cfg)
     req["embed_tokens.weight"] = (cfg.vocab_size, cfg.hidden_size)
@@ -89,7 +82,19 @@ def random_drafter(
             w[name] = t.div_(shape[-1] ** 0.5) if name != "embed_tokens.weight" else t
         if name.startswith("confidence_head"):
             w[name] = w[name].float()
-    model = build_model(cfg, w, dev, dtype)
+    return w
+
+
+def random_drafter(
+    cfg_json: dict,
+    dev: torch.device,
+    kv_bytes: int | None,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: str = "auto",
+    block_width: str = "k",
+) -> DSparkDrafter:
+    """A drafter of the given config with seeded random weights (``random_weights``), made on ``dev``."""
+    model = build_model(parse_config(cfg_json, "random"), random_weights(cfg_json, dev, dtype), dev, dtype)
     return DSparkDrafter(model, kv_budget_bytes=kv_bytes, attention=attention, block_width=block_width)
 
 

@@ -1,9 +1,10 @@
 """The EXL3 GPU backend without a GPU: dispatch, padding and dtypes against a fake ``exllamav3_ext``.
 
 ``Exl3Backend`` calls ``exl3_gemm(A, trellis, C, suh, A_had, svh, -1, mcg, mul1, 0)`` up to
-``fused_max_rows`` rows and the cached dense weight above. The fake extension checks the call's
-contract (fp16 contiguous A padded to 128, fp32 C, scratch shaped like A, the codebook flags) and
-computes ``A @ W`` from our decoder, so the backend's own work (reshape, pad, trim, bias, cast)
+``fused_max_rows`` rows; above, ``reconstruct`` into a shared scratch + ``had_r_128`` on both sides of
+a GEMM (``recon``) or the cached dense weight (``dense``). The fake extension checks each call's
+contract (fp16 contiguous A padded to 128, fp32 C, scratch shaped like A, the codebook flags, K) and
+computes the kernels' results from our decoder, so the backend's own work (reshape, pad, trim, bias, cast)
 and the model's routing (``DSparkModel.route_linears``) are what is tested. Also: the dense model
 keeps the plain ops, and exllamav3's real sources (when the 1.6.5 wheel is in ``.whl/``) build with
 the same arguments as ``exllamav3/ext.py`` and have the signatures the backend and the golden job use.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from draft_server.models import load_drafter
 from draft_server.models.exl3 import Exl3Linear, FusedLinear, set_backend
 from draft_server.models.exl3.cuda import Exl3Backend, Exl3Unavailable, fused_max_rows_from_env
-from draft_server.models.exl3.decode import decode_inner, dense_weight
+from draft_server.models.exl3.decode import decode_inner, dense_weight, had_right
 from draft_server.models.exl3.linear import DequantBackend
 from draft_server.models.tiny import make_tiny
 from draft_tools.exl3_cpu import random_linear, write_exl3_checkpoint
@@ -40,7 +41,8 @@ class FakeExt:
     """``exllamav3_ext.exl3_gemm`` on the CPU: the argument contract asserted, ``C = A @ W`` computed."""
 
     def __init__(self) -> None:
-        self.rows: list[int] = []
+        self.rows: list[int] = []  # exl3_gemm calls' row counts
+        self.recon: list[int] = []  # reconstruct calls' buffer addresses
 
     def exl3_gemm(self, A, B, C, suh, A_had, svh, force_shape_idx, mcg, mul1, force_num_sms) -> int:
         assert A.dtype == torch.float16 and A.is_contiguous() and A.dim() == 2
@@ -53,6 +55,22 @@ class FakeExt:
         C.copy_(A.double() @ dense_weight(decode_inner(B, cb), suh, svh))
         self.rows.append(A.shape[0])
         return 0
+
+    def reconstruct(self, unpacked, packed, K, mcg, mul1) -> None:
+        """The rotated-basis fp16 Wq [k, n] (our decoder is bit-exact with the kernel's: the goldens)."""
+        assert unpacked.dtype == torch.float16 and unpacked.is_contiguous() and packed.dtype == torch.int16
+        assert unpacked.shape == (packed.shape[0] * 16, packed.shape[1] * 16) and packed.shape[2] == 16 * K
+        assert not (mcg and mul1)
+        unpacked.copy_(decode_inner(packed, "mcg" if mcg else "mul1" if mul1 else "3inst"))
+        self.recon.append(unpacked.data_ptr())
+
+    def had_r_128(self, inp, out, pre_scale, post_scale, scale) -> None:
+        """out = H128(inp * pre_scale) * post_scale * scale over 128-column blocks (in place allowed)."""
+        assert inp.shape == out.shape and inp.dim() == 2 and inp.shape[1] % 128 == 0
+        assert inp.dtype == out.dtype and inp.dtype in (torch.float16, torch.float32)
+        x = inp.double() * (1 if pre_scale is None else pre_scale.double())
+        x = had_right(x) * (1 if post_scale is None else post_scale.double())
+        out.copy_(x * scale)
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
@@ -69,23 +87,50 @@ def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
     assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()  # fp16 A, bf16 out
     y32 = be.forward(lin, x)
     assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
-    assert be.calls == {"fused": 2, "dense": 0}
+    assert be.calls == {"fused": 2, "recon": 0, "dense": 0}
 
 
 def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
     t = random_linear(256, 128, 4, "mul1", seed=7)
     lin = Exl3Linear("x", 128, 256, t["trellis"], t["suh"], t["svh"], "mul1")
     ext = FakeExt()
-    be = Exl3Backend(fused_max_rows=16, ext=ext)
+    be = Exl3Backend(fused_max_rows=16, ext=ext, large="dense")
     x = torch.randn(17, 128)
     assert torch.equal(be.forward(lin, x), F.linear(x, lin.weight(torch.float32)))
-    assert ext.rows == [] and be.calls == {"fused": 0, "dense": 1} and be.path(16) == "fused"
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "dense": 1} and be.path(16) == "fused"
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
+def test_recon_decodes_into_one_shared_scratch_and_keeps_no_dense_copy(codebook) -> None:
+    """Above the bucket, ``recon``: every linear decodes into the same buffer (grown to the largest), the
+    input and output rotations carry suh / svh, padding is trimmed, and no dense weight is cached."""
+    g = torch.Generator().manual_seed(8)
+    big, small = random_linear(200, 300, 3, codebook, seed=9), random_linear(130, 128, 2, codebook, seed=10)
+    lins = [
+        Exl3Linear("big", 300, 200, big["trellis"], big["suh"], big["svh"], codebook, torch.randn(200)),
+        Exl3Linear("small", 128, 130, small["trellis"], small["suh"], small["svh"], codebook),
+    ]
+    ext = FakeExt()
+    be = Exl3Backend(fused_max_rows=4, ext=ext)
+    assert be.large == "recon" and be.path(5) == "recon"
+    for lin in lins:
+        x = torch.randn(3, 7, lin.in_features, generator=g)
+        ref = x.double() @ lin.exact_weight().t() + (0 if lin.bias is None else lin.bias.double())
+        y = be.forward(lin, x)
+        assert y.shape == (3, 7, lin.out_features) and y.dtype == torch.float32
+        assert (y.double() - ref).abs().max() <= 5e-3 * ref.abs().max()  # fp16 input, weight and output
+        assert not lin._dense  # nothing cached
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "dense": 0}
+    assert len(set(ext.recon)) == 1  # the second, smaller linear reused the first one's scratch
 
 
 def test_dense_only_needs_no_exllamav3_and_the_env_knob() -> None:
-    assert Exl3Backend(fused_max_rows=0).ext is None  # never loads the extension
-    with pytest.raises(Exl3Unavailable):  # CPU torch: a one-line reason, not a build attempt
-        Exl3Backend(fused_max_rows=1)
+    assert Exl3Backend(fused_max_rows=0, large="dense").ext is None  # never loads the extension
+    for needs in ({"fused_max_rows": 1, "large": "dense"}, {"fused_max_rows": 0}):
+        with pytest.raises(Exl3Unavailable):  # CPU torch: a one-line reason, not a build attempt
+            Exl3Backend(**needs)
+    with pytest.raises(ValueError):
+        Exl3Backend(fused_max_rows=0, large="nope")
     for raw, want in (("", 16), ("0", 0), ("64", 64)):
         os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"] = raw
         try:
@@ -122,25 +167,27 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
     rows = torch.randn(9, load_drafter(q, target, "cpu", "float32", 1 << 20).contract.tap_width)
     results = {}
     try:
-        for max_rows in (0, 8, 1 << 20):  # dense only; ingest (9 rows) dense, block (B rows) fused; fused only
+        # dense only; recon only; ingest (9 rows) recon, block (B rows) fused; fused only
+        for setting in ((0, "dense"), (0, "recon"), (8, "recon"), (1 << 20, "recon")):
+            max_rows, large = setting
             d = load_drafter(q, target, "cpu", "float32", 1 << 20)
             ext = FakeExt()
-            be = Exl3Backend(fused_max_rows=max_rows, ext=ext)
+            be = Exl3Backend(fused_max_rows=max_rows, ext=ext, large=large)
             set_backend(be)
-            results[max_rows] = drafts(d, rows)
+            results[setting] = drafts(d, rows)
             m = d.model
             sites = len(m.linears) + 1  # every routed module, and the context K/V of all layers
             if max_rows == 0:
-                assert be.calls["fused"] == 0 and be.calls["dense"] >= sites
+                assert be.calls["fused"] == 0 and be.calls[large] >= sites and not ext.rows
             elif max_rows == 8:
                 assert set(ext.rows) == {d.contract.block_size} and 9 not in ext.rows
-                assert be.calls["dense"] >= 1 and be.calls["fused"] >= 1
+                assert be.calls["recon"] >= 1 and be.calls["fused"] >= 1 and be.calls["dense"] == 0
             else:
-                assert be.calls["dense"] == 0 and 9 in ext.rows
+                assert be.calls["dense"] == be.calls["recon"] == 0 and 9 in ext.rows
             assert isinstance(m.kv_a_all if variant == "k3" else m.kv_w, FusedLinear)
     finally:
         set_backend(DequantBackend())
-    assert results[0] == results[8] == results[1 << 20]
+    assert len({repr(r) for r in results.values()}) == 1, results
 
 
 def test_dense_model_keeps_the_plain_ops(pair) -> None:

@@ -14,10 +14,13 @@ nor a GPU):
 - ``Exl3Backend``: one ``Exl3Linear`` product per call. Up to ``fused_max_rows`` rows it runs
   ``exl3_gemm`` (input Hadamard and suh, in-register trellis decode, mma, output Hadamard and svh,
   fused): fp16 in (zero-padded to the 128-multiple), fp32 out (trimmed, bias added, cast to x's
-  dtype). Above that it multiplies by the dense weight, decoded once on the device and cached
-  (``Exl3Linear.weight``): on an H200 the fused kernel matches BF16 at 1-8 rows and is 1.5-3.7x
-  slower from 28 rows (exl3.md §7, §8), so the large buckets trade memory for BF16 speed.
-  ``fused_max_rows = 0`` never calls exllamav3 (dense only); a huge value never keeps a dense copy.
+  dtype). On an H200 the fused kernel matches BF16 at 1-8 rows and is 1.5-3.7x slower from 28
+  rows (exl3.md §7, §8), so above ``fused_max_rows`` the backend takes its ``large`` path:
+  ``recon`` (default) decodes the weight into one shared fp16 scratch buffer per call
+  (exllamav3's ``reconstruct``, rotated basis), runs a cuBLAS GEMM on the Hadamard-rotated input
+  and rotates the output back (``had_r_128`` with suh / svh), so no dense copy is ever kept;
+  ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
+  BF16 speed for BF16 memory. ``fused_max_rows = 0`` with ``dense`` never calls exllamav3.
   The choice depends on the row count alone, so each CUDA-graph bucket bakes in one path.
 
 CUDA graphs: the fused GEMM tunes its tile shape on the first call per (row bucket, k, n, K), and the
@@ -44,6 +47,8 @@ from draft_server.models.exl3.linear import Exl3Linear, pad128
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
 ENV_FUSED_MAX_ROWS = "DRAFT_EXL3_FUSED_MAX_ROWS"
+ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default) or dense
+LARGE_PATHS = ("recon", "dense")
 
 
 class Exl3Unavailable(RuntimeError):
@@ -137,31 +142,60 @@ def fused_max_rows_from_env(default: int = FUSED_MAX_ROWS) -> int:
     return value
 
 
-class Exl3Backend:
-    """exllamav3's fused GEMM up to ``fused_max_rows`` rows, a cached dense weight above (module docstring)."""
+def large_path_from_env(default: str = "recon") -> str:
+    raw = os.environ.get(ENV_LARGE, "").strip() or default
+    if raw not in LARGE_PATHS:
+        raise Exl3Unavailable(f"{ENV_LARGE}={raw!r}: expected one of {', '.join(LARGE_PATHS)}")
+    return raw
 
-    def __init__(self, fused_max_rows: int = FUSED_MAX_ROWS, ext: ModuleType | None = None) -> None:
-        self.fused_max_rows = fused_max_rows
-        self.ext = ext if ext is not None or fused_max_rows == 0 else load_ext()
-        self.calls = {"fused": 0, "dense": 0}  # per path, counted in Python (capture counts once per graph)
+
+class Exl3Backend:
+    """exllamav3's fused GEMM up to ``fused_max_rows`` rows, the ``large`` path above (module docstring)."""
+
+    def __init__(
+        self, fused_max_rows: int = FUSED_MAX_ROWS, ext: ModuleType | None = None, large: str = "recon"
+    ) -> None:
+        if large not in LARGE_PATHS:
+            raise ValueError(f"large path {large!r}: expected one of {', '.join(LARGE_PATHS)}")
+        self.fused_max_rows, self.large = fused_max_rows, large
+        needs_ext = fused_max_rows > 0 or large == "recon"
+        self.ext = ext if ext is not None or not needs_ext else load_ext()
+        self.calls = {"fused": 0, "recon": 0, "dense": 0}  # per path, counted in Python (capture: once per graph)
+        self._scratch: dict[torch.device, torch.Tensor] = {}  # recon: one fp16 weight buffer per device
 
     def path(self, rows: int) -> str:
-        return "fused" if rows <= self.fused_max_rows else "dense"
+        return "fused" if rows <= self.fused_max_rows else self.large
 
     def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.path(rows) == "dense":
-            self.calls["dense"] += 1
+        path = self.path(rows)
+        self.calls[path] += 1
+        if path == "dense":
             return F.linear(x, lin.weight(x.dtype, x.device), lin.bias_as(x))
-        self.calls["fused"] += 1
+        assert self.ext is not None
         k, n = pad128(lin.in_features), pad128(lin.out_features)
         a = x.reshape(rows, lin.in_features).to(torch.float16)
         a = F.pad(a, (0, k - lin.in_features)) if k != lin.in_features else a.contiguous()
-        c = torch.empty((rows, n), dtype=torch.float32, device=x.device)
-        assert self.ext is not None
         mcg, mul1 = lin.codebook == "mcg", lin.codebook == "mul1"
-        self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
+        if path == "fused":
+            c = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+            self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
+        else:  # recon: x H(suh) @ Wq, then H(svh) on the output; Wq decoded into the shared scratch
+            w = self.scratch(k * n, x.device)[: k * n].view(k, n)
+            self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
+            ah = torch.empty_like(a)
+            self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
+            c = torch.mm(ah, w)
+            self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         if lin.bias is not None:
             y = y + lin.bias
         return y.to(x.dtype).contiguous().view(*x.shape[:-1], lin.out_features)
+
+    def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
+        """The recon path's fp16 weight buffer, grown to the largest linear seen (before any graph capture:
+        ``FastStep.capture`` runs every bucket eagerly first, so capture never grows it)."""
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[device] = torch.empty(numel, dtype=torch.float16, device=device)
+        return buf

@@ -1,0 +1,213 @@
+"""BF16 vs EXL3 drafters on one GPU, all in one run: issue 13's must-show 3 (GPU only, exllamav3 installed).
+
+Owns the K3-size comparison and the GPU side of ``draft-server quantize``:
+
+1. ``tiny``: ``draft-server quantize --bits 4`` (exllamav3's quantizer) on the shipped tiny drafter,
+   written to ``--tiny-out`` (a tarball under ``$OUT`` when run by ``draft_tools/exl3_gpu.sh``); the
+   quantized drafter loaded through the normal loader on CUDA, greedy drafts against BF16 (agreement).
+2. ``k3``: the full-size random K3 drafter (``random:k3``, seeded) in BF16, then for each ``--bits``
+   its decoder-layer linears (``convert.DEFAULT_MODULES``, what ``quantize`` converts) quantized by
+   exllamav3 (uncalibrated) and attached as the loader attaches them (``attach_linears``,
+   ``route_linears``), for each large-batch path (``recon``: decode into a scratch per call;
+   ``dense``: decoded once and cached). Per setting: quantization time, weight bytes held (the
+   draft's own; K3 takes embedding and lm_head from the target, so they are left out on both sides),
+   CUDA-graph step time at B = 1..64 (1,024 context rows, 3 new rows + a block per step, graphs
+   captured after the autotuner has seen every bucket: ``prepare``), greedy agreement with BF16 on
+   8 sessions, and the step-time ratio to BF16.
+
+Writes one JSON (``--out``) as it goes and prints tables.
+
+    python3 -m draft_tools.bench.exl3_h200 --out /tmp/exl3_h200.json [--bits 2,3,4,5] [--parts tiny,k3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import tarfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from draft_server.models import load_drafter
+from draft_server.models.config import parse_config
+from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.exl3 import Exl3Linear, set_backend
+from draft_server.models.exl3.checkpoint import attach_linears
+from draft_server.models.exl3.convert import DEFAULT_MODULES, exllamav3_encoder, quantize_main
+from draft_server.models.exl3.cuda import FUSED_MAX_ROWS, LARGE_PATHS, Exl3Backend, load_ext
+from draft_server.models.exl3.linear import DequantBackend
+from draft_server.models.loader import build_model
+from draft_server.models.presets import K3_FULL, random_weights
+from draft_tools.bench.draft_step_cuda import time_steps
+from draft_tools.exl3_smoke import agreement, draft_tokens
+from draft_tools.tiny_pair import pair as tp
+
+SESSIONS = (1, 2, 4, 8, 16, 32, 64)
+CTX = 1024
+KV = 2 << 30
+SHARED = ("embed_tokens.weight", "lm_head.weight")  # K3: the target's, not the draft's
+
+
+def log(*a: object) -> None:
+    print(*a, flush=True)
+
+
+def nbytes(ts: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def tiny(dev: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    src, out = str(tp.ASSET_DIR / "draft"), "/tmp/draft_exl3_k4_exllamav3"
+    t0 = time.perf_counter()
+    rc = quantize_main(["--bits", "4", "--model", src, "--out", out, "--device", str(dev)])
+    res: dict[str, Any] = {"quantize_rc": rc, "quantize_s": round(time.perf_counter() - t0, 1)}
+    if rc:
+        return res
+    if args.tiny_out:
+        with tarfile.open(args.tiny_out, "w:gz") as tar:
+            tar.add(out, arcname="draft_exl3_k4_exllamav3")
+    toks = {}
+    for name, d_dir in (("bf16", src), ("exl3_k4", out), ("exl3_k4_cpu_encoder", str(tp.ASSET_DIR / "draft_exl3_k4"))):
+        d = load_drafter(d_dir, str(tp.TARGET_DIR), "cuda", "bfloat16", 64 << 20)
+        res[f"{name}_weights"] = dataclasses.asdict(d.model.weight_info)
+        d.prepare(8, 64)
+        toks[name] = draft_tokens(d, 8, 40)
+        d.close()
+        set_backend(DequantBackend())
+    res["agreement_exl3_k4_vs_bf16"] = agreement(toks["exl3_k4"], toks["bf16"])
+    res["agreement_cpu_encoder_vs_bf16"] = agreement(toks["exl3_k4_cpu_encoder"], toks["bf16"])
+    log("tiny:", json.dumps(res, default=str))
+    return res
+
+
+def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: Any) -> dict[str, Any]:
+    ext = load_ext(log)
+    out: dict[str, Any] = res.setdefault("k3", {"sessions": list(SESSIONS), "context_rows": CTX})
+    cfg = parse_config(K3_FULL, "random")
+    w = random_weights(K3_FULL, dev)
+    own = {n: t for n, t in w.items() if n not in SHARED}
+    out["bf16_weight_bytes"] = nbytes(own.values())
+
+    def run(label: str, model: Any) -> list[list[int]]:
+        d = DSparkDrafter(model, kv_budget_bytes=KV)
+        d.prepare(64, CTX)  # every bucket eagerly (tunes exl3_gemm, sizes the recon scratch), then capture
+        toks = draft_tokens(d, 8, 256)
+        steps = [time_steps(d, n, CTX, 20) for n in SESSIONS]
+        out[label] = {
+            **out.get(label, {}),
+            "steps": steps,
+            "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
+        }
+        log(f"k3 {label:18s} draft ms " + " ".join(f"{s['draft_ms_median']:7.3f}" for s in steps))
+        d.close()
+        return toks
+
+    bf16 = run("bf16", build_model(cfg, dict(w), dev, torch.bfloat16))
+    save()
+    pat = re.compile(args.modules)
+    names = [n for n in sorted(own) if n.endswith(".weight") and own[n].dim() == 2 and pat.search(n[: -len(".weight")])]
+    for bits in [int(b) for b in args.bits.split(",")]:
+        encode, version = exllamav3_encoder(bits, "mul1", dev)
+        t0 = time.perf_counter()
+        lins: dict[str, Exl3Linear] = {}
+        for i, n in enumerate(names):
+            q = encode(own[n].float(), i)
+            o, k = own[n].shape
+            lins[n] = Exl3Linear(
+                n[: -len(".weight")], k, o, q["trellis"].to(dev), q["suh"].to(dev), q["svh"].to(dev), "mul1"
+            )
+        quant_s = time.perf_counter() - t0
+        dense = {n: t for n, t in own.items() if n not in lins}
+        stored = nbytes(dense.values()) + sum(lin.stored_bytes() for lin in lins.values())
+        given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
+        log(
+            f"k3 K={bits}: {len(lins)} linears quantized in {quant_s:.1f} s; weights {stored / 2**30:.2f} GiB"
+            f" ({stored / out['bf16_weight_bytes']:.3f} x BF16)"
+        )
+        for large in args.large.split(","):
+            label = f"exl3_k{bits}_{large}"
+            out[label] = {
+                "bits": bits,
+                "quantize_s": round(quant_s, 1),
+                "version": version,
+                "weight_bytes": stored,
+                "weight_ratio_vs_bf16": round(stored / out["bf16_weight_bytes"], 4),
+                "fused_max_rows": FUSED_MAX_ROWS,
+                "large": large,
+            }
+            set_backend(Exl3Backend(FUSED_MAX_ROWS, ext, large))
+            model = build_model(cfg, dict(given), dev, torch.bfloat16)
+            attach_linears(model, SimpleNamespace(linears=lins, info=SimpleNamespace(quant={"bits": bits})), given)
+            model.route_linears()
+            toks = run(label, model)
+            del model
+            for lin in lins.values():
+                lin.drop_cache()
+            r = out[label]
+            r["agreement_with_bf16"] = round(agreement(toks, bf16), 4)
+            r["ratio_vs_bf16"] = [
+                round(s["draft_ms_median"] / b["draft_ms_median"], 3)
+                for s, b in zip(r["steps"], out["bf16"]["steps"], strict=True)
+            ]
+            log(
+                f"k3 {label:18s} / bf16  "
+                + " ".join(f"{x:7.3f}" for x in r["ratio_vs_bf16"])
+                + f"  agreement {r['agreement_with_bf16']:.3f}"
+            )
+            save()
+        del lins, given
+        torch.cuda.empty_cache()
+    set_backend(DequantBackend())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draft_tools.bench.exl3_h200", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="tiny,k3")
+    ap.add_argument("--bits", default="4,2,3,5")
+    ap.add_argument("--large", default=",".join(LARGE_PATHS), help="large-batch paths to time (recon,dense)")
+    ap.add_argument("--modules", default=DEFAULT_MODULES)
+    ap.add_argument("--tiny-out", default=os.path.join(os.environ.get("OUT", "/tmp"), "tiny_exl3_k4.tar.gz"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("exl3_h200 needs a CUDA GPU")
+    dev = torch.device("cuda:0")
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "command": "python3 -m draft_tools.bench.exl3_h200 " + " ".join(argv or []),
+    }
+
+    def save() -> None:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+
+    rc = 0
+    for part in args.parts.split(","):
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if part == "tiny":
+                    res["tiny"] = tiny(dev, args)
+                else:
+                    k3(dev, args, res, save)
+        except Exception as e:  # one part failing leaves the other's results
+            import traceback
+
+            traceback.print_exc()
+            res[f"{part}_error"] = f"{type(e).__name__}: {e}"
+            rc = 1
+        res[f"{part}_s"] = round(time.perf_counter() - t0, 1)
+        save()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
