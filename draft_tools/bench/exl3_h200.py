@@ -95,16 +95,22 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
     out["bf16_weight_bytes"] = nbytes(own.values())
 
     def run(label: str, model: Any) -> list[list[int]]:
+        t0 = time.perf_counter()
         d = DSparkDrafter(model, kv_budget_bytes=KV)
         d.prepare(64, CTX)  # every bucket eagerly (tunes exl3_gemm, sizes the recon scratch), then capture
         toks = draft_tokens(d, 8, 256)
-        steps = [time_steps(d, n, CTX, 20) for n in SESSIONS]
+        steps = [time_steps(d, n, CTX, 10, warmup=3) for n in SESSIONS]
         out[label] = {
             **out.get(label, {}),
+            "run_s": round(time.perf_counter() - t0, 1),
             "steps": steps,
             "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
         }
-        log(f"k3 {label:18s} draft ms " + " ".join(f"{s['draft_ms_median']:7.3f}" for s in steps))
+        log(
+            f"k3 {label:18s} draft ms "
+            + " ".join(f"{s['draft_ms_median']:7.3f}" for s in steps)
+            + f"  ({time.perf_counter() - t0:.0f} s)"
+        )
         d.close()
         return toks
 
@@ -117,6 +123,8 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
         t0 = time.perf_counter()
         lins: dict[str, Exl3Linear] = {}
         for i, n in enumerate(names):
+            if i % 8 == 0:
+                log(f"k3 K={bits}: quantizing {n} ({i}/{len(names)}) at {time.perf_counter() - t0:.1f} s")
             q = encode(own[n].float(), i)
             o, k = own[n].shape
             lins[n] = Exl3Linear(
@@ -130,7 +138,7 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
             f"k3 K={bits}: {len(lins)} linears quantized in {quant_s:.1f} s; weights {stored / 2**30:.2f} GiB"
             f" ({stored / out['bf16_weight_bytes']:.3f} x BF16)"
         )
-        for large in args.large.split(","):
+        for large in LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",):
             label = f"exl3_k{bits}_{large}"
             out[label] = {
                 "bits": bits,
@@ -172,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="tiny,k3")
     ap.add_argument("--bits", default="4,2,3,5")
-    ap.add_argument("--large", default=",".join(LARGE_PATHS), help="large-batch paths to time (recon,dense)")
+    ap.add_argument("--both-paths", default="4", help="bit widths also timed with the cached dense large path")
     ap.add_argument("--modules", default=DEFAULT_MODULES)
     ap.add_argument("--tiny-out", default=os.path.join(os.environ.get("OUT", "/tmp"), "tiny_exl3_k4.tar.gz"))
     args = ap.parse_args(argv)

@@ -156,3 +156,12 @@ def test_dense_weight_matches_exllamav3_rounding_sequence() -> None:
     exact = dense_weight(wq, suh, svh)
     like = weight_fp16_like_exllamav3(wq, suh, svh).double()
     assert torch.allclose(like, exact, rtol=4e-3, atol=4e-4)  # a few fp16 roundings apart
+
+
+def test_decode_makes_its_constants_on_the_trellis_device() -> None:
+    """The loader decodes EXL3 on the GPU (``Exl3Checkpoint.load``): every constant must follow the trellis'
+    device. The meta device stands in for CUDA here: a CPU constant fails the same way on both."""
+    t = torch.zeros(8, 16, 16 * 4, dtype=torch.int16, device="meta")
+    for cb in ("3inst", "mcg", "mul1"):
+        w = decode_inner(t, cb)
+        assert w.device.type == "meta" and w.shape == (128, 256) and w.dtype == torch.float16

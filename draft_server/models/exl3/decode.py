@@ -94,7 +94,8 @@ def unpack_states(trellis: torch.Tensor) -> torch.Tensor:
     words = 8 * K  # uint32 words per tile
     u16 = trellis.to(torch.int64) & 0xFFFF
     w = u16[..., 0::2] | (u16[..., 1::2] << 16)  # little-endian uint32 words [tk, tn, 8K]
-    end = (torch.arange(256, dtype=torch.int64) + 1) * K  # the window of position p ends at bit (p+1)K
+    # the window of position p ends at bit (p+1)K (made on the trellis' device: the decode runs on CUDA too)
+    end = (torch.arange(256, dtype=torch.int64, device=trellis.device) + 1) * K
     i1 = (end - 1) // 32  # word holding the window's last bit (bit 0 = MSB of word 0)
     i0 = (i1 - 1) % words  # the word before it (circular)
     shift = (i1 + 1) * 32 - end  # 0..31: right shift aligning the window's end to bit 0
