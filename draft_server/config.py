@@ -60,6 +60,13 @@ class ServerConfig:
         "let clients on this host send rows through a shared-memory ring (transport 'shm'; mapped read-only, "
         "only segments of this server's own uid); --no-shm refuses such clients at Hello",
     )
+    arena_mib: int = _f(
+        64,
+        "host memory in MiB that Step tap frames (tcp/ipc) are received into, registered (pinned) with the GPU "
+        "once, so their rows reach the device with no staging copy; about 3x the largest decode step's rows (K3, "
+        "64 sessions x 3 rows: 13.8 MB). A frame that finds no room, or is larger, is received as usual and "
+        "counted (draft_server_arena_fallbacks_total); 0 turns the arena off",
+    )
     metrics_port: int = _f(9400, "HTTP port for /metrics (Prometheus) and /healthz; 0 picks a free port, -1 disables")
     metrics_host: str = _f("127.0.0.1", "address the metrics HTTP server listens on")
     # --- model
@@ -145,6 +152,8 @@ class ServerConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.arena_mib < 0:
+            raise ValueError(f"arena_mib must be >= 0 (0: no receive arena), got {self.arena_mib}")
         if self.max_message_mib < 0:
             raise ValueError(f"max_message_mib must be >= 0 (0: sized from the model), got {self.max_message_mib}")
         for name in ["max_budget_ms", "session_ttl_s", "watchdog_s"]:

@@ -14,6 +14,7 @@ import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -22,10 +23,14 @@ from draft_server.config import StartupError
 from protocol import ErrorCode, Status
 from protocol.telemetry import LATENCY_BUCKETS
 
+if TYPE_CHECKING:
+    from draft_server.io.arena import Arena
+
 MESSAGE_KINDS = ("hello", "step", "free", "ping")
 EVICTION_REASONS = ("free", "ttl", "lru", "error")
 RESTART_CAUSES = ("gap", "evicted", "ttl", "freed", "error", "unknown")
 DROP_REASONS = ("kv_full", "drafter_error", "released")
+ARENA_FALLBACKS = ("full", "too_large")
 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -82,6 +87,18 @@ class ServerMetrics:
         self.shm_rings = Gauge(
             "draft_server_shm_rings", "Clients' shared-memory rings mapped now (transport shm)", registry=r
         )
+        self.arena_payloads = Counter(
+            "draft_server_arena_payloads_total",
+            "Step tap frames received straight into the registered receive arena (tcp/ipc; --arena-mib)",
+            registry=r,
+        )
+        self.arena_fallbacks = Counter(
+            "draft_server_arena_fallbacks_total",
+            "Step tap frames received as ordinary frames instead (staged on ingest), by reason: full (no room "
+            "in the arena now), too_large (larger than the whole arena, e.g. a long prefill)",
+            ["reason"],
+            registry=r,
+        )
         self.queue_rows = Gauge("draft_server_queue_rows", "Rows admitted and waiting for ingest", registry=r)
         self.kv_used = Gauge("draft_server_kv_used_tokens", "Draft KV tokens held", registry=r)
         self.kv_capacity = Gauge("draft_server_kv_capacity_tokens", "Draft KV token capacity", registry=r)
@@ -133,6 +150,8 @@ class ServerMetrics:
             self.rows_dropped.labels(reason)
         for why in ("unread", "superseded"):
             self.stale_steps.labels(why)
+        for reason in ARENA_FALLBACKS:
+            self.arena_fallbacks.labels(reason)
 
     def set_weights(self, d: dict) -> None:
         """Format, bits and weight bytes of the loaded drafter (``app.describe``)."""
@@ -140,6 +159,14 @@ class ServerMetrics:
         self.model.info({"format": str(d["format"]), "bits": f"{d['bits']:g}", "codebooks": codebooks})
         self.weight_bytes.set(d["weight_bytes"])
         self.weight_bits.set(d["bits"])
+
+    def watch_arena(self, arena: Arena) -> None:
+        """Gauges of the receive arena, read at scrape time."""
+        r = self.registry
+        Gauge("draft_server_arena_capacity_bytes", "Size of the receive arena", registry=r).set(arena.capacity)
+        Gauge(
+            "draft_server_arena_held_bytes", "Receive arena bytes held by rows not yet ingested", registry=r
+        ).set_function(lambda: arena.held)
 
     def watch_gpu(self, device: object) -> None:
         """GPU memory gauges, read at scrape time from PyTorch's caching allocator.

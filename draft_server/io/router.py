@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import threading
 import time
@@ -49,6 +50,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from draft_server.config import ServerConfig
 from draft_server.engine import Call, Engine, Work
+from draft_server.io.arena import Arena
 from draft_server.io.rings import Rings
 from draft_server.metrics import ServerMetrics
 from protocol import (
@@ -77,7 +79,8 @@ from protocol import (
     encode,
     validate_step,
 )
-from protocol.codec import check_version, scan_call_id
+from protocol.codec import Buffer, check_version, scan_call_id
+from protocol.messages import Request
 from protocol.shm import refusal as transport_refusal
 from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
@@ -101,6 +104,12 @@ def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
     if dtype == DType.BF16:  # bit patterns: exponent all ones
         return ((sample & 0x7F80) == 0x7F80).any(axis=1)
     return ~np.isfinite(sample).all(axis=1)
+
+
+def _cut_frame(nbytes: int) -> memoryview:
+    """Stands in for a frame ``recv_into`` truncated (its bytes are gone): ``nbytes`` of untouched
+    anonymous memory, so size checks see the frame's real length and refuse it as before."""
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 def check_ipc_free(endpoint: str) -> None:
@@ -152,6 +161,10 @@ class Router:
         self.endpoints: list[str] = []
         self._sock = self._make_socket()
         self.endpoint = ",".join(self.endpoints)
+        self.arena: Arena | None = None  # Step tap frames land here (made once bound: a failed bind pins nothing)
+        if cfg.arena_mib > 0:
+            self.arena = Arena(cfg.arena_mib << 20, drafter.register_host, drafter.unregister_host)
+            metrics.watch_arena(self.arena)
         self._outbox: deque[tuple[bytes, object]] = deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._running = threading.Event()
@@ -194,6 +207,9 @@ class Router:
     # ------------------------------------------------------------------ lifecycle (any thread)
 
     def start(self) -> None:
+        if self.arena is not None:
+            how = "registered with the device" if self.arena.registered else "rows staged (not registered)"
+            log.info("receive arena: %d MiB, %s", self.arena.capacity >> 20, how)
         self._running.set()
         self._thread.start()
 
@@ -206,6 +222,8 @@ class Router:
         self._thread.join(5.0)
         self._sock.close(linger=0)
         self.rings.close()
+        if self.arena is not None:
+            self.arena.close()
         if self._auth:
             self._auth.stop()
         self._ctx.term()
@@ -232,10 +250,10 @@ class Router:
                 if self._sock in events:
                     for _ in range(256):  # bounded so replies keep flowing under a flood
                         try:
-                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                            # no local keeps the frames: an arena slot is free once the engine is done with it
+                            self._on_message(*self._recv())
                         except zmq.Again:
                             break
-                        self._on_message(frames)
                 if self._wake_r in events:
                     try:
                         os.read(self._wake_r, 65536)
@@ -262,8 +280,75 @@ class Router:
         except (zmq.Again, zmq.ZMQError):
             self.metrics.replies_dropped.inc()
 
-    def _on_message(self, frames: list[zmq.Frame]) -> None:
-        recv_t = time.monotonic()
+    def _recv(self) -> tuple[list, Request | ProtocolError | None, float]:
+        """One message's frames (routing id, header, payloads) as ``recv_multipart`` gives them,
+        except that a Step's tap frame lands in a slot of the receive arena (``arena``) when it
+        fits; the header decoded on the way there (a Request or its ProtocolError; None when it
+        was not decoded here); and when its reading began. Raises zmq.Again when no message
+        waits. The parts of a message arrive together, so only the first read can find nothing."""
+        sock = self._sock
+        first = sock.recv(zmq.NOBLOCK, copy=False)
+        recv_t = time.monotonic()  # the copy into the arena counts as the server's time
+        frames: list = [first]
+        more = first.more
+        decoded: Request | ProtocolError | None = None
+        try:
+            if more:
+                header = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(header)
+                more = header.more
+                if more and self.arena is not None and len(header) <= self.limits.max_message_bytes:
+                    try:
+                        decoded = decode_request(header.buffer)
+                    except ProtocolError as e:
+                        decoded = e
+                    slot = self._arena_slot(decoded)
+                    if slot is not None:
+                        n = sock.recv_into(slot, flags=zmq.NOBLOCK)
+                        # shorter than announced: validation names its size; longer: ZeroMQ cut it, and
+                        # a stand-in of its length (pages never touched) gets the same BAD_FRAMES
+                        frames.append(slot if n == len(slot) else slot[:n] if n < len(slot) else _cut_frame(n))
+                        more = bool(sock.getsockopt(zmq.RCVMORE))
+            while more:
+                f = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(f)
+                more = f.more
+        except Exception:
+            while sock.getsockopt(zmq.RCVMORE):  # never leave a message half read: the next would start mid-way
+                sock.recv(zmq.NOBLOCK, copy=False)
+            raise
+        return frames, decoded, recv_t
+
+    def _arena_slot(self, msg: Request | ProtocolError) -> np.ndarray | None:
+        """A slot for the tap frame a Step announces (frame 0, not in a shm ring), or None: not
+        such a Step, or no room (then the frame is received as usual, and counted)."""
+        arena = self.arena
+        if not isinstance(msg, Step) or msg.taps is None or msg.rows_at is not None or msg.taps.frame != 0:
+            return None
+        try:
+            nbytes = msg.taps.nbytes
+        except Exception:  # a malformed spec: validation answers it
+            return None
+        if nbytes <= 0:
+            return None
+        assert arena is not None
+        slot = arena.take(nbytes)
+        if slot is None:
+            self.metrics.arena_fallbacks.labels("full" if arena.fits(nbytes) else "too_large").inc()
+        else:
+            self.metrics.arena_payloads.inc()
+        return slot
+
+    @staticmethod
+    def _payload(f: zmq.Frame | np.ndarray | memoryview) -> Buffer:
+        return f.buffer if isinstance(f, zmq.Frame) else f
+
+    def _on_message(
+        self, frames: list, decoded: Request | ProtocolError | None = None, recv_t: float | None = None
+    ) -> None:
+        """``frames``: zmq.Frames, the tap frame possibly an arena slot (``_recv``); ``decoded``:
+        the header as ``_recv`` decoded it, if it did; ``recv_t``: when its reading began."""
+        recv_t = time.monotonic() if recv_t is None else recv_t
         if len(frames) < 2:
             self.metrics.dropped_messages.inc()
             return
@@ -285,9 +370,11 @@ class Router:
             key = frames[1].get("User-Id")
             owner = (key.encode() if isinstance(key, str) else b"") + b"\0" + ident
         header = frames[1].buffer
-        payloads = [f.buffer for f in frames[2:]]
+        payloads = [self._payload(f) for f in frames[2:]]
         try:
-            msg = decode_request(header)
+            msg = decode_request(header) if decoded is None else decoded
+            if isinstance(msg, ProtocolError):
+                raise msg
         except ProtocolError as e:
             if e.call_id < 0:
                 self.metrics.dropped_messages.inc()  # nothing to answer to

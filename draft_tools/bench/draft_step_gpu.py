@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -182,15 +183,20 @@ class Sessions:
             self.end.pop(k, None)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn: Any, iters: int, warm: int = 3) -> dict[str, float]:
     for _ in range(warm):
         fn()
-    torch.cuda.synchronize()
+    _sync()
     ts = []
     for _ in range(iters):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         ts.append((time.perf_counter() - t0) * 1e3)
     return {"median_ms": statistics.median(ts), "p90_ms": float(np.percentile(ts, 90)), "min_ms": min(ts)}
 
@@ -455,24 +461,33 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     return res
 
 
-def server_vs_inprocess(inproc: dict[str, float], steps: int = 25) -> dict[str, Any]:
+K3_SERVER = ("--model", "random:k3", "--device", "cuda", "--kv-budget-mib", "16384")
+
+
+def server_vs_inprocess(
+    inproc: dict[str, float], steps: int = 25, server_args: Sequence[str] = K3_SERVER
+) -> dict[str, Any]:
     """The same K3 step through a real draft-server process and DraftClient: client wait, server
-    compute (from the reply's timing) and the in-process step, 256 context rows, B = 1 and 64."""
-    from draft_tools.common import free_port
+    compute (from the reply's timing) and the in-process step, 256 context rows, B = 1 and 64.
+    ``server_args``: the model and device flags (and any other, e.g. ``--arena-mib 0``). Also the
+    server's receive-arena counters after the run (its frames in the arena or not)."""
+    from draft_tools.common import free_port, scrape
     from target_client import ClientConfig, DraftClient, StepRequest
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "draft_server", "serve", "--model", "random:k3", "--device", "cuda"]
-    cmd += ["--kv-budget-mib", "16384", "--max-batch-sessions", "64", "--bind", f"tcp://127.0.0.1:{port}"]
-    cmd += ["--metrics-port", "-1", "--log-level", "INFO"]
+    port, metrics_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "draft_server", "serve", *server_args]
+    cmd += ["--max-batch-sessions", "64", "--bind", f"tcp://127.0.0.1:{port}"]
+    cmd += ["--metrics-port", str(metrics_port), "--log-level", "INFO"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"server_args": list(server_args)}
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            if "prepared in" in line or "warm-up" in line:
+            if "prepared in" in line or "warm-up" in line or "receive arena" in line:
                 log("  server: " + line.strip()[-160:])
+            if "receive arena" in line:
+                out["arena"] = line.strip().split("receive arena: ", 1)[-1]
             if line.startswith("READY"):
                 break
         else:
@@ -518,6 +533,9 @@ def server_vs_inprocess(inproc: dict[str, float], steps: int = 25) -> dict[str, 
             log(f"server vs in process B={n}: {json.dumps({k: round(v, 3) for k, v in row.items()})}")
             client.free(sids)
         client.close()
+        met = scrape(metrics_port)
+        arena = {k: v for k, v in met.items() if k.startswith("draft_server_arena_") and "_created" not in k}
+        out["arena_counters"] = arena
     finally:
         proc.terminate()
         try:
