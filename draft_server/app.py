@@ -45,7 +45,8 @@ def build_drafter(cfg: ServerConfig) -> Drafter:
     if cfg.drafter == "checksum":
         from draft_server.drafters.checksum import ChecksumDrafter
 
-        return ChecksumDrafter(delay_ms=cfg.checksum_delay_ms)
+        device = cfg.device if cfg.device.startswith("cuda") else None  # rows may come over cuda_ipc then
+        return ChecksumDrafter(delay_ms=cfg.checksum_delay_ms, device=device)
     try:
         from draft_server.models import load_drafter, load_preset
     except ImportError as e:  # a base install: the client's dependencies only
@@ -278,7 +279,7 @@ def serve(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None = None) -
 
 def _start(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None) -> DraftServer:
     """Load, prepare and warm up the drafter, then bind; StartupError for what an operator must fix."""
-    if cfg.drafter != "checksum":
+    if cfg.drafter != "checksum" or cfg.device.startswith("cuda"):
         check_device(cfg.device)
     sd_notify("STATUS=loading the drafter")
     drafter = load_with_progress(cfg)

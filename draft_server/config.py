@@ -60,6 +60,12 @@ class ServerConfig:
         "let clients on this host send rows through a shared-memory ring (transport 'shm'; mapped read-only, "
         "only segments of this server's own uid); --no-shm refuses such clients at Hello",
     )
+    cuda_ipc: bool = _f(
+        True,
+        "let clients on this host send rows from their GPU through a CUDA IPC buffer (transport 'cuda_ipc': "
+        "imported on the drafter's CUDA device, copied device to device, a peer copy between two GPUs); "
+        "--no-cuda-ipc (or a drafter on the CPU) refuses such clients at Hello",
+    )
     arena_mib: int = _f(
         64,
         "host memory in MiB that Step tap frames (tcp/ipc) are received into, registered (pinned) with the GPU "

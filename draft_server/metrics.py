@@ -87,6 +87,9 @@ class ServerMetrics:
         self.shm_rings = Gauge(
             "draft_server_shm_rings", "Clients' shared-memory rings mapped now (transport shm)", registry=r
         )
+        self.cuda_ipc_buffers = Gauge(
+            "draft_server_cuda_ipc_buffers", "Clients' CUDA IPC buffers imported now (transport cuda_ipc)", registry=r
+        )
         self.arena_payloads = Counter(
             "draft_server_arena_payloads_total",
             "Step tap frames received straight into the registered receive arena (tcp/ipc; --arena-mib)",

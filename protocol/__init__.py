@@ -2,7 +2,8 @@
 
 Owns message structs (``messages``), the zero-copy frame codec (``codec``), Step validation
 (``validate``), the row layouts of the negotiated wire formats (``wire``), the shared-memory
-ring of transport "shm" (``shm``: segment layout, lifetime, refusals) and the histogram
+ring of transport "shm" (``shm``: segment layout, lifetime, refusals), the device buffer of
+transport "cuda_ipc" (``cuda_ipc``: naming, regions, host identity, refusals) and the histogram
 layouts both sides export (``telemetry``). Imports numpy and
 msgspec only: both sides import it, and the client side lives inside the target engine's process.
 """
@@ -12,6 +13,7 @@ from protocol.messages import (
     FEATURE_EARLY_TAPS,
     GREEDY,
     PROTOCOL_VERSION,
+    CudaIpcAnnounce,
     DType,
     EntryResult,
     Error,
@@ -45,6 +47,7 @@ __all__ = [
     "FEATURE_EARLY_TAPS",
     "GREEDY",
     "PROTOCOL_VERSION",
+    "CudaIpcAnnounce",
     "DType",
     "EntryResult",
     "Error",

@@ -63,7 +63,7 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 7
     INTERNAL = 8
     WIRE_FORMAT = 9  # a wire format (or projection) this server does not accept (see ``protocol.wire``)
-    TRANSPORT = 10  # a transport this server does not offer, or a shm ring it cannot map or no longer holds
+    TRANSPORT = 10  # a transport not offered, or a shm ring / CUDA IPC buffer the server cannot map or no longer holds
 
 
 class DType(enum.StrEnum):
@@ -148,10 +148,12 @@ class WireOffer(msgspec.Struct, frozen=True):
 
 
 class Transport(enum.StrEnum):
-    """Where a Step's rows travel (``protocol.shm`` has the ring's layout and lifetime)."""
+    """Where a Step's rows travel (``protocol.shm`` has the ring's layout and lifetime,
+    ``protocol.cuda_ipc`` the CUDA IPC buffer's)."""
 
     FRAMES = "frames"  # in payload frame 0 of the Step message (any endpoint, any host)
     SHM = "shm"  # in a shared-memory ring the client made on the server's host (``Step.rows_at``)
+    CUDA_IPC = "cuda_ipc"  # in a device buffer the client exported with CUDA IPC (``Step.rows_at``): GPU to GPU
 
 
 class RingAnnounce(msgspec.Struct, frozen=True, array_like=True):
@@ -162,18 +164,45 @@ class RingAnnounce(msgspec.Struct, frozen=True, array_like=True):
     nonce: str  # hex; also in the segment's header, so the server knows it opened the right segment
 
 
+class CudaIpcAnnounce(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A client's CUDA IPC buffer, named in its Hello (transport "cuda_ipc", ``protocol.cuda_ipc``):
+    a device buffer of ``nbytes`` on the client's GPU, exported once with CUDA IPC, and the
+    interprocess events the client records after writing a region. The server imports it on its own
+    device (a peer mapping when the GPUs differ), or refuses in one line."""
+
+    name: str  # "cuda-ipc-PID-HEX-N": this announcement (a re-Hello names the same buffer anew)
+    nbytes: int  # usable bytes; regions lie in [0, nbytes), ``protocol.cuda_ipc.ALIGN``-aligned
+    # torch's storage share tuple (``UntypedStorage._share_cuda_()``), field by field: the cudaIpcMemHandle
+    # of the allocation, the storage's size and offset in it, torch's cross-process ref counter (a
+    # /dev/shm file name and slot) and the share-time event (unused: each region has its own, below)
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_counter: bytes
+    ref_counter_offset: int
+    # cudaIpcEventHandle of each interprocess event; the write of region generation g is recorded on
+    # events[g % len(events)] before the Step naming it is sent, and the server's copy waits on it
+    events: tuple[bytes, ...]
+    device: int = 0  # the client's device index, in its own numbering (logs)
+    device_uuid: str = ""  # the client GPU's UUID: the server tells a plain copy from a peer copy
+    host: str = ""  # the client's boot id (/proc/sys/kernel/random/boot_id): another host is refused at once
+    pid: int = 0  # the client process, to release the buffer as soon as it is gone ...
+    pid_ns: str = ""  # ... when the server sees the same pid namespace (/proc/self/ns/pid) ...
+    start_time: int = 0  # ... and this is still the process that pid names (/proc/PID/stat starttime)
+
+
 class RowsAt(msgspec.Struct, frozen=True, array_like=True):
     """Where a Step's rows are when they are not in a payload frame: a region of the sender's
-    shared-memory ring (``protocol.shm``). A later transport (CUDA IPC) adds its own location."""
+    shared-memory ring (``protocol.shm``) or of its CUDA IPC buffer (``protocol.cuda_ipc``)."""
 
-    ring: str  # the ring's name, as announced in the Hello and confirmed in the Welcome
-    offset: int  # of the region (its 64-byte stamp; the rows follow it)
+    ring: str  # the ring's (buffer's) name, as announced in the Hello and confirmed in the Welcome
+    offset: int  # of the region (shm: its 64-byte stamp, the rows follow it; cuda_ipc: the rows)
     nbytes: int  # of the rows
-    generation: int  # the region's stamp: which Step wrote it (1, 2, ... per ring)
+    generation: int  # which Step wrote the region (1, 2, ... per ring; shm: also its stamp)
 
 
 class RingAck(msgspec.Struct, frozen=True, array_like=True):
-    """What the server still reads of a client's ring, cumulative (a lost reply loses nothing):
+    """What the server still reads of a client's ring (or CUDA IPC buffer), cumulative (a lost reply loses nothing):
     every region of generation <= ``seen`` that is not in ``held`` may be written again."""
 
     ring: str
@@ -240,6 +269,7 @@ class Hello(_Message, tag="hello"):
     wire_format: str = WireFormat.BF16.value  # the row format this client sends (refused if not offered)
     projection_id: str = ""  # with "projected": ``wire.projection_id`` of the client's projection weights
     ring: RingAnnounce | None = None  # transport "shm": the client's ring (refused if the server cannot map it)
+    cuda_ipc: CudaIpcAnnounce | None = None  # transport "cuda_ipc": the client's device buffer (or a refusal)
 
 
 class Weights(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -260,7 +290,7 @@ class Welcome(_Message, tag="welcome"):
     limits: ServerLimits
     wire: WireOffer = WireOffer()
     transports: tuple[str, ...] = (Transport.FRAMES.value,)  # what this server takes (older servers: frames)
-    ring: str = ""  # the name of the Hello's ring, mapped ("" : none asked for)
+    ring: str = ""  # the name of the Hello's ring or CUDA IPC buffer, mapped ("" : none asked for)
     features: tuple[str, ...] = ()  # optional behaviours this server has, e.g. FEATURE_EARLY_TAPS
     weights: Weights = Weights()  # the drafter's weight format (older servers: unknown)
 
@@ -307,7 +337,7 @@ class StepResult(_Message, tag="result"):
     results: tuple[EntryResult, ...]
     timing: Timing
     advised_k: int = -1  # load-aware advice; -1 = no advice
-    ring: RingAck | None = None  # the regions of the client's ring the server is done with
+    ring: RingAck | None = None  # the regions of the client's ring (or CUDA IPC buffer) the server is done with
 
 
 class Free(_Message, tag="free"):

@@ -5,8 +5,9 @@ are returned as messages so the server can answer BAD_ENTRY for that entry alone
 the rest. The client runs the same checks before sending, so a bug on the target side shows
 up as a clear local error instead of a remote one. The row frame is checked against the Step's
 own wire format (``protocol.wire``), which must be one the server offers. Rows that are not in a
-frame (``Step.rows_at``: a region of the client's shared-memory ring) are found by the caller's
-``locate`` and checked the same way.
+frame (``Step.rows_at``: a region of the client's shared-memory ring, or of its CUDA IPC buffer) are
+found by the caller's ``locate`` and checked the same way (device rows come back as the locator made
+them: their bytes cannot be viewed from the host).
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def validate_step(
 ) -> tuple[np.ndarray | None, list[str | None]]:
     """Check a Step; return its rows (a view in ``step.wire``'s layout, or None) and a per-entry
     error list. A format ``offer`` does not hold is a WIRE_FORMAT error. ``locate`` turns a
-    ``rows_at`` into the region's bytes (uint8, raising ProtocolError); without it such a Step is
-    a TRANSPORT error."""
+    ``rows_at`` into the region's bytes (uint8, raising ProtocolError), or into the rows themselves
+    when they are not host memory (any other type: returned as it is); without it such a Step is a
+    TRANSPORT error."""
     cid = step.call_id
     if step.wire not in offer.formats:
         raise ProtocolError(ErrorCode.WIRE_FORMAT, refusal(step.wire, "", offer) or step.wire, cid)
@@ -156,6 +158,8 @@ def _located(at: RowsAt, spec: TensorSpec, locate: Callable[[RowsAt], np.ndarray
             cid,
         )
     buf = locate(at)
+    if not isinstance(buf, np.ndarray):  # rows in device memory (transport cuda_ipc): the locator shaped them
+        return buf
     arr = buf.view(NUMPY_DTYPE[spec.dtype]).reshape(spec.shape)
     arr.flags.writeable = False
     return arr

@@ -2,7 +2,8 @@
 value types. Imports protocol only.
 
 Never imports torch or draft_server: it runs inside the target engine's process (numpy,
-msgspec, pyzmq and prometheus_client only).
+msgspec, pyzmq and prometheus_client only). The exceptions import torch inside functions only:
+``target_client.cuda`` (transport cuda_ipc, whose rows are torch CUDA tensors) and the vLLM plugin.
 """
 
 from target_client.api import (

@@ -16,7 +16,7 @@ import numpy as np
 from protocol import GREEDY, ModelContract, Sampling, Status, WireFormat
 from protocol.wire import FORMATS
 
-TRANSPORTS = ("frames", "shm", "auto")  # ClientConfig.transport
+TRANSPORTS = ("frames", "shm", "auto", "cuda_ipc")  # ClientConfig.transport
 
 
 class DraftClientError(Exception):
@@ -94,8 +94,16 @@ class ClientConfig:
     # drafting stays off, as for a wire format); "auto": shm when the server maps the ring, else
     # frames for the life of the client (one warning line, the refusal still counted). A step whose
     # rows find no free region in the ring sends them in a frame.
+    # "cuda_ipc": rows on this process's GPU (``step()`` then takes torch CUDA tensors) are copied device
+    # to device into a buffer of ``cuda_ipc_mib`` this client exports with CUDA IPC, and from there by the
+    # server into its own device memory (README "Transports"); a server that cannot import it (no CUDA,
+    # --no-cuda-ipc, another host or container), or a process without CUDA, is refused at Hello like
+    # shm's. ``cuda_device``: the buffer's device index (-1: the current device of the thread that made
+    # the client). A step whose rows find no free region sends them in a frame (one device-to-host copy).
     transport: str = "frames"
     shm_ring_mib: int = 64
+    cuda_ipc_mib: int = 64
+    cuda_device: int = -1
 
     def __post_init__(self) -> None:
         def positive(name: str, value: float) -> None:
@@ -143,6 +151,10 @@ class ClientConfig:
             raise ValueError(f"ClientConfig.transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         if not (isinstance(self.shm_ring_mib, int) and 1 <= self.shm_ring_mib <= 1 << 16):
             raise ValueError(f"ClientConfig.shm_ring_mib must be an int in [1, 65536], got {self.shm_ring_mib!r}")
+        if not (isinstance(self.cuda_ipc_mib, int) and 1 <= self.cuda_ipc_mib <= 1 << 16):
+            raise ValueError(f"ClientConfig.cuda_ipc_mib must be an int in [1, 65536], got {self.cuda_ipc_mib!r}")
+        if not (isinstance(self.cuda_device, int) and self.cuda_device >= -1):
+            raise ValueError(f"ClientConfig.cuda_device must be an int >= -1, got {self.cuda_device!r}")
         if self.wire_format == WireFormat.PROJECTED and not self.projection_id:
             raise ValueError(
                 "ClientConfig.wire_format 'projected' needs projection_id (target_client.projection.Projection.id)"

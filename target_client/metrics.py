@@ -60,7 +60,7 @@ class ClientMetrics:
             "draft_client_handshake_refusals",
             "Handshakes refused, drafting off: another model contract or protocol version (contract), a wire "
             "format or projection the server does not accept (wire_format), or a transport it does not offer or a "
-            "shm ring it cannot map (transport; with transport auto the client goes on with frames)",
+            "shm ring or CUDA IPC buffer it cannot map (transport; with transport auto the client goes on with frames)",
             ["reason"],
             **kw,
         )
@@ -90,9 +90,22 @@ class ClientMetrics:
             ["reason"],
             **kw,
         )
+        self.cuda_ipc_steps = Counter(
+            "draft_client_cuda_ipc_steps",
+            "Steps whose rows went through the client's CUDA IPC buffer, device to device (transport cuda_ipc)",
+            **kw,
+        )
+        self.cuda_ipc_fallbacks = Counter(
+            "draft_client_cuda_ipc_fallbacks",
+            "Steps of a cuda_ipc client whose rows went in a frame (one device-to-host copy): no free region in "
+            "the buffer (buffer_full)",
+            ["reason"],
+            **kw,
+        )
         for r in ("contract", "wire_format", "transport"):
             self.refusals.labels(r)
         self.shm_fallbacks.labels("ring_full")
+        self.cuda_ipc_fallbacks.labels("buffer_full")
 
 
 VERIFY_STAGES = ("received", "sent", "accepted")

@@ -9,7 +9,9 @@ ingest, so a gap restart is simply a new ``start``.
 Call order inside one engine iteration: ``reserve`` (per session, may fail -> overloaded),
 ``ingest`` (all sessions' new rows at once), ``draft`` (all sessions wanting drafts at once).
 Rows reach ``ingest`` in the wire format their client negotiated (``IngestItem.fmt``, one of
-``wire_offer().formats``; layouts in ``protocol.wire``).
+``wire_offer().formats``; layouts in ``protocol.wire``), as host numpy arrays or, from a client on
+transport cuda_ipc, as ``DeviceRows`` already in the drafter's device memory (only a drafter whose
+``cuda_device()`` is not None gets those).
 All calls come from the engine thread only.
 """
 
@@ -18,10 +20,61 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from protocol import ModelContract, Sampling, WireFormat, WireOffer
+
+
+class DeviceRows:
+    """Rows already in the drafter's device memory (transport cuda_ipc): a torch tensor [rows, width]
+    in wire storage (bf16 bit patterns as int16, fp8 rows as uint8, f32 as float32), written by a
+    copy on the I/O thread's stream that ``ready`` marks done. Sliced like an array (the scheduler
+    cuts prefill chunks); ``tensor()`` hands them to the calling thread's stream."""
+
+    __slots__ = ("ready", "t")
+
+    def __init__(self, t: Any, ready: Any) -> None:
+        self.t = t
+        self.ready = ready  # a torch.cuda.Event recorded after the copy that wrote ``t``
+
+    def __len__(self) -> int:
+        return int(self.t.shape[0])
+
+    def __getitem__(self, key: Any) -> DeviceRows:
+        return DeviceRows(self.t[key], self.ready)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.t.shape)
+
+    @property
+    def ndim(self) -> int:
+        return int(self.t.dim())
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.t.nbytes)
+
+    def tensor(self) -> Any:
+        """The rows for the calling thread's current stream: it waits (on the GPU, no host sync) for
+        the copy that wrote them, and the allocator keeps their memory until that stream used them."""
+        import torch
+
+        s = torch.cuda.current_stream(self.t.device)
+        s.wait_event(self.ready)
+        self.t.record_stream(s)
+        return self.t
+
+    def host(self) -> np.ndarray:
+        """The rows on the host in wire storage (bf16 as uint16): a device-to-host copy (the checksum
+        drafter's digests; a model never needs it)."""
+        a = self.tensor().cpu().numpy()
+        return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
+Rows = np.ndarray | DeviceRows  # what a session's rows are on their way to ``ingest``
 
 
 @dataclass(slots=True)
@@ -29,7 +82,8 @@ class IngestItem:
     key: int
     start: int  # context start of the session after this ingest
     pos: int  # absolute position of taps[0]; context becomes [start, pos + len(taps))
-    taps: np.ndarray  # [rows, width] of ``fmt``'s layout, as received (uint16 bit patterns for bf16)
+    # [rows, width] of ``fmt``'s layout, as received (uint16 bit patterns for bf16), or DeviceRows
+    taps: Rows
     fmt: str = WireFormat.BF16.value  # the wire format of the rows
 
 

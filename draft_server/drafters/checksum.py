@@ -9,6 +9,10 @@ and gap restarts included). ``delay_ms`` makes each draft call slow on purpose.
 Wire formats: bf16 and fp8. A row's digest is over its bytes as they arrived (fp8: the e4m3 codes
 and the scale), so the proof is the same in either; projected rows are not taken (the checksum
 drafter has no context projection for a client to match).
+
+``device`` (``--drafter checksum --device cuda``): the drafter declares a CUDA device, so clients
+may send rows over transport cuda_ipc; such rows arrive in device memory and are copied to the
+host for their digests (tests and ``draft-bench`` of the transport; the digests stay the same).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from draft_server.drafters.base import Drafter, DraftItem, DraftOut, IngestItem
+from draft_server.drafters.base import DeviceRows, Drafter, DraftItem, DraftOut, IngestItem
 from protocol import DType, ModelContract, WireFormat, WireOffer
 
 _M64 = (1 << 64) - 1
@@ -59,6 +63,7 @@ class ChecksumDrafter(Drafter):
         contract: ModelContract | None = None,
         capacity_tokens: int = 1 << 22,
         delay_ms: float = 0.0,
+        device: str | None = None,
     ) -> None:
         self.contract = contract or ModelContract(
             model_name="checksum",
@@ -74,6 +79,14 @@ class ChecksumDrafter(Drafter):
         # per session: (start, list of digests for positions start..)
         self._sessions: dict[int, tuple[int, list[int]]] = {}
         self._reserved: dict[int, int] = {}
+        self._device: object | None = None
+        if device is not None:
+            import torch
+
+            self._device = torch.device(device if ":" in device else f"{device}:{torch.cuda.current_device()}")
+
+    def cuda_device(self) -> object | None:
+        return self._device
 
     def wire_offer(self) -> WireOffer:
         return WireOffer(formats=(WireFormat.BF16.value, WireFormat.FP8.value))
@@ -103,7 +116,8 @@ class ChecksumDrafter(Drafter):
             del digests[it.pos - start :]
             if len(digests) != it.pos - start:
                 raise AssertionError(f"ingest at {it.pos} leaves a hole after {start + len(digests)}")
-            digests.extend(row_digest(it.taps[i], it.pos + i) for i in range(len(it.taps)))
+            taps = it.taps.host() if isinstance(it.taps, DeviceRows) else it.taps
+            digests.extend(row_digest(taps[i], it.pos + i) for i in range(len(taps)))
             self._sessions[it.key] = (start, digests)
 
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:

@@ -23,6 +23,11 @@ read-only (``rings``); each Step names a region instead of carrying a frame, and
 that connection says which regions the server is done with (``StepResult.ring``). A ring that
 cannot be mapped (another host or container, another user) or a server started with ``--no-shm``
 is refused with one TRANSPORT line (``draft_server_bad_messages_total{code="transport"}``).
+A client on this host may instead ask for transport "cuda_ipc" (``cuda_ipc``): its Hello names a
+device buffer it exported with CUDA IPC, imported here on the drafter's device; each Step names a
+region of it, copied at once, device to device, into this server's memory, and the reply acks the
+regions as for shm. No CUDA device here, ``--no-cuda-ipc``, another host or a buffer that cannot be
+opened is refused with one TRANSPORT line, counted the same way.
 
 Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
 connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
@@ -51,6 +56,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from draft_server.config import ServerConfig
 from draft_server.engine import Call, Engine, Work
 from draft_server.io.arena import Arena
+from draft_server.io.cuda_ipc import CudaBuffers
 from draft_server.io.rings import Rings
 from draft_server.metrics import ServerMetrics
 from protocol import (
@@ -80,6 +86,8 @@ from protocol import (
     validate_step,
 )
 from protocol.codec import Buffer, check_version, scan_call_id
+from protocol.cuda_ipc import PREFIX as CUDA_IPC_PREFIX
+from protocol.cuda_ipc import refusal as cuda_ipc_refusal
 from protocol.messages import Request
 from protocol.shm import refusal as transport_refusal
 from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
@@ -158,6 +166,9 @@ class Router:
         self.transports = (Transport.FRAMES.value, Transport.SHM.value) if cfg.shm else (Transport.FRAMES.value,)
         drafter = engine.drafter
         self.rings = Rings(cfg.session_ttl_s, metrics.shm_rings, drafter.register_host, drafter.unregister_host)
+        self.cuda_ipc = CudaBuffers.serving(drafter, cfg.cuda_ipc, cfg.session_ttl_s, metrics.cuda_ipc_buffers)
+        if self.cuda_ipc.offered:
+            self.transports = (*self.transports, Transport.CUDA_IPC.value)
         self.endpoints: list[str] = []
         self._sock = self._make_socket()
         self.endpoint = ",".join(self.endpoints)
@@ -222,6 +233,7 @@ class Router:
         self._thread.join(5.0)
         self._sock.close(linger=0)
         self.rings.close()
+        self.cuda_ipc.close()
         if self.arena is not None:
             self.arena.close()
         if self._auth:
@@ -261,6 +273,7 @@ class Router:
                         pass
                 self._flush_outbox()
                 self.rings.sweep(time.monotonic())
+                self.cuda_ipc.sweep(time.monotonic())
             except zmq.ContextTerminated:
                 return
             except Exception:  # never let one message end the I/O thread
@@ -273,7 +286,7 @@ class Router:
             self._send(ident, msg, payloads)
 
     def _send(self, ident: bytes, msg: object, payloads: Sequence = ()) -> None:
-        if isinstance(msg, StepResult) and (ack := self.rings.ack(ident)) is not None:
+        if isinstance(msg, StepResult) and (ack := self.rings.ack(ident) or self.cuda_ipc.ack(ident)) is not None:
             msg = msgspec.structs.replace(msg, ring=ack)
         try:
             self._sock.send_multipart([ident, *encode(msg, payloads)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
@@ -432,6 +445,12 @@ class Router:
             if why is not None:
                 raise ProtocolError(ErrorCode.TRANSPORT, why, msg.call_id)
             ring = self.rings.map(ident, owner, msg.ring, msg.call_id)
+        if msg.cuda_ipc is not None:
+            has_cuda = self.engine.drafter.cuda_device() is not None
+            why = cuda_ipc_refusal(self.transports, has_cuda, not self.cfg.cuda_ipc)
+            if why is not None:
+                raise ProtocolError(ErrorCode.TRANSPORT, why, msg.call_id)
+            ring = self.cuda_ipc.map(ident, owner, msg.cuda_ipc, msg.call_id)
         self._send(
             ident,
             Welcome(
@@ -464,10 +483,10 @@ class Router:
         return lag - best
 
     def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
-        locate = partial(self.rings.rows, ident, owner, call_id=step.call_id) if step.rows_at is not None else None
+        locate = self._locate(ident, owner, step)
         taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer, locate)
         dtype = row_layout(step.wire, self.contract, self.offer)[0]
-        bad_rows = nonfinite_rows(taps, dtype) if taps is not None else None
+        bad_rows = nonfinite_rows(taps, dtype) if isinstance(taps, np.ndarray) else None  # not device rows
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
         waited = self._waited_unread_ms(ident, step, recv_t)
@@ -506,6 +525,15 @@ class Router:
             self.engine.submit(works)  # the engine owns `call` from here on
         if answered_here:
             self.engine.reply_now(call)
+
+    def _locate(self, ident: bytes, owner: bytes, step: Step) -> Callable | None:
+        """Where the rows of a Step that names a region come from: a shm ring (a read-only view) or a
+        CUDA IPC buffer (copied into device memory now); None when they are in a frame."""
+        if step.rows_at is None:
+            return None
+        if step.rows_at.ring.startswith(CUDA_IPC_PREFIX):
+            return partial(self.cuda_ipc.rows, ident, owner, spec=step.taps, call_id=step.call_id)
+        return partial(self.rings.rows, ident, owner, call_id=step.call_id)
 
     def _count_nonfinite(self, owner: bytes, rows: int) -> None:
         """NaN/Inf taps never reach another session (the attention paths mask at the load); they

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from draft_server.drafters.base import DeviceRows
 from protocol import DType, WireFormat
 from protocol.wire import SCALE_BYTES, projection_id
 
@@ -31,8 +32,12 @@ STORAGE: dict[DType, torch.dtype] = {
 }
 
 
-def rows_to_device(arrays: Sequence[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Concatenate rows of one format (numpy, as received) and copy them to the device, in wire storage."""
+def rows_to_device(arrays: Sequence[np.ndarray | DeviceRows], device: torch.device) -> torch.Tensor:
+    """Concatenate rows of one format (numpy, as received, or ``DeviceRows`` already on the device:
+    transport cuda_ipc) on the device, in wire storage."""
+    if any(isinstance(a, DeviceRows) for a in arrays):
+        parts = [a.tensor() if isinstance(a, DeviceRows) else rows_to_device([a], device) for a in arrays]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = arrays[0] if len(arrays) == 1 and arrays[0].flags.writeable else np.concatenate(arrays)
     if host.dtype == np.uint16:
         host = host.view(np.int16)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_server.drafters.base import DraftItem, IngestItem
+from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem
 from draft_server.models.attention import PagedBatch, PagedContext
 from draft_server.models.kernels import fused
 from draft_server.models.kernels import paged_attention as pa
@@ -313,8 +313,11 @@ class FastStep:
         h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
         h[self.r_max + r : self.r_max + rb] = 0
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
-        runs = self._registered_runs(parts)
-        if runs is not None:  # rows already in registered (pinned) host memory: straight to the device
+        on_device = any(isinstance(p, DeviceRows) for p in parts)
+        runs = None if on_device else self._registered_runs(parts)
+        if on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
+            self._device_parts(parts, host, dev, r, rb)
+        elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
             off = 0
             for run in runs:
                 dev[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
@@ -340,6 +343,27 @@ class FastStep:
             self._ingest_done.record()
         if runs is not None and self._ingest_done is not None:
             self._rows_read.synchronize()  # the rows' memory is the caller's again when ingest returns
+
+    @staticmethod
+    def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int, rb: int) -> None:
+        """Rows of which some are ``DeviceRows`` (transport cuda_ipc): host rows staged at their
+        offsets and copied up as usual, then the device rows copied device to device into place
+        (each waits on the GPU for the I/O thread's copy that made it)."""
+        if not all(isinstance(p, DeviceRows) for p in parts):
+            off = 0
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                for p in parts:
+                    if not isinstance(p, DeviceRows):
+                        host[off : off + len(p)].copy_(torch.from_numpy(_storage(p)))
+                    off += len(p)
+            dev[:r].copy_(host[:r], non_blocking=True)
+        off = 0
+        for p in parts:
+            if isinstance(p, DeviceRows):
+                dev[off : off + len(p)].copy_(p.tensor(), non_blocking=True)
+            off += len(p)
+        dev[r:rb].zero_()
 
     # ------------------------------------------------------------------ registered host memory
 

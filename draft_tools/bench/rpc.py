@@ -10,6 +10,11 @@ same run, against one server process bound to tcp and ipc at once:
   contract) over ``tcp`` (loopback), ``ipc``, and ``ipc+shm`` (rows through the client's shared-
   memory ring, the Step carries only where they are; "k3" only), reporting the client's wait,
   the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
+* with CUDA: ``ipc+cuda_ipc`` too ("k3" only): the rows on the GPU, copied device to device through
+  the client's CUDA IPC buffer (the checksum server declares the GPU; its digests then include a
+  device-to-host copy, which is compute, not overhead), set beside its own floor: the same bytes
+  through the same CUDA IPC buffer and a ZeroMQ ipc message, copied device to device by a bare
+  importer (``draft_tools.bench.cuda_ipc``; that script measures cuda_ipc against a real K3 drafter).
 
 Writes JSON (machine, command, numbers) and prints a short table.
 Usage: draft-bench [--iters 300] [--out bench/results/rpc_loopback.json]   (or python -m draft_tools.bench.rpc)
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import zmq
@@ -45,12 +51,21 @@ SESSIONS = (1, 4, 16, 64)
 ROWS = {"empty": 0, "k3": 3}
 
 
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def serve_checksum(endpoint: str) -> None:
     from draft_server.app import DraftServer
     from draft_server.config import ServerConfig
     from draft_server.drafters.checksum import ChecksumDrafter
 
-    srv = DraftServer(ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum"), ChecksumDrafter(K3))
+    drafter = ChecksumDrafter(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
+    srv = DraftServer(ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum"), drafter)
     srv.start()
     print("READY", flush=True)
     sys.stdin.read()  # until the parent closes stdin
@@ -65,6 +80,17 @@ def serve_echo(endpoint: str) -> None:
     while True:
         frames = s.recv_multipart(copy=False)
         s.send_multipart([frames[0], frames[1]], copy=False)  # header only back, like a reply
+
+
+def cuda_floor_server(endpoint: str) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draft_tools.bench.cuda_ipc", "--floor-server", endpoint],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdout is not None and p.stdout.readline().startswith("READY")
+    return p
 
 
 def spawn(mode: str, endpoint: str) -> subprocess.Popen:
@@ -111,7 +137,11 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str =
     client = DraftClient(cfg)
     welcome = client.connect(wait=True)
     contract = welcome.contract if welcome is not None else K3  # a running server: its own contract
-    taps = np.ones((n * rows, contract.tap_width), np.uint16) if rows else None
+    taps: Any = np.ones((n * rows, contract.tap_width), np.uint16) if rows else None
+    if transport == "cuda_ipc" and taps is not None:  # the rows live on the GPU, as a target's taps do
+        import torch
+
+        taps = torch.ones((n * rows, contract.tap_width), dtype=torch.bfloat16, device="cuda")
     # every step overwrites positions [0, rows): context stays small, so compute stays flat
     reqs = [StepRequest(f"s{i}", 0, rows, 1, contract.block_size) for i in range(n)]
     waits, server, compute = [], [], []
@@ -167,9 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         ("ipc", f"ipc://{tmp}/srv.sock", "frames", "ipc"),
     ]
     runs.append(("ipc+shm", runs[1][1], "shm", "ipc"))
+    cuda = cuda_available() and not args.endpoint
+    if cuda:
+        runs.append(("ipc+cuda_ipc", runs[1][1], "cuda_ipc", "cuda_ipc"))
     if args.endpoint:
         runs = [("given", args.endpoint, "frames", "tcp")]
     echoes = [spawn("echo", ep) for ep in echo_eps.values()]
+    if cuda:  # the CUDA IPC floor's importer (on the same GPU as the checksum server)
+        echoes.append(cuda_floor_server(f"ipc://{tmp}/floor.sock"))
     srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}")
     ep_srv = runs[0][1]
     results = []
@@ -185,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
         for payload, rows in ROWS.items():
             for n in SESSIONS:
                 floors = {k: bench_floor(ep, n, rows, args.iters, width) for k, ep in echo_eps.items()}
+                if cuda and rows:
+                    from draft_tools.bench.cuda_ipc import floor_rtt
+
+                    floors["cuda_ipc"] = floor_rtt(f"ipc://{tmp}/floor.sock", 0, n, width, args.iters, 20)
                 mb = n * rows * width * 2 / 1e6
                 for name, ep, transport, floor_of in runs:
-                    if transport == "shm" and not rows:
+                    if transport in ("shm", "cuda_ipc") and not rows:
                         continue  # no rows: the same message as ipc
                     prod = bench_product(ep, n, rows, args.iters, transport)
                     floor = floors[floor_of]
@@ -214,7 +253,11 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m_at_end": os.getloadavg()[0],
         },
         "iters": args.iters,
-        "transport": "tcp loopback, ipc, ipc+shm" if not args.endpoint else f"running server at {args.endpoint}",
+        "transport": (
+            f"running server at {args.endpoint}"
+            if args.endpoint
+            else "tcp loopback, ipc, ipc+shm" + (", ipc+cuda_ipc (GPU 0)" if cuda else "")
+        ),
         "results": results,
     }
     with open(args.out, "w") as f:

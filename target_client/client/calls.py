@@ -31,11 +31,13 @@ class Outcome:
 @dataclass(slots=True, eq=False)
 class StepCall:
     entries: tuple[StepEntry, ...]
-    taps: np.ndarray | None
+    taps: np.ndarray | Any | None  # host rows, or (transport cuda_ipc) a torch CUDA tensor
     deadline: float  # time.monotonic() by which the caller stops waiting
     send: bool  # False: buffer the rows only (breaker open / not ready)
     future: Future | None = None  # None: nobody waits (early taps)
     phase: Phase = Phase.WHOLE  # of every entry (``protocol.Phase``)
+    # cuda_ipc with device rows: an event on the caller's stream after them (the copy waits on it)
+    ready: Any = None
 
 
 @dataclass(slots=True, eq=False)

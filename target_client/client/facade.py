@@ -78,8 +78,14 @@ class DraftClient:
         self._close_lock = threading.Lock()
         self._closed = False
         self._connect_requested = False
+        self._device_rows = cfg.transport == "cuda_ipc"  # step() takes torch CUDA tensors
+        device = None
+        if self._device_rows:  # the buffer's device: the caller thread's, unless configured
+            from target_client.cuda.ipc import current_device  # torch, only for a cuda_ipc client
+
+            device = cfg.cuda_device if cfg.cuda_device >= 0 else current_device()
         # Makes the socket (ValueError for a bad endpoint), pays pyzmq's zero-copy set-up, starts the thread.
-        self._io = IoLoop(cfg, self.routing_id, self._counters)
+        self._io = IoLoop(cfg, self.routing_id, self._counters, device)
 
     # ------------------------------------------------------------------ properties
 
@@ -173,8 +179,10 @@ class DraftClient:
 
         ``taps``: C-contiguous [sum(rows), width] rows of the client's wire format in their wire
         storage dtype (bf16: [rows, contract.tap_width] uint16 bit patterns; see ``row_layout``
-        and ``target_client.vllm.wire``), or None when no request has rows. Kept by reference
-        until acknowledged: do not mutate it afterwards.
+        and ``target_client.vllm.wire``), or None when no request has rows. With transport
+        cuda_ipc it may be a contiguous torch CUDA tensor (bf16 as torch.bfloat16), copied device to
+        device after the caller's current stream has written it. Kept by reference until
+        acknowledged: do not mutate it afterwards.
         """
         return self.submit_step(requests, taps, budget_ms).collect()
 
@@ -212,10 +220,12 @@ class DraftClient:
         hs = self._io.handshake
         welcome = hs.welcome
         limits = welcome.limits if welcome is not None else None
-        entries, taps = prepare(requests, taps, hs.pinned, limits, hs.layout, Phase.TAPS)
+        entries, taps = prepare(requests, taps, hs.pinned, limits, hs.layout, Phase.TAPS, self._device_rows)
         if entries and self._call_gate() != "closed":
             deadline = time.monotonic() + budget / 1000.0
-            self._io.submit(StepCall(entries, taps, deadline, send=self._io.gate is None, phase=Phase.TAPS))
+            call = StepCall(entries, taps, deadline, send=self._io.gate is None, phase=Phase.TAPS)
+            call.ready = self._ready(taps)
+            self._io.submit(call)
         return True
 
     def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:
@@ -329,7 +339,7 @@ class DraftClient:
         contract = self._io.handshake.pinned
         welcome = self._io.handshake.welcome
         limits = welcome.limits if welcome is not None else None
-        entries, taps = prepare(requests, taps, contract, limits, self._io.handshake.layout, phase)
+        entries, taps = prepare(requests, taps, contract, limits, self._io.handshake.layout, phase, self._device_rows)
         n = len(entries)
         if n == 0:
             return [], "ok"
@@ -337,9 +347,18 @@ class DraftClient:
         gate = self._call_gate()
         if gate is not None:
             if gate != "closed":
-                self._io.submit(StepCall(entries, taps, deadline, send=False, phase=phase))
+                self._io.submit(StepCall(entries, taps, deadline, send=False, phase=phase, ready=self._ready(taps)))
             return self._finish(t0, empty_replies(n), gate), gate
-        return StepCall(entries, taps, deadline, send=True, future=Future(), phase=phase)
+        return StepCall(entries, taps, deadline, send=True, future=Future(), phase=phase, ready=self._ready(taps))
+
+    def _ready(self, taps: Any) -> Any:
+        """cuda_ipc with device rows: an event on the caller's current stream after them (the I/O
+        thread's copy waits on it on the GPU); else None."""
+        if not self._device_rows or taps is None or isinstance(taps, np.ndarray):
+            return None
+        from target_client.cuda.ipc import record_ready
+
+        return record_ready(taps)
 
     def _end(self, t0: float, call: StepCall, out: Outcome | None) -> list[DraftReply]:
         """The part after the wait: the outcome the I/O thread set, or a timeout."""

@@ -18,6 +18,11 @@ connection is up); the Welcome must name it back, mapped, and the ring's name is
 server that does not offer shm, or cannot map the ring, is a refusal like a wire format's ("shm"),
 or a fall back to frames for the life of the client ("auto"). A ring a server lost (it restarted,
 or dropped the ring after the session TTL) is replaced by a new one at the next Hello.
+
+With "cuda_ipc" (``protocol.cuda_ipc``) the Hello names the client's CUDA IPC buffer instead
+(``target_client.cuda.ipc.CudaRing``, made at the first Hello on ``device`` and kept for the
+client's life: every later Hello names the same memory anew, ``reannounce``). A process without
+CUDA (the buffer cannot be made) or a server that does not import it is a refusal, as for "shm".
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from __future__ import annotations
 import logging
 import math
 from concurrent.futures import Future
+from typing import Any
 
 from protocol import PROTOCOL_VERSION, Error, ErrorCode, Hello, ModelContract, Transport, Welcome, WireFormat, WireOffer
+from protocol.cuda_ipc import CudaIpcError
 from protocol.shm import RingError
 from protocol.shm import refusal as transport_refusal
 from protocol.wire import RowLayout, refusal, row_layout
@@ -46,7 +53,7 @@ Refusal = tuple[str, tuple[str, ...]]  # (message, the contract fields that diff
 class Handshake:
     """Handshake, contract and epoch state of one client. See the module docstring."""
 
-    def __init__(self, cfg: ClientConfig, counters: Counters) -> None:
+    def __init__(self, cfg: ClientConfig, counters: Counters, device: int | None = None) -> None:
         self.cfg = cfg
         self._c = counters
         self.welcome: Welcome | None = None  # the verified Welcome
@@ -63,8 +70,12 @@ class Handshake:
         self.layout: RowLayout | None = None
         if cfg.expect is not None and cfg.wire_format != WireFormat.PROJECTED:
             self.layout = row_layout(cfg.wire_format, cfg.expect, WireOffer())
-        self.ring: ClientRing | None = None  # transport shm: the ring the latest Hello named
+        # transport shm: the ring the latest Hello named; cuda_ipc: the client's CUDA IPC buffer (a CudaRing)
+        self.ring: ClientRing | Any | None = None
         self.shm_off = cfg.transport == Transport.FRAMES  # "auto" turns it on after a refusal
+        self.cuda = cfg.transport == Transport.CUDA_IPC
+        self.transport = Transport.CUDA_IPC.value if self.cuda else Transport.SHM.value  # the one a refusal names
+        self.device = device  # cuda_ipc: the buffer's device index (None: this process has no CUDA)
         self._ring_error: str | None = None  # why this client could not make a ring (a local refusal)
 
     @property
@@ -78,9 +89,12 @@ class Handshake:
         r = self.ring
         return r if r is not None and r.mapped else None
 
-    def _hello_ring(self) -> ClientRing | None:
+    def _hello_ring(self) -> ClientRing | Any | None:
         """The ring this Hello names: the announced one again, or a new one when the last was mapped
-        (its name is gone; a server that lost it needs a new segment)."""
+        (its name is gone; a server that lost it needs a new segment). cuda_ipc: the one buffer,
+        named anew when the last name was imported."""
+        if self.cuda:
+            return self._hello_cuda()
         if self.ring is not None and self.ring.mapped:
             self.drop_ring()
         if self.ring is None:
@@ -91,10 +105,31 @@ class Handshake:
                 self._ring_error = f"transport 'shm' refused: {e}"
         return self.ring
 
-    def drop_ring(self) -> None:
+    def _hello_cuda(self) -> Any | None:
         if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+            if self.ring.mapped:
+                self.ring.reannounce()
+            return self.ring
+        try:
+            from target_client.cuda.ipc import CudaRing  # torch, only for a cuda_ipc client
+
+            self.ring = CudaRing(self.device, self.cfg.cuda_ipc_mib << 20)
+            self._ring_error = None
+        except CudaIpcError as e:
+            self._ring_error = f"transport 'cuda_ipc' refused: {e}"
+        return self.ring
+
+    def drop_ring(self, closing: bool = False) -> None:
+        """Let go of the ring (a refusal, the end). A CUDA IPC buffer is kept for the client's life
+        (re-exporting one per Hello would leave each old one held by torch's IPC ref counting): it
+        is only marked unmapped, and closed at the end."""
+        if self.ring is None:
+            return
+        if self.cuda and not closing:
+            self.ring.mapped = False
+            return
+        self.ring.close()
+        self.ring = None
 
     # -- sending the Hello
 
@@ -112,6 +147,7 @@ class Handshake:
     def hello(self, call_id: int) -> Hello:
         cfg = self.cfg
         ring = None if self.shm_off else self._hello_ring()
+        announce = ring.announce if ring is not None else None
         return Hello(
             protocol_version=PROTOCOL_VERSION,
             client_name=cfg.name,
@@ -119,7 +155,8 @@ class Handshake:
             expect=cfg.expect,
             wire_format=cfg.wire_format,
             projection_id=cfg.projection_id,
-            ring=ring.announce if ring is not None else None,
+            ring=None if self.cuda else announce,
+            cuda_ipc=announce if self.cuda else None,
         )
 
     def hello_sent(self, now: float, sent: bool) -> float | None:
@@ -164,8 +201,9 @@ class Handshake:
         if why is not None:
             return f"draft server {self.cfg.endpoint}: {why}", ("wire_format",)
         if not self.shm_off and (self.ring is None or w.ring != self.ring.name):
-            why = self._ring_error or transport_refusal(Transport.SHM.value, w.transports)
-            why = why or f"transport 'shm' refused: the Welcome names ring {w.ring!r}, not {self.ring.name!r}"  # type: ignore[union-attr]
+            t = self.transport
+            why = self._ring_error or transport_refusal(t, w.transports)
+            why = why or f"transport {t!r} refused: the Welcome names ring {w.ring!r}, not {self.ring.name!r}"  # type: ignore[union-attr]
             return f"draft server {self.cfg.endpoint}: {why}", ("transport",)
         return None
 
@@ -251,7 +289,8 @@ class Handshake:
         until a Welcome maps a new one. True when this starts it."""
         if self.verifying or self.ring is None:
             return False
-        log.info("draft client %s: the server no longer maps shm ring %s; a new ring", self.cfg.name, self.ring.name)
+        what = "CUDA IPC buffer" if self.cuda else "shm ring"
+        log.info("draft client %s: the server no longer maps %s %s; a new one", self.cfg.name, what, self.ring.name)
         self.verifying = True
         self.need_hello = self.hello_due = True
         return True

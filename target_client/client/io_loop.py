@@ -83,7 +83,7 @@ def random_routing_id() -> bytes:
 class IoLoop:
     """The socket-owning thread of one DraftClient and the state only it writes."""
 
-    def __init__(self, cfg: ClientConfig, routing_id: bytes, counters: Counters) -> None:
+    def __init__(self, cfg: ClientConfig, routing_id: bytes, counters: Counters, device: int | None = None) -> None:
         self.cfg = cfg
         self.routing_id = routing_id
         self._c = counters
@@ -93,7 +93,7 @@ class IoLoop:
         self.gate: str | None = "not_ready"  # None: steps are sent; else the outcome of an immediate return
         self.advised_k = -1  # the server's latest load-aware k advice
         self.last_timing: Timing | None = None  # server timing of the latest on-time StepResult
-        self.handshake = Handshake(cfg, counters)
+        self.handshake = Handshake(cfg, counters, device)
         self.budget = AdaptiveBudget(cfg, self._m.budget)
 
         # Written by callers (append), drained by this thread.
@@ -109,6 +109,7 @@ class IoLoop:
         self._ping_queue: list[PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
         self._closing = False
+        self._ready: Any = None  # cuda_ipc: the caller's event after its latest device rows (StepCall.ready)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
         # I/O thread (thread start is the full memory barrier ZeroMQ asks for when a socket moves).
@@ -286,6 +287,8 @@ class IoLoop:
         cfg = self.cfg
         hs = self.handshake
         self.breaker.stepped(now)
+        if call.ready is not None:  # the caller's latest device rows: it covers every earlier one too
+            self._ready = call.ready
         n = len(call.entries)
         welcome = hs.welcome
         send = call.send and self.gate is None and welcome is not None
@@ -316,10 +319,15 @@ class IoLoop:
         assert layout is not None and cid is not None and welcome is not None
         ring = hs.rows_ring
         gen = ring.generation if ring is not None else 0
-        frames = step_frames(merged, call, cid, layout, cfg.wire_format, welcome.limits, cfg.reply_margin_ms, ring)
+        frames = step_frames(
+            merged, call, cid, layout, cfg.wire_format, welcome.limits, cfg.reply_margin_ms, ring, self._ready
+        )
         if ring is not None and merged.parts:
             in_ring = ring.generation != gen
-            (self._m.shm_steps if in_ring else self._m.shm_fallbacks.labels("ring_full")).inc()
+            if hs.cuda:
+                (self._m.cuda_ipc_steps if in_ring else self._m.cuda_ipc_fallbacks.labels("buffer_full")).inc()
+            else:
+                (self._m.shm_steps if in_ring else self._m.shm_fallbacks.labels("ring_full")).inc()
         if not self._try_send(frames):
             if ring is not None and ring.generation != gen:
                 ring.cancel(ring.generation)  # never sent: the region is free again
@@ -705,4 +713,4 @@ class IoLoop:
             self._gauge_on = False
             self._m.breaker_open.dec()
         self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
-        self.handshake.drop_ring()
+        self.handshake.drop_ring(closing=True)

@@ -72,8 +72,9 @@ class ClientRing:
             return HEADER_BYTES if HEADER_BYTES + need <= first else None
         return self._head if self._head + need <= first else None  # wrapped: [head, first)
 
-    def put(self, parts: list[np.ndarray]) -> RowsAt | None:
-        """Copy ``parts`` (rows, in order) into the next free region; None when none is free."""
+    def put(self, parts: list[np.ndarray], ready: object = None) -> RowsAt | None:
+        """Copy ``parts`` (rows, in order) into the next free region; None when none is free.
+        (``ready``: for the CUDA IPC buffer's signature; host rows are ready.)"""
         nbytes = sum(p.nbytes for p in parts)
         need = region_bytes(nbytes)
         start = self._place(need)

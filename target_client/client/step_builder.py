@@ -12,7 +12,9 @@ Owns the two halves of building a step and the budget of a step:
   step's room, sessions the server asked to hold back answered locally, the rows of a step that
   is not sent buffered; then the ``Step`` message with one tap frame (the caller's own array,
   uncopied, in the common case), or with its rows copied into a region of the client's
-  shared-memory ring (transport shm, ``ring``), and the budget told to the server.
+  shared-memory ring (transport shm, ``ring``) or, device to device, of its CUDA IPC buffer
+  (transport cuda_ipc, ``target_client.cuda.ipc``: the rows are torch CUDA tensors then, and go
+  to the host only for a frame when no region is free), and the budget told to the server.
 * ``AdaptiveBudget`` (written by the I/O thread, read by callers): the p99 of recent round trips
   behind ``ClientConfig.adaptive_budget``.
 """
@@ -35,6 +37,7 @@ from protocol.validate import check_entry, check_sampling
 from protocol.wire import RowLayout
 from target_client.api import ClientConfig, DraftReply, StepRequest
 from target_client.client.calls import StepCall
+from target_client.client.regions import DEVICE_DTYPES, device_dtype_ok, is_device
 from target_client.client.resend import SessionRows, chunk_rows, keep_newest
 from target_client.client.ring import ClientRing
 
@@ -79,11 +82,13 @@ def prepare(
     limits: ServerLimits | None,
     layout: RowLayout | None,
     phase: Phase = Phase.WHOLE,
-) -> tuple[tuple[StepEntry, ...], np.ndarray | None]:
+    device_ok: bool = False,
+) -> tuple[tuple[StepEntry, ...], Any]:
     """Check the caller's arguments (ValueError on a caller bug); build the wire entries (of ``phase``).
 
-    ``layout``: (dtype, width) of the client's rows, None while unknown. Returns the entries and
-    the taps (None when no request has rows)."""
+    ``layout``: (dtype, width) of the client's rows, None while unknown. ``device_ok``: the taps
+    may be a torch CUDA tensor (transport cuda_ipc). Returns the entries and the taps (None when no
+    request has rows)."""
     entries: list[StepEntry] = []
     seen: set[str] = set()
     total = 0
@@ -112,6 +117,12 @@ def prepare(
     if taps is None:
         if total:
             raise ValueError(f"requests announce {total} rows but taps is None")
+    elif is_device(taps):
+        if not device_ok:
+            raise ValueError("taps on a CUDA device need ClientConfig.transport 'cuda_ipc' (else: a host numpy array)")
+        _check_device_taps(taps, total, layout)
+        if total == 0:
+            taps = None
     else:
         if not isinstance(taps, np.ndarray):
             raise ValueError(f"taps must be a numpy array, got {type(taps).__name__}")
@@ -146,12 +157,34 @@ def prepare(
     return tuple(entries), taps
 
 
+def _check_device_taps(taps: Any, total: int, layout: RowLayout | None) -> None:
+    """``prepare``'s checks of rows in a torch CUDA tensor (ValueError on a caller bug)."""
+    if taps.dim() != 2 or taps.shape[0] != total:
+        raise ValueError(f"taps has shape {tuple(taps.shape)}, requests announce {total} rows")
+    if not taps.is_contiguous():
+        raise ValueError("taps must be contiguous (the client copies it into its CUDA IPC buffer as it is)")
+    if layout is not None:
+        dtype, width = layout
+        if not device_dtype_ok(taps, dtype):
+            raise ValueError(
+                f"taps dtype {taps.dtype} does not carry {dtype.value} (want one of {', '.join(DEVICE_DTYPES[dtype])})"
+            )
+        if taps.shape[1] != width:
+            raise ValueError(f"taps width {taps.shape[1]} != {width}, the row width of this client's wire format")
+    elif not any(str(taps.dtype) in names for names in DEVICE_DTYPES.values()):
+        raise ValueError(f"taps dtype {taps.dtype} is no wire dtype")
+
+
 # ---------------------------------------------------------------- I/O thread side
 
 
-def fits(arr: np.ndarray, layout: RowLayout | None) -> bool:
+def fits(arr: Any, layout: RowLayout | None) -> bool:
     """Whether rows (validated or buffered before the row layout was known) fit it."""
-    return layout is None or (arr.shape[1] == layout[1] and arr.dtype == NUMPY_DTYPE[layout[0]])
+    if layout is None:
+        return True
+    if arr.shape[1] != layout[1]:
+        return False
+    return device_dtype_ok(arr, layout[0]) if is_device(arr) else arr.dtype == NUMPY_DTYPE[layout[0]]
 
 
 @dataclass(slots=True, eq=False)
@@ -276,19 +309,25 @@ def step_frames(
     wire_format: str,
     limits: ServerLimits,
     reply_margin_ms: float,
-    ring: ClientRing | None = None,
+    ring: ClientRing | Any | None = None,
+    ready: Any = None,
 ) -> list[Any]:
     """The frames of the Step message carrying ``merged`` (header, then at most one row frame).
-    With a ``ring`` the rows are copied into its next free region instead, when one is free."""
+    With a ``ring`` the rows are copied into its next free region instead, when one is free
+    (a CUDA IPC buffer's copy after ``ready``, the caller's event after its device rows)."""
     parts = merged.parts
     frame: np.ndarray | None
-    at = ring.put(parts) if (ring is not None and parts) else None
+    at = ring.put(parts, ready) if (ring is not None and parts) else None
     if at is not None:
         total = sum(len(p) for p in parts)
         spec = TensorSpec(layout[0], (total, parts[0].shape[1]), -1)  # rows are at ``at``, in no frame
         return encode(_step(merged, call, call_id, limits, reply_margin_ms, wire_format, spec, at))
     if not parts:
         frame = None
+    elif any(is_device(p) for p in parts):  # cuda_ipc, no free region: one copy to the host
+        from target_client.cuda.ipc import host_rows  # torch, only for a cuda_ipc client
+
+        frame = host_rows(parts, ready)
     elif merged.zero_copy and call.taps is not None and sum(len(p) for p in parts) == len(call.taps):
         frame = call.taps  # the common case: the caller's array goes out as it is
     else:

@@ -55,8 +55,13 @@ Configuration (environment variables, read in the worker process):
                            applied; read once at start-up, and checked against the server's own by id.
 ``DRAFT_TRANSPORT``        where the rows travel (README "Transports"; default ``frames``): ``shm`` through a
                            shared-memory ring (server on this host, same user and /dev/shm; else start-up
-                           fails with one line), ``auto`` (shm when the server can map it, else frames).
+                           fails with one line), ``auto`` (shm when the server can map it, else frames),
+                           ``cuda_ipc``: the encoded rows stay on this GPU and are copied device to device
+                           into a buffer this engine exports with CUDA IPC, which the server (on this host,
+                           with a CUDA drafter) imports and copies from GPU to GPU (one server endpoint only;
+                           else start-up fails with one line).
 ``DRAFT_SHM_RING_MIB``     the ring's size with ``shm``/``auto`` (default 64; 2-4x a decode step's rows).
+``DRAFT_CUDA_IPC_MIB``     the CUDA IPC buffer's size on this GPU with ``cuda_ipc`` (default 64).
 ``DRAFT_TRIM``             ``0``: send every draft to verification (default: load-aware trimming, below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
@@ -74,7 +79,8 @@ Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1
   token) and gets ``[]``;
 * the valid rows of the aux hidden states are gathered on the device, encoded there in the wire
   format (``target_client.vllm.wire``: cast to bf16, quantized to fp8, or projected), copied to
-  the host once and viewed (no further copy) as the step's rows frame.
+  the host once and viewed (no further copy) as the step's rows frame; with ``DRAFT_TRANSPORT=cuda_ipc``
+  they stay on the device (the client copies them device to device into its CUDA IPC buffer).
 
 Early taps (``DraftClient.send_taps``/``commit``; when the server's Welcome offers them and
 ``DRAFT_EARLY_TAPS`` is not 0): right after the target's forward (``send_taps``, called by the
@@ -235,6 +241,7 @@ class RemoteDSparkProposer:
     """vLLM ``custom_class`` proposer backed by a remote DSpark draft server (see module docstring)."""
 
     wants_aux_hidden_states = True
+    _device_rows = False  # DRAFT_TRANSPORT=cuda_ipc: the rows handed to the client stay on the GPU
 
     def __init__(self, vllm_config: Any) -> None:
         spec = vllm_config.speculative_config
@@ -278,6 +285,13 @@ class RemoteDSparkProposer:
 
         self._wire = wire_encoder()
         projection = self._wire.projection
+        transport = os.environ.get("DRAFT_TRANSPORT", "").strip() or "frames"
+        if transport == "cuda_ipc" and is_fleet(endpoint):
+            raise ValueError(
+                f"RemoteDSparkProposer: DRAFT_TRANSPORT=cuda_ipc needs one draft server on this host, "
+                f"DRAFT_SERVER_ENDPOINT={endpoint!r} names several"
+            )
+        self._device_rows = transport == "cuda_ipc"  # rows handed to the client stay on the GPU
         client_cls = FleetClient if is_fleet(endpoint) else DraftClient  # several servers or a DNS name: a fleet
         self.client = client_cls(
             ClientConfig(
@@ -288,8 +302,9 @@ class RemoteDSparkProposer:
                 connect_timeout_s=connect_timeout_s,
                 wire_format=self._wire.fmt,
                 projection_id=projection.id if projection is not None else "",
-                transport=os.environ.get("DRAFT_TRANSPORT", "").strip() or "frames",
+                transport=transport,
                 shm_ring_mib=int(_env_number("DRAFT_SHM_RING_MIB", 64, int)),
+                cuda_ipc_mib=int(_env_number("DRAFT_CUDA_IPC_MIB", 64, int)),
             )
         )
         self._contract_checked = False
@@ -495,14 +510,21 @@ class RemoteDSparkProposer:
         if not requests:
             return False
         parts = [ctx.aux_hidden_states[j][:total] for j in self._aux_pick]  # every row: one slice
-        layout = self.client.row_layout
         rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
-        sent = bool(self.client.send_taps(requests, taps))
+        sent = bool(self.client.send_taps(requests, self._encode(rows)))
         if sent:
             self._counts["taps_steps"] += 1
             self._counts["taps_rows"] += total
         return sent
+
+    def _encode(self, rows: Any) -> Any:
+        """The step's rows in the wire format: on the host (one device-to-host copy), or with
+        transport cuda_ipc still on the device. The encoder always writes fresh rows, so they never
+        alias the runner's activation buffers (the client keeps them by reference until the server
+        acknowledges them)."""
+        layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
+        dtype = layout[0] if layout is not None else DType.BF16
+        return self._wire.device_rows(rows, dtype) if self._device_rows else self._wire(rows, dtype)
 
     def step_phases(self) -> list[dict[str, float]]:
         """Per step, in ms: ``forward`` (scheduler output to the forward's end), ``taps`` (sending
@@ -593,11 +615,8 @@ class RemoteDSparkProposer:
                 )
                 idx = torch.from_numpy(idx_np).to(device, non_blocking=True)
             parts = [a[:total] if idx is None else a.index_select(0, idx) for a in taps_dev]
-            # The encoder always writes fresh rows, so the frame never aliases the runner's activation
-            # buffers (the client keeps it by reference until the server acknowledges the rows).
-            layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
             rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-            taps = self._wire(rows, layout[0] if layout is not None else DType.BF16)
+            taps = self._encode(rows)
             t0 = time.perf_counter()
             replies = self.client.step(requests, taps)
         t1 = time.perf_counter()
