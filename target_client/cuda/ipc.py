@@ -86,10 +86,12 @@ class CudaRing:
             import torch
         except ImportError as e:
             raise CudaIpcError(f"this process cannot use CUDA: torch is not installed ({e})") from None
-        if device is None or not torch.cuda.is_available():
+        if not torch.cuda.is_available():
             raise CudaIpcError(
                 f"this process has no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False)"
             )
+        if device is None:
+            raise CudaIpcError("this process has no CUDA device for the buffer (ClientConfig.cuda_device)")
         self._torch = torch
         self.device = torch.device("cuda", device)
         nbytes = aligned(max(nbytes, ALIGN))
