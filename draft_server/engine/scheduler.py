@@ -219,6 +219,9 @@ class Engine:
             (ready if urgent else early).setdefault(s.owner, []).append(s)
         decode: list[tuple[Session, Work]] = []
         rows = 0
+        # decode rows beside the prefill chunk; the first entry always goes (each fits max_batch_rows
+        # alone, and a budget of 0 when max_batch_rows == prefill_chunk_rows must not starve decode)
+        budget = self.max_batch_rows - (self.chunk if prefill is not None else 0)
         clients = list((ready or early).values())
         if clients:
             self._rr = (self._rr + 1) % len(clients)
@@ -228,7 +231,7 @@ class Engine:
                 if turn >= len(c) or len(decode) >= self.max_batch_sessions:
                     continue
                 w = c[turn].pending[0]
-                if rows + w.rows > self.max_batch_rows - self.chunk:
+                if decode and rows + w.rows > budget:
                     continue
                 decode.append((c[turn], w))
                 rows += w.rows

@@ -174,3 +174,33 @@ def test_early_taps_wait_for_a_batch_without_drafting() -> None:
     assert eng._iteration()
     ingested, drafted = d.batches[-1]
     assert sorted(ingested) == ["late", "other"] and sorted(drafted) == ["late", "other"]
+
+
+def test_decode_runs_when_the_prefill_chunk_takes_the_whole_batch() -> None:
+    """max_batch_rows == prefill_chunk_rows (a valid config) left decode a budget of 0 rows: a
+    12-row step was never drafted and the server went silent. Decode entries now get the rows the
+    prefill leaves, the first one always, beside a prefill chunk as well as alone."""
+    from draft_server.engine.scheduler import Engine
+
+    d = ChecksumDrafter()
+    eng = Engine(
+        d, ServerMetrics(), lambda ident, msg, payloads: None, "e", "c",
+        max_sessions=8, max_queue_rows=10_000, max_batch_rows=16, max_batch_sessions=8,
+        prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0,
+    )  # fmt: skip
+    W = d.contract.tap_width
+
+    def work(sid: str, rows: int, k: int) -> Work:
+        call = Call(b"c", 1, 0.0, 1e9, [None], remaining=1)
+        assert eng.admission.try_admit_rows(b"c", rows)
+        return Work(call, 0, sid, 0, np.ones((rows, W), np.uint16), 1, k, GREEDY, rows)
+
+    small, long = work("small", 12, 3), work("long", 40, 3)
+    eng.submit([small])
+    eng._drain_inbox()
+    assert eng._iteration() and small.call.results[0] is not None and small.call.results[0].drafts
+    second = work("second", 12, 3)
+    eng.submit([long, second])
+    eng._drain_inbox()
+    assert eng._iteration()  # one decode entry beside the first prefill chunk
+    assert second.call.results[0] is not None and second.call.results[0].drafts
