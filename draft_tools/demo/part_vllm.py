@@ -6,8 +6,10 @@ without speculation, and prints: the generated text, vLLM's own speculative-deco
 (drafts, draft tokens, accepted tokens, mean acceptance length), the client's RPC wait
 percentiles, and whether the greedy outputs are identical. The speculative run repeats once per
 wire format asked for (``--wire-formats``, default bf16 and fp8: ``DRAFT_WIRE_FORMAT``), and a
-table compares their acceptance and bytes per row. Each vLLM engine runs in its own subprocess
-(`--worker`), so every one starts from a clean state and shuts down completely.
+table compares their acceptance and bytes per row. Then a second draft server serves the shipped
+4-bit EXL3 drafter (the same tiny drafter quantized: ``draft_exl3_k4``) and one more run, bf16 wire,
+adds its acceptance to the table (issue 13: EXL3 against BF16 in vLLM). Each vLLM engine runs in
+its own subprocess (`--worker`), so every one starts from a clean state and shuts down completely.
 """
 
 from __future__ import annotations
@@ -116,6 +118,17 @@ def run(k: int = 4, max_tokens: int = 48, wire_formats: tuple[str, ...] = ("bf16
             print(f"== vLLM (CPU) with remote DSpark drafts, k={k}, {len(PROMPTS)} prompts, greedy, wire format {fmt}")
             specs[fmt] = _run_worker({**cfg, "k": k}, {**env, "DRAFT_WIRE_FORMAT": fmt, "DRAFT_MODEL_DIR": str(draft)})
         spec = specs[wire_formats[0]]
+        exl3 = ASSETS / "draft_exl3_k4"
+        print(f"== starting a second draft server on the 4-bit EXL3 drafter ({exl3.relative_to(ASSETS.parents[2])})")
+        q_proc, q_endpoint, _ = start_server(
+            ["--model", str(exl3), "--target-model", str(target), "--device", "cpu", "--dtype", "float32"]
+        )
+        try:
+            print(f"== vLLM (CPU) with remote drafts from the EXL3 drafter, k={k}, wire format bf16")
+            q_env = {**env, "DRAFT_SERVER_ENDPOINT": q_endpoint, "DRAFT_WIRE_FORMAT": "bf16"}
+            specs["exl3 4-bit"] = _run_worker({**cfg, "k": k}, {**q_env, "DRAFT_MODEL_DIR": str(exl3)})
+        finally:
+            stop_server(q_proc)
         print("== vLLM (CPU) without speculation, same prompts")
         plain = _run_worker(cfg, env)
         for p, t in zip(PROMPTS, spec["texts"], strict=True):
@@ -143,16 +156,18 @@ def run(k: int = 4, max_tokens: int = 48, wire_formats: tuple[str, ...] = ("bf16
             f"max {d.get('rpc_ms_max') or 0:.2f} ms; "
             f"timeouts {c.get('timeouts')}, fallbacks {c.get('fallbacks')}"
         )
-        if len(specs) > 1:
-            taps = json.loads((draft / "config.json").read_text())
-            width = len(taps["target_layer_ids"]) * taps.get("target_hidden_size", taps["hidden_size"])
-            row_bytes = {"bf16": 2 * width, "fp8": width + 4, "projected": 4 * taps["hidden_size"]}  # f32 server
-            print("== acceptance by wire format (vLLM's counters; the server runs float32)")
-            print("   format     bytes/row  drafts  acceptance rate  mean acceptance length  output == plain")
-            for fmt, s in specs.items():
-                n, rate, mean = _acceptance(s)
-                same_fmt = "YES" if s["ids"] == plain["ids"] else "NO"
-                print(f"   {fmt:9s}  {row_bytes[fmt]:9d}  {int(n):6d}  {rate:15.3f}  {mean:22.3f}  {same_fmt}")
+        taps = json.loads((draft / "config.json").read_text())
+        width = len(taps["target_layer_ids"]) * taps.get("target_hidden_size", taps["hidden_size"])
+        row_bytes = {"bf16": 2 * width, "fp8": width + 4, "projected": 4 * taps["hidden_size"]}  # f32 server
+        row_bytes["exl3 4-bit"] = row_bytes["bf16"]
+        print("== acceptance by drafter and wire format (vLLM's counters; the servers compute in float32)")
+        print("   drafter     format     bytes/row  drafts  acceptance rate  mean acceptance length  output == plain")
+        for label, s in specs.items():
+            n, rate, mean = _acceptance(s)
+            same_fmt = "YES" if s["ids"] == plain["ids"] else "NO"
+            weights, fmt = ("EXL3 K=4", "bf16") if label == "exl3 4-bit" else ("BF16", label)
+            cells = f"{row_bytes[label]:9d}  {int(n):6d}  {rate:15.3f}  {mean:22.3f}  {same_fmt}"
+            print(f"   {weights:10s}  {fmt:9s}  {cells}")
         same = all(s["ids"] == plain["ids"] for s in specs.values())
         print(f"== greedy outputs identical with and without remote drafts: {'YES' if same else 'NO'}")
         met = scrape(mport)
