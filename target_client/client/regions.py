@@ -6,8 +6,7 @@ the generation of the Step that wrote it; the server's cumulative ``RingAck`` (e
 <= ``seen`` that is not ``held``) frees them, so a lost reply loses nothing. A region is written
 once and never again until the server cannot read it any more; when none is free, ``take``
 returns None and the step's rows go in a frame: the buffer never blocks and never overwrites.
-(The shm ring, ``ring.ClientRing``, keeps the same rules over a host segment with a header and
-stamps.)
+The shm ring (``ring.ClientRing``) allocates its segment with it too, after the segment's header.
 
 Also owns the torch-free view of device rows the client core needs (``is_device``,
 ``device_dtype_ok``): the client's core never imports torch (``target_client.cuda`` does, inside
