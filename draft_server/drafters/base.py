@@ -139,6 +139,14 @@ class Drafter(ABC):
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Draft ``k`` tokens after each anchor, batched over sessions."""
 
+    def step(self, ingest: Sequence[IngestItem], drafts: Sequence[DraftItem]) -> list[DraftOut]:
+        """One batch: ingest, then draft (after the ingest, so drafts see its rows). The ingest's rows
+        are the caller's again when it returns, as after ``ingest``. A backend may overlap the two
+        (the default runs them one after the other)."""
+        if ingest:
+            self.ingest(ingest)
+        return self.draft(drafts) if drafts else []
+
     def wire_offer(self) -> WireOffer:
         """The wire formats ``ingest`` takes (and, with ``projected``, the projection's id, width
         and dtype). Default: bf16 taps only."""

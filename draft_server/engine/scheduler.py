@@ -314,14 +314,11 @@ class Engine:
             w.call.queue_s = max(w.call.queue_s, t0 - w.call.recv_t)
         n_rows = sum(len(i.taps) for i in ingest)
         try:
-            if ingest:
-                self.drafter.ingest(ingest)
-            outs = []
+            td = time.monotonic()
+            outs = self.drafter.step(
+                ingest, [DraftItem(s.handle, s.start, s.end, w.anchor, w.k, w.sampling) for s, w in drafts]
+            )
             if drafts:
-                td = time.monotonic()
-                outs = self.drafter.draft(
-                    [DraftItem(s.handle, s.start, s.end, w.anchor, w.k, w.sampling) for s, w in drafts]
-                )
                 self._draft_ewma_s = 0.8 * self._draft_ewma_s + 0.2 * (time.monotonic() - td)
         except Exception as e:
             log.exception("drafter failed on a batch of %d sessions", len(placed))

@@ -168,6 +168,24 @@ class DSparkDrafter(Drafter):
 
     @torch.inference_mode()
     def ingest(self, items: Sequence[IngestItem]) -> None:
+        self._ingest(items, wait=True)
+
+    @torch.inference_mode()
+    def step(self, ingest: Sequence[IngestItem], drafts: Sequence[DraftItem]) -> list[DraftOut]:
+        """Ingest then draft with one wait: the draft's staging on the host overlaps the rows' copy
+        to the device and the ingest graph (``FastStep.ingest(wait=False)``); its end waits for the
+        stream, after which the rows are the caller's again."""
+        fast = self.fast
+        if fast is None or not drafts:
+            return super().step(ingest, drafts)
+        try:
+            if ingest:
+                self._ingest(ingest, wait=False)
+            return self.draft(drafts)
+        finally:
+            fast.rows_done()
+
+    def _ingest(self, items: Sequence[IngestItem], wait: bool) -> None:
         pending = [it for it in items if len(it.taps)]
         while pending:  # a key repeated within one call is applied in order, one pass per repeat
             batch: list[IngestItem] = []
@@ -181,7 +199,7 @@ class DSparkDrafter(Drafter):
                 by_format.setdefault(it.fmt, []).append(it)
             for fmt, group in by_format.items():
                 if self.fast is not None:
-                    self.fast.ingest(group)
+                    self.fast.ingest(group, wait=wait)
                 else:
                     self._ingest_once(fmt, group)
             pending = rest

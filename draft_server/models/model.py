@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draft_server.models import gemm
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import K3, DSparkConfig
 from draft_server.models.layers import ops
@@ -31,7 +32,7 @@ class DSparkModel:
     token_shape: tuple[int, ...]
     layout: TokenLayout
     gate_up: list[Any]  # per layer: the stacked gate/up weight (or its FusedLinear)
-    linear = staticmethod(F.linear)
+    linear = staticmethod(gemm.linear)
     linear_add = staticmethod(ops.linear_add)
     swiglu_add = staticmethod(ops.swiglu_add)
 
@@ -141,7 +142,7 @@ class DSparkModel:
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Base draft-vocab logits in the accumulation dtype."""
-        out = F.linear(z, self.lm_head).to(self.acc)
+        out = gemm.linear(z, self.lm_head).to(self.acc)
         return out * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else out
 
     def markov_embed(self, prev: torch.Tensor) -> torch.Tensor | None:

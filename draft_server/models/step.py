@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem
+from draft_server.models import gemm
 from draft_server.models.attention import PagedBatch, PagedContext
 from draft_server.models.kernels import fused
 from draft_server.models.kernels import paged_attention as pa
@@ -141,6 +142,7 @@ class FastStep:
         self.ing_slots64 = torch.empty(self.r_max, dtype=torch.int64, device=self.dev)
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
+        self._rows_pending = False  # copies from callers' registered rows not yet waited for
         self._host_ranges: list[tuple[int, int, np.ndarray]] = []  # registered host buffers: (start, end, bytes)
         H = cfg.num_heads
         v_dim = model.layout.value_dims
@@ -236,6 +238,23 @@ class FastStep:
         torch.cuda.synchronize(self.dev)
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
+        gemm.TUNER.tuning = True  # the warm-up runs time each new GEMM shape's strategies (never a capture)
+        try:
+            self._capture_all(s)
+        finally:
+            gemm.TUNER.tuning = False
+        torch.cuda.current_stream(self.dev).wait_stream(s)
+        torch.cuda.synchronize(self.dev)
+        self.capture_s = time.perf_counter() - t0
+        tuned = gemm.TUNER.summary()
+        return {
+            "graphs": float(len(self._draft_graphs) + len(self._ingest_graphs)),
+            "seconds": self.capture_s,
+            "gemm_shapes_padded": float(tuned["pad"]),
+            "gemm_shapes_split": float(tuned["split"]),
+        }
+
+    def _capture_all(self, s: torch.cuda.Stream) -> None:
         with torch.cuda.stream(s), torch.inference_mode():
             for n in reversed(self.session_buckets):
                 chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B)), self._capacity(n)
@@ -253,10 +272,6 @@ class FastStep:
                     with torch.cuda.graph(g, pool=self._pool, stream=s):
                         self._ingest_body(fmt, r)
                     self._ingest_graphs[fmt, r] = g
-        torch.cuda.current_stream(self.dev).wait_stream(s)
-        torch.cuda.synchronize(self.dev)
-        self.capture_s = time.perf_counter() - t0
-        return {"graphs": float(len(self._draft_graphs) + len(self._ingest_graphs)), "seconds": self.capture_s}
 
     def _fill_padding_inputs(self) -> None:
         """Inputs of an all-padding batch: capture and warm runs write only into the trash page."""
@@ -279,19 +294,32 @@ class FastStep:
 
     # ------------------------------------------------------------------ per step
 
-    def ingest(self, items: Sequence[IngestItem]) -> None:
+    def ingest(self, items: Sequence[IngestItem], wait: bool = True) -> None:
         """Write the rows of several sessions (distinct keys) through the ingest graph of their
-        wire format and row bucket."""
+        wire format and row bucket. ``wait=False``: rows in registered host memory may still be on
+        their way to the device when this returns; ``rows_done`` (or the end of the next ``draft``,
+        which waits for the stream) makes them the caller's again."""
         by_format: dict[str, list[IngestItem]] = {}
         for it in items:
             by_format.setdefault(it.fmt, []).append(it)
-        for fmt, group in by_format.items():
-            rows = sum(len(it.taps) for it in group)
-            for a in range(0, rows, self.r_max):
-                self._ingest_rows(fmt, group, a, min(rows, a + self.r_max))
+        try:
+            for fmt, group in by_format.items():
+                rows = sum(len(it.taps) for it in group)
+                for a in range(0, rows, self.r_max):
+                    self._ingest_rows(fmt, group, a, min(rows, a + self.r_max))
+        finally:
+            if wait:
+                self.rows_done()
+
+    def rows_done(self) -> None:
+        """Return once every device copy from the callers' registered rows has finished."""
+        if self._rows_pending and self._rows_read is not None:
+            self._rows_read.synchronize()
+        self._rows_pending = False
 
     def _ingest_rows(self, fmt: str, items: Sequence[IngestItem], a: int, b: int) -> None:
-        """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket."""
+        """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket.
+        The rows' copy to the device is issued first, so it runs while the host works out the slots."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
         if self._ingest_done is not None:
@@ -306,12 +334,6 @@ class FastStep:
                 counts.append(hi_r - lo_r)
                 parts.append(it.taps[lo_r:hi_r])
             row += len(it.taps)
-        f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-        h = self.ing_host_np
-        h[:r] = self._slots(keys, f, c)
-        h[r:rb] = self.cache.trash_slot
-        h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
-        h[self.r_max + r : self.r_max + rb] = 0
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
         on_device = any(isinstance(p, DeviceRows) for p in parts)
         runs = None if on_device else self._registered_runs(parts)
@@ -322,6 +344,9 @@ class FastStep:
             for run in runs:
                 dev[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
                 off += len(run)
+            if self._rows_read is not None:
+                self._rows_read.record()  # the caller may reuse its rows once these copies are done
+                self._rows_pending = True
             dev[r:rb].zero_()
         else:
             # the one host copy, socket frames -> pinned staging, on torch's intra-op threads (numpy's
@@ -331,9 +356,13 @@ class FastStep:
                 torch.cat([torch.from_numpy(_storage(p)) for p in parts], out=host[:r])
             host[r:rb] = 0
             dev[:rb].copy_(host[:rb], non_blocking=True)
+        f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        h = self.ing_host_np
+        h[:r] = self._slots(keys, f, c)
+        h[r:rb] = self.cache.trash_slot
+        h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
+        h[self.r_max + r : self.r_max + rb] = 0
         self.ing.copy_(self.ing_host, non_blocking=True)
-        if runs is not None and self._ingest_done is not None:
-            self._rows_read.record()  # the caller may reuse its rows once these copies are done
         g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
             g.replay()
@@ -341,8 +370,6 @@ class FastStep:
             self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
-        if runs is not None and self._ingest_done is not None:
-            self._rows_read.synchronize()  # the rows' memory is the caller's again when ingest returns
 
     @staticmethod
     def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int, rb: int) -> None:
@@ -452,6 +479,7 @@ class FastStep:
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.dev.type == "cuda":
             torch.cuda.current_stream(self.dev).synchronize()
+            self._rows_pending = False  # the stream is idle: every earlier copy is done
         res = self.out_host[:n].numpy()
         conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
         return res[:, :B].astype(np.int64), conf
@@ -536,23 +564,30 @@ def greedy_chain(
     """The k greedy Markov steps for every session at once: tokens [N, k] and confidence (or None).
 
     ``sts``: the confidence head's per-step temperatures [block]. Each step's argmax reads the base
-    logits and the Markov bias in the model's dtype and sums them in float32 inside one kernel
-    (``fused.markov_argmax``): the same float32 values the eager sampler compares, never written
-    out. A ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round
-    differently)."""
-    fused_argmax = m.cfg.logit_scale == 1.0
-    base = F.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
+    logits and forms the low-rank Markov bias (W2 e) tile by tile in one kernel
+    (``fused.markov_argmax_lowrank``): the same float32 sums the eager sampler compares (the bias
+    rounded to the model dtype first, as ``F.linear`` writes it), never written out. The confidence
+    of all k steps is one GEMV after the chain (its features, [z_j; e_j], are known by then). A
+    ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round differently)."""
+    fused_argmax = m.cfg.logit_scale == 1.0 and m.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    base = gemm.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
     prev = anchors
-    toks, confs = [], []
+    toks, embs = [], []
     for j in range(k):
         e = m.markov_embed(prev)
-        if m.conf_w is not None:
-            confs.append(torch.sigmoid(m.confidence_logit(z[:, j], e).to(m.acc) / sts[j]))
+        embs.append(e)
         if fused_argmax:
-            bias = None if e is None else F.linear(e, m.markov_w2)
-            best = fused.markov_argmax(base[:, j], bias)
+            lowrank = e is not None and m.markov_w2.dim() == 2 and e.dtype == m.markov_w2.dtype
+            if lowrank:
+                best = fused.markov_argmax_lowrank(base[:, j], e, m.markov_w2)
+            else:
+                best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, m.markov_w2))
         else:
             best = (base[:, j] if e is None else base[:, j] + m.markov_bias(e)).argmax(-1)
         prev = m.to_target_ids(best)
         toks.append(prev)
-    return torch.stack(toks, dim=1), (torch.stack(confs, dim=1) if confs else None)
+    conf = None
+    if m.conf_w is not None:
+        e_all = None if embs[0] is None else torch.stack(embs, dim=1)  # [N, k, rank]
+        conf = torch.sigmoid(m.confidence_logit(z[:, :k], e_all).to(m.acc) / sts[:k])
+    return torch.stack(toks, dim=1), conf

@@ -294,6 +294,16 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     assert fast is not None
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)
+    # The step's taps lie in registered host memory, as the server's receive arena (tcp/ipc frames)
+    # and shm rings hold them: no staging copy (``registered_rows`` below sets the staged copy beside).
+    pool_buf = bytearray(len(S.pool) * NEW_ROWS * S.W * 2)
+    if d.register_host(memoryview(pool_buf)):
+        slab = np.frombuffer(pool_buf, dtype=np.uint16).reshape(len(S.pool), NEW_ROWS, S.W)
+        slab[:] = np.stack(S.pool)
+        S.pool = list(slab)
+        res["taps_in"] = "registered host memory (as the server's receive arena holds frames)"
+    else:
+        res["taps_in"] = "ordinary host memory (staged copy)"
     sizes = [1, 2, 4, 8, 16, 32, 64]
     keys = S.open(64, CTX)
     rows: list[dict[str, Any]] = []
@@ -455,6 +465,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     except Exception:
         res["prefill_error"] = traceback.format_exc()
         log(res["prefill_error"])
+    if res["taps_in"].startswith("registered"):
+        d.unregister_host(memoryview(pool_buf))
     d.close()
     d.fast = None
     torch.cuda.empty_cache()

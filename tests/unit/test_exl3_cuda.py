@@ -191,12 +191,13 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
 
 
 def test_dense_model_keeps_the_plain_ops(pair) -> None:
+    from draft_server.models import gemm
     from draft_server.models.layers import ops
 
     _, draft, target = pair["k3"]
     m = load_drafter(draft, target, "cpu", "float32", 1 << 20).model
     assert m.weight_info.format == "dense" and not m.linears
-    assert (m.linear, m.linear_add, m.swiglu_add) == (F.linear, ops.linear_add, ops.swiglu_add)
+    assert (m.linear, m.linear_add, m.swiglu_add) == (gemm.linear, ops.linear_add, ops.swiglu_add)
     assert not {"linear", "linear_add", "swiglu_add"} & set(vars(m))
 
 

@@ -13,6 +13,8 @@ interpreter against the eager ops.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -189,9 +191,7 @@ def markov_argmax(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     if base.stride(1) != 1 or (bias is not None and (bias.shape != base.shape or bias.stride(1) != 1)):
         raise ValueError("base and bias must be [N, V] with a contiguous last dim")
     n_blocks = triton.cdiv(V, ARGMAX_BLOCK)
-    pmax = torch.empty((N, n_blocks), dtype=torch.float32, device=base.device)
-    pidx = torch.empty((N, n_blocks), dtype=torch.int32, device=base.device)
-    out = torch.empty((N,), dtype=torch.int64, device=base.device)
+    pmax, pidx, out = _argmax_buffers(N, n_blocks, base.device)
     if N == 0:
         return out
     b = base if bias is None else bias
@@ -199,5 +199,80 @@ def markov_argmax(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
         base, b, pmax, pidx, V, base.stride(0), b.stride(0), n_blocks,
         HAS_BIAS=bias is not None, BLOCK=ARGMAX_BLOCK, num_warps=8,
     )  # fmt: skip
-    _argmax_final_kernel[(N,)](pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)))
+    return _argmax_finish(pmax, pidx, out)
+
+
+def _argmax_buffers(N: int, n_blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-block maxima and indices [N, n_blocks], and the answer [N]."""
+    pmax = torch.empty((N, n_blocks), dtype=torch.float32, device=device)
+    pidx = torch.empty((N, n_blocks), dtype=torch.int32, device=device)
+    return pmax, pidx, torch.empty((N,), dtype=torch.int64, device=device)
+
+
+def _argmax_finish(pmax: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Each row's first index of its largest block maximum (``_argmax_final_kernel``)."""
+    n_blocks = pmax.shape[1]
+    _argmax_final_kernel[(out.shape[0],)](pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)))
     return out
+
+
+MARKOV_BLOCK_V = 128
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as F.linear writes it: as is, bf16, fp16
+
+
+@triton.jit
+def _markov_partial_kernel(
+    BASE, E, W2, PMAX, PIDX, N, V, s_base, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Vocab block b, sessions n0..n0+BLOCK_N: bias = e @ W2[block]^T (rounded to the model dtype,
+    as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index."""
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    v = b * BLOCK_V + tl.arange(0, BLOCK_V)
+    r = tl.arange(0, BLOCK_R)
+    nmask, vmask, rmask = n < N, v < V, r < R
+    e = tl.load(E + n[:, None].to(tl.int64) * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+    w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
+    if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
+        e = e.to(tl.float32)
+        w = w.to(tl.float32)
+    bias = tl.dot(e, tl.trans(w), input_precision="ieee")  # exact float32 products; half inputs ignore it
+    if ROUND == 1:  # to bfloat16, nearest-even, by hand: the interpreter's cast truncates
+        bits = bias.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bias = tl.where(bias != bias, bias, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    elif ROUND == 2:
+        bias = bias.to(tl.float16).to(tl.float32)
+    mask = nmask[:, None] & vmask[None, :]
+    x = tl.load(BASE + n[:, None].to(tl.int64) * s_base + v[None, :], mask=mask, other=float("-inf"))
+    x = x.to(tl.float32) + bias
+    x = tl.where(x != x, float("inf"), x)  # NaN ranks highest, as in torch.argmax
+    x = tl.where(mask, x, float("-inf"))
+    m = tl.max(x, 1)
+    i = tl.min(tl.where(x == m[:, None], v[None, :], V), 1)  # the first index holding the max
+    tl.store(PMAX + n * n_blocks + b, m, mask=nmask)
+    tl.store(PIDX + n * n_blocks + b, i, mask=nmask)
+
+
+def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """``markov_argmax(base, F.linear(e, w2))`` without the bias ever in memory: the low-rank Markov
+    bias (e [N, R] times W2 [V, R]) is formed tile by tile beside the base logits [N, V], rounded to
+    e's dtype as ``F.linear`` would write it, and only each block's max and index are stored. One read
+    of W2 and of base per step instead of a GEMM, its split-K reduction, and an argmax pass."""
+    N, V = base.shape
+    R = e.shape[1]
+    if base.stride(1) != 1 or e.stride(1) != 1 or w2.stride(1) != 1 or w2.shape != (V, R) or e.shape[0] != N:
+        raise ValueError("base [N, V], e [N, R] and w2 [V, R] need contiguous last dims")
+    n_blocks = triton.cdiv(V, MARKOV_BLOCK_V)
+    pmax, pidx, out = _argmax_buffers(N, n_blocks, base.device)
+    if N == 0:
+        return out
+    block_n = 16 if N <= 16 else 64
+    _markov_partial_kernel[(n_blocks, triton.cdiv(N, block_n))](
+        base, e, w2, pmax, pidx, N, V, base.stride(0), e.stride(0), w2.stride(0), n_blocks,
+        ROUND=_ROUND[e.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=4,
+    )  # fmt: skip
+    return _argmax_finish(pmax, pidx, out)

@@ -61,6 +61,7 @@ class KernelConfig:
     """Launch shape of the two stages (the knobs to sweep on the GPU).
 
     block_m: (head, row) pairs per stage-1 program, the M of ``tl.dot`` (power of two, >= 16).
+    v_split: MLA's two-pass form when > 0 (``_mla_scores_kernel`` then ``_mla_values_kernel``, below).
     block_n: cache tokens per tile (power of two, >= 16 on GPU; may span several pages).
     num_warps / num_stages: stage-1 launch options (num_stages = software-pipelining depth).
     combine_block_p / combine_num_warps: pairs per stage-2 program and its warps.
@@ -72,6 +73,8 @@ class KernelConfig:
     num_stages: int = 2
     combine_block_p: int = 8
     combine_num_warps: int = 4
+    v_split: int = 0  # MLA only: 0 = one pass; n > 0 = two passes, the value dims over n programs
+    values_num_warps: int = 4  # warps of the two-pass value kernel
 
 
 # Defaults measured on one H200 (triton 3.6, torch 2.11, bf16, P=16, Bq=7, causal), timing stage 1 +
@@ -154,6 +157,11 @@ class Workspace:
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
+    # MLA two-pass form only (``ensure_two_pass``): each chunk's probabilities in the model dtype,
+    # their per-tile rescale factors, and each chunk's running max and sum.
+    probs: torch.Tensor | None = None  # [capacity, pairs, chunk]
+    alpha: torch.Tensor | None = None  # float32 [capacity, pairs, chunk // block_n]
+    stats: torch.Tensor | None = None  # float32 [capacity, 2, pairs]: m, l
 
     @classmethod
     def allocate(cls, capacity: int, pairs: int, v_dim: int, device: torch.device | str) -> Workspace:
@@ -161,6 +169,19 @@ class Workspace:
             partial_out=torch.empty((capacity, pairs, v_dim), dtype=torch.float32, device=device),
             partial_lse=torch.empty((capacity, pairs), dtype=torch.float32, device=device),
         )
+
+    def ensure_two_pass(self, capacity: int, pairs: int, chunk: int, tiles: int, dtype: torch.dtype) -> None:
+        """Grow the two-pass buffers to hold ``capacity`` chunks of ``chunk`` tokens (``tiles`` tiles)."""
+        dev = self.partial_out.device
+        p = self.probs
+        if p is None or p.dtype != dtype or p.shape[0] < capacity or p.shape[1] < pairs or p.shape[2] < chunk:
+            self.probs = torch.empty((capacity, pairs, chunk), dtype=dtype, device=dev)
+        a = self.alpha
+        if a is None or a.shape[0] < capacity or a.shape[1] < pairs or a.shape[2] < tiles:
+            self.alpha = torch.empty((capacity, pairs, tiles), dtype=torch.float32, device=dev)
+        st = self.stats
+        if st is None or st.shape[0] < capacity or st.shape[2] < pairs:
+            self.stats = torch.empty((capacity, 2, pairs), dtype=torch.float32, device=dev)
 
     def check(self, capacity: int, pairs: int, v_dim: int) -> None:
         po, pl = self.partial_out, self.partial_lse
@@ -330,6 +351,75 @@ def _stage1_epilogue(
 
 
 @triton.jit
+def _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """Work item (session n, chunk c): its anchor position, first logical page, chunk count, and the
+    chunk's tokens [c0, c1) of which [start, c1) are the session's."""
+    lo = tl.load(LO + n)
+    pos = tl.load(POS + n)
+    first = tl.load(FIRST + n)
+    nch = tl.load(NCH + n)
+    c0 = (lo // PAGE) * PAGE + c * CHUNK
+    c1 = tl.minimum(c0 + CHUNK, pos + ROWS)
+    start = tl.maximum(c0, lo)
+    return pos, first, nch, c0, c1, start
+
+
+@triton.jit
+def _tile_rows(KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE: tl.constexpr,
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tokens t0 .. t0 + BLOCK_N: their positions, which are the session's, and their cache rows."""
+    t = t0 + tl.arange(0, BLOCK_N)
+    lp = t // PAGE - first
+    tmask = (t >= start) & (t < c1) & (lp >= 0) & (lp < max_pages)
+    page = tl.load(bt_row + lp, mask=tmask, other=0)
+    return t, tmask, KV + page.to(tl.int64) * stride_kvp + (t % PAGE) * stride_kvt
+
+
+@triton.jit
+def _mla_queries(
+    Q, QR, WID, n, pos, pid_m, stride_qn, stride_qb, stride_qh, stride_rn, stride_rb, stride_rh,
+    ROWS: tl.constexpr, HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr,
+):  # fmt: skip
+    """A program's (head, row) pairs (pair = h * ROWS + b), where each row's visibility ends, and their
+    latent and rope queries."""
+    p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pmask = p < ROWS * HEADS
+    h = p // ROWS
+    b = p % ROWS
+    if CAUSAL:
+        row_end = pos + b + 1
+    else:  # the whole block sees its first WID rows (vLLM's block is the k it was asked for)
+        row_end = pos + tl.load(WID + n) + b * 0
+    dl = tl.arange(0, BLOCK_DL)
+    dr = tl.arange(0, BLOCK_DR)
+    n64 = n.to(tl.int64)
+    q_rows = Q + n64 * stride_qn + b * stride_qb + h * stride_qh
+    qr_rows = QR + n64 * stride_rn + b * stride_rb + h * stride_rh
+    q_nope = tl.load(q_rows[:, None] + dl[None, :], mask=pmask[:, None] & (dl < KV_LORA)[None, :], other=0.0)
+    q_rope = tl.load(qr_rows[:, None] + dr[None, :], mask=pmask[:, None] & (dr < ROPE)[None, :], other=0.0)
+    return p, pmask, h, b, row_end, q_nope, q_rope
+
+
+@triton.jit
+def _mla_tile(
+    kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """One tile's latent rows (the values too: their first kv_lora dims), its 576-dim scores as a
+    512 + 64 pair of dots, and the online-softmax step over them."""
+    dl = tl.arange(0, BLOCK_DL)
+    dr = tl.arange(0, BLOCK_DR)
+    kv = tl.load(kv_rows[:, None] + dl[None, :], mask=tmask[:, None] & (dl < KV_LORA)[None, :], other=0.0)
+    kr = tl.load(kv_rows[:, None] + KV_LORA + dr[None, :], mask=tmask[:, None] & (dr < ROPE)[None, :], other=0.0)
+    s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
+    s = tl.dot(q_rope, tl.trans(kr), s, input_precision=DOT_PREC)
+    vis = tmask[None, :] & (t[None, :] < row_end[:, None])
+    pr, alpha, m_i, l_i = _softmax_step(s * qk_scale, vis, m_i, l_i)
+    return kv, pr, alpha, m_i, l_i
+
+
+@triton.jit
 def _mla_stage1_kernel(
     Q,
     QR,
@@ -380,49 +470,25 @@ def _mla_stage1_kernel(
     c = tl.load(WORK + 2 * pid_w + 1)
     if n >= 0:
         n64 = n.to(tl.int64)
-        lo = tl.load(LO + n)
-        pos = tl.load(POS + n)
-        first = tl.load(FIRST + n)
-        nch = tl.load(NCH + n)
-        c0 = (lo // PAGE) * PAGE + c * CHUNK
-        c1 = tl.minimum(c0 + CHUNK, pos + ROWS)
-        start = tl.maximum(c0, lo)
+        pos, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
 
-        p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # pair = h * ROWS + b
-        pmask = p < ROWS * HEADS
-        h = p // ROWS
-        b = p % ROWS
-        if CAUSAL:
-            row_end = pos + b + 1
-        else:  # the whole block sees its first WID rows (vLLM's block is the k it was asked for)
-            row_end = pos + tl.load(WID + n) + b * 0
-        dl = tl.arange(0, BLOCK_DL)
-        dr = tl.arange(0, BLOCK_DR)
-        dlmask = dl < KV_LORA
-        drmask = dr < ROPE
-
-        q_rows = Q + n64 * stride_qn + b * stride_qb + h * stride_qh
-        qr_rows = QR + n64 * stride_rn + b * stride_rb + h * stride_rh
-        q_nope = tl.load(q_rows[:, None] + dl[None, :], mask=pmask[:, None] & dlmask[None, :], other=0.0)
-        q_rope = tl.load(qr_rows[:, None] + dr[None, :], mask=pmask[:, None] & drmask[None, :], other=0.0)
+        p, pmask, h, b, row_end, q_nope, q_rope = _mla_queries(
+            Q, QR, WID, n, pos, pid_m, stride_qn, stride_qb, stride_qh, stride_rn, stride_rb, stride_rh,
+            ROWS, HEADS, KV_LORA, ROPE, CAUSAL, BLOCK_M, BLOCK_DL, BLOCK_DR,
+        )  # fmt: skip
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DL], tl.float32)
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            lp = t // PAGE - first
-            tmask = (t >= start) & (t < c1) & (lp >= 0) & (lp < max_pages)
-            page = tl.load(bt_row + lp, mask=tmask, other=0)
-            kv_rows = KV + page.to(tl.int64) * stride_kvp + (t % PAGE) * stride_kvt
-            kv = tl.load(kv_rows[:, None] + dl[None, :], mask=tmask[:, None] & dlmask[None, :], other=0.0)
-            kr = tl.load(kv_rows[:, None] + KV_LORA + dr[None, :], mask=tmask[:, None] & drmask[None, :], other=0.0)
-            # the 576-dim score as a 512 + 64 pair of dots; the same tile is the value (first kv_lora dims)
-            s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PREC)
-            s = tl.dot(q_rope, tl.trans(kr), s, input_precision=DOT_PREC)
-            vis = tmask[None, :] & (t[None, :] < row_end[:, None])
-            pr, alpha, m_i, l_i = _softmax_step(s * qk_scale, vis, m_i, l_i)
+            t, tmask, kv_rows = _tile_rows(
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+            )
+            kv, pr, alpha, m_i, l_i = _mla_tile(
+                kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
+                DOT_PREC,
+            )  # fmt: skip
             acc = acc * alpha[:, None]
             acc = tl.dot(pr.to(kv.dtype), kv, acc, input_precision=DOT_PREC)
 
@@ -434,10 +500,114 @@ def _mla_stage1_kernel(
             OUT + n64 * stride_on + b * stride_ob + h * stride_oh,
             PO + pid_w.to(tl.int64) * stride_pow + p * stride_pop,
             PL + pid_w.to(tl.int64) * stride_plw + p,
-            dl,
+            tl.arange(0, BLOCK_DL),
             pmask,
-            dlmask,
+            tl.arange(0, BLOCK_DL) < KV_LORA,
         )
+
+
+@triton.jit
+def _mla_scores_kernel(
+    Q, QR, KV, BT, FIRST, LO, POS, WID, WORK, NCH, PR, AL, ST, PL,
+    stride_qn, stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btn, max_pages,
+    stride_pw, stride_pp, stride_aw, stride_ap, stride_sw, stride_plw, qk_scale,
+    stride_rn, stride_rb, stride_rh,
+    ROWS: tl.constexpr, HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr,
+    CHUNK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Two-pass MLA, pass 1: a chunk's scores and online softmax, exactly as the one-pass kernel forms
+    them; each tile's probabilities (model dtype, as the one-pass kernel feeds them to its value
+    product) and rescale factor go to the workspace, and the chunk's running max and sum at the end
+    (its log2-sum-exp too, when the session has several chunks). No value accumulator: few registers."""
+    pid_m = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    n = tl.load(WORK + 2 * pid_w)
+    c = tl.load(WORK + 2 * pid_w + 1)
+    if n >= 0:
+        n64 = n.to(tl.int64)
+        w64 = pid_w.to(tl.int64)
+        pos, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
+        p, pmask, _, _, row_end, q_nope, q_rope = _mla_queries(
+            Q, QR, WID, n, pos, pid_m, stride_qn, stride_qb, stride_qh, stride_rn, stride_rb, stride_rh,
+            ROWS, HEADS, KV_LORA, ROPE, CAUSAL, BLOCK_M, BLOCK_DL, BLOCK_DR,
+        )  # fmt: skip
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        bt_row = BT + n64 * stride_btn
+        pr_rows = PR + w64 * stride_pw + p.to(tl.int64) * stride_pp
+        al_rows = AL + w64 * stride_aw + p * stride_ap
+        for t0 in range(c0, c1, BLOCK_N):
+            t, tmask, kv_rows = _tile_rows(
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+            )
+            _, pr, alpha, m_i, l_i = _mla_tile(
+                kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
+                DOT_PREC,
+            )  # fmt: skip
+            tl.store(pr_rows[:, None] + (t - c0)[None, :], pr.to(PR.dtype.element_ty), mask=pmask[:, None])
+            tl.store(al_rows + (t0 - c0) // BLOCK_N, alpha, mask=pmask)
+        st_rows = ST + w64 * stride_sw
+        tl.store(st_rows + p, m_i, mask=pmask)
+        tl.store(st_rows + ROWS * HEADS + p, l_i, mask=pmask)
+        if nch != 1:
+            has = l_i > 0.0
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(PL + w64 * stride_plw + p, lse, mask=pmask)
+
+
+@triton.jit
+def _mla_values_kernel(
+    KV, BT, FIRST, LO, POS, WORK, NCH, PR, AL, ST, PO, OUT,
+    stride_kvp, stride_kvt, stride_btn, max_pages, stride_pw, stride_pp, stride_aw, stride_ap, stride_sw,
+    stride_pow, stride_pop, stride_on, stride_ob, stride_oh,
+    ROWS: tl.constexpr, HEADS: tl.constexpr, KV_LORA: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, V_SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """Two-pass MLA, pass 2: one slice of the value dims (``BLOCK_DV`` of ``kv_lora``) for a block of
+    pairs over a chunk: acc = acc * alpha_t + P_t V_t tile by tile, the one-pass kernel's recurrence
+    with its probabilities and factors read back, then the same epilogue (out, or the chunk's partial)."""
+    pid = tl.program_id(0)
+    pid_w = tl.program_id(1)
+    pid_m = pid // V_SPLIT
+    vs = pid % V_SPLIT
+    n = tl.load(WORK + 2 * pid_w)
+    c = tl.load(WORK + 2 * pid_w + 1)
+    if n >= 0:
+        n64 = n.to(tl.int64)
+        w64 = pid_w.to(tl.int64)
+        _, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
+        p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pmask = p < ROWS * HEADS
+        h = p // ROWS
+        b = p % ROWS
+        d = vs * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        dmask = d < KV_LORA
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        bt_row = BT + n64 * stride_btn
+        pr_rows = PR + w64 * stride_pw + p.to(tl.int64) * stride_pp
+        al_rows = AL + w64 * stride_aw + p * stride_ap
+        for t0 in range(c0, c1, BLOCK_N):
+            t, tmask, kv_rows = _tile_rows(
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+            )
+            v = tl.load(kv_rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
+            pr = tl.load(pr_rows[:, None] + (t - c0)[None, :], mask=pmask[:, None] & (t < c1)[None, :], other=0.0)
+            alpha = tl.load(al_rows + (t0 - c0) // BLOCK_N, mask=pmask, other=1.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(pr, v, acc, input_precision=DOT_PREC)
+        st_rows = ST + w64 * stride_sw
+        l_i = tl.load(st_rows + ROWS * HEADS + p, mask=pmask, other=0.0)
+        has = l_i > 0.0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        mask = pmask[:, None] & dmask[None, :]
+        if nch == 1:
+            out_rows = OUT + n64 * stride_on + b * stride_ob + h * stride_oh
+            tl.store(out_rows[:, None] + d[None, :], o.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            po_rows = PO + w64 * stride_pow + p * stride_pop
+            tl.store(po_rows[:, None] + d[None, :], o, mask=mask)
 
 
 @triton.jit
@@ -490,13 +660,7 @@ def _gqa_stage1_kernel(
     c = tl.load(WORK + 2 * pid_w + 1)
     if n >= 0:
         n64 = n.to(tl.int64)
-        lo = tl.load(LO + n)
-        pos = tl.load(POS + n)
-        first = tl.load(FIRST + n)
-        nch = tl.load(NCH + n)
-        c0 = (lo // PAGE) * PAGE + c * CHUNK
-        c1 = tl.minimum(c0 + CHUNK, pos + ROWS)
-        start = tl.maximum(c0, lo)
+        pos, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
 
         pl_ = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # pair within the kv head = g * ROWS + b
         pmask = pl_ < GROUP * ROWS
@@ -519,11 +683,10 @@ def _gqa_stage1_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
-            t = t0 + tl.arange(0, BLOCK_N)
-            lp = t // PAGE - first
-            tmask = (t >= start) & (t < c1) & (lp >= 0) & (lp < max_pages)
-            page = tl.load(bt_row + lp, mask=tmask, other=0)
-            k_rows = KV + page.to(tl.int64) * stride_kvp + (t % PAGE) * stride_kvt + kvh * stride_kvh
+            t, tmask, kv_rows = _tile_rows(
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+            )
+            k_rows = kv_rows + kvh * stride_kvh
             ldmask = tmask[:, None] & dmask[None, :]
             k = tl.load(k_rows[:, None] + d[None, :], mask=ldmask, other=0.0)
             v = tl.load(k_rows[:, None] + stride_kvs + d[None, :], mask=ldmask, other=0.0)
@@ -719,6 +882,63 @@ def _stage1(
     )  # fmt: skip
 
 
+def _mla_two_pass(
+    q: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_table: torch.Tensor,
+    first_page: torch.Tensor,
+    lo: torch.Tensor,
+    pos: torch.Tensor,
+    width: torch.Tensor,
+    plan: WorkPlan,
+    ws: Workspace,
+    out: torch.Tensor,
+    scale: float,
+    config: KernelConfig,
+    *,
+    causal: bool,
+    heads: int,
+    kv_lora: int,
+    rope: int,
+) -> None:
+    """MLA in two passes (``config.v_split`` > 0): scores and softmax, then the value product split
+    over ``v_split`` programs per pair block. Same probabilities, factors and recurrence as the one-pass
+    kernel; what it buys is registers (no 512-wide accumulator beside the scores) for the price of the
+    chunk's probabilities written once and read ``v_split`` times."""
+    rows = q.shape[1]
+    pairs = rows * heads
+    if plan.chunk % config.block_n:
+        raise ValueError(f"chunk {plan.chunk} must be a multiple of block_n {config.block_n}")
+    tiles = plan.chunk // config.block_n
+    ws.ensure_two_pass(plan.capacity, pairs, plan.chunk, tiles, q.dtype)
+    pr, al, st = ws.probs, ws.alpha, ws.stats
+    assert pr is not None and al is not None and st is not None
+    prec = _dot_precision(q.dtype)
+    blk_dl = max(16, triton.next_power_of_2(kv_lora))
+    blk_dr = max(16, triton.next_power_of_2(max(rope, 1)))
+    m_blocks = triton.cdiv(pairs, config.block_m)
+    _mla_scores_kernel[(m_blocks, plan.capacity)](
+        q, q_rope, cache, block_table, first_page, lo, pos, width, plan.work, plan.nchunks, pr, al, st,
+        ws.partial_lse, q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1),
+        block_table.stride(0), block_table.shape[1], pr.stride(0), pr.stride(1), al.stride(0), al.stride(1),
+        st.stride(0), ws.partial_lse.stride(0), scale * _LOG2E, q_rope.stride(0), q_rope.stride(1),
+        q_rope.stride(2), ROWS=rows, HEADS=heads, KV_LORA=kv_lora, ROPE=rope, PAGE=int(cache.shape[1]),
+        CHUNK=plan.chunk, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_DL=blk_dl,
+        BLOCK_DR=blk_dr, DOT_PREC=prec, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    block_dv = triton.next_power_of_2(-(-kv_lora // config.v_split))
+    _mla_values_kernel[(m_blocks * config.v_split, plan.capacity)](
+        cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, pr, al, st, ws.partial_out, out,
+        cache.stride(0), cache.stride(1), block_table.stride(0), block_table.shape[1], pr.stride(0),
+        pr.stride(1), al.stride(0), al.stride(1), st.stride(0), ws.partial_out.stride(0),
+        ws.partial_out.stride(1), out.stride(0), out.stride(1), out.stride(2), ROWS=rows, HEADS=heads,
+        KV_LORA=kv_lora, PAGE=int(cache.shape[1]), CHUNK=plan.chunk, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_DV=block_dv, V_SPLIT=config.v_split, DOT_PREC=prec,
+        num_warps=config.values_num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def mla_paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -784,6 +1004,11 @@ def mla_paged_attention(
     grid = (triton.cdiv(rows * heads, config.block_m), plan.capacity)
     if q_rope is None:
         q_rope = q[..., kv_lora:]
+    if config.v_split > 0:
+        _mla_two_pass(q, q_rope, cache, block_table, first_page, lo, pos, width, plan, ws, out, scale, config,
+                      causal=causal, heads=heads, kv_lora=kv_lora, rope=rope)  # fmt: skip
+        _combine(plan, ws, out, rows=rows, heads=heads, v_dim=kv_lora, config=config)
+        return out
     _stage1(
         _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
         width, plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,

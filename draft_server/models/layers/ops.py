@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from draft_server.models import gemm
 from draft_server.models.config import RopeSpec, yarn_mscale
 
 
@@ -35,8 +36,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """h + x @ w.T in one GEMM (the residual add in the epilogue)."""
-    return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
+    """h + x @ w.T in one GEMM (the residual add in the epilogue; ``gemm`` picks the way per shape)."""
+    return gemm.linear_add(h, x, w)
 
 
 def swiglu(gu: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,7 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 
 def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
-    return linear_add(h, swiglu(F.linear(x, gate_up)), down)
+    return linear_add(h, swiglu(gemm.linear(x, gate_up)), down)
 
 
 def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,140 @@
+"""The dense weight GEMMs of the draft step, each shape computed the way that is fastest on this GPU.
+
+cuBLAS's heuristic picks poorly for some of the row counts a draft step meets. Measured on one
+H200 (``bench/results/step_anatomy_h200.json``): Kimi-K3's gate/up projection at 448 rows (64
+sessions x 7 block rows) takes 0.47 ms as called and 0.28 ms with the rows padded to 512; the
+lm_head at 448 rows 1.72 ms, at 2 x 224 rows 1.46 ms. So every product goes through ``linear``
+/ ``linear_add`` here, which look its shape up in ``TUNER``:
+
+- ``plain``: ``F.linear`` / ``addmm`` as called;
+- ``pad``: the rows padded (zeros) to a multiple of 128, the first M output rows kept;
+- ``split``: the rows in two halves, each a GEMM into its slice of one output.
+
+All three compute the same product; only cuBLAS's kernel (so the summation order) differs.
+``GemmTuner`` times them once per shape (out, in, rows, dtype, with or without the residual) on
+CUDA while tuning is on (``FastStep.capture`` turns it on for its warm-up runs, before any graph is
+captured; never while a stream captures) and keeps the fastest if it beats plain by 3%. On the CPU,
+and for a shape never tuned, the plain op: the tests' reference paths are untouched.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+PAD = 128
+MIN_GAIN = 0.03  # a strategy other than plain must be this much faster
+STRATEGIES = ("plain", "pad", "split")
+
+Key = tuple[int, int, int, torch.dtype, bool]  # (out, in, rows, dtype, residual)
+
+
+def _plain(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w.t()) if h is None else torch.addmm(h, x, w.t())
+
+
+def _pad(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    M = x.shape[0]
+    extra = -M % PAD
+    xp = F.pad(x, (0, 0, 0, extra))
+    hp = None if h is None else F.pad(h, (0, 0, 0, extra))
+    return _plain(xp, w, hp)[:M]
+
+
+def _split(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    M = x.shape[0]
+    a = (M // 2 + 7) // 8 * 8
+    y = torch.empty((M, w.shape[0]), dtype=x.dtype, device=x.device)
+    for lo, hi in ((0, a), (a, M)):
+        if h is None:
+            torch.mm(x[lo:hi], w.t(), out=y[lo:hi])
+        else:
+            torch.addmm(h[lo:hi], x[lo:hi], w.t(), out=y[lo:hi])
+    return y
+
+
+_RUN: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]] = {
+    "plain": _plain,
+    "pad": _pad,
+    "split": _split,
+}
+
+
+class GemmTuner:
+    """Per-shape strategy table (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.choice: dict[Key, str] = {}
+        self.timings: dict[Key, dict[str, float]] = {}
+        self.tuning = False
+
+    def strategy(self, key: Key, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> str:
+        s = self.choice.get(key)
+        if s is not None:
+            return s
+        if not self.tuning or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+            return "plain"
+        self.choice[key] = s = self._tune(key, x, w, h)
+        return s
+
+    def _tune(self, key: Key, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> str:
+        if x.shape[0] < 2:
+            return "plain"
+        x = torch.randn_like(x)  # timed on fresh random operands, never the caller's (maybe zero) rows
+        h = None if h is None else torch.randn_like(h)
+        times: dict[str, float] = {}
+        M = x.shape[0]
+        for name in STRATEGIES:
+            if (name == "pad" and M % PAD == 0) or (name == "split" and M < 64):
+                continue
+            fn = _RUN[name]
+            for _ in range(3):
+                fn(x, w, h)
+            runs = []
+            for _ in range(7):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn(x, w, h)
+                b.record()
+                b.synchronize()
+                runs.append(a.elapsed_time(b))
+            times[name] = statistics.median(runs)
+        self.timings[key] = times
+        best = min(times, key=lambda n: times[n])
+        return best if times[best] < (1.0 - MIN_GAIN) * times["plain"] else "plain"
+
+    def summary(self) -> dict[str, int]:
+        """How many tuned shapes took each strategy."""
+        out = dict.fromkeys(STRATEGIES, 0)
+        for s in self.choice.values():
+            out[s] += 1
+        return out
+
+
+TUNER = GemmTuner()
+
+
+def _gemm(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    h2 = None if h is None else h.reshape(-1, h.shape[-1])
+    key = (int(w.shape[0]), int(w.shape[1]), int(x2.shape[0]), x.dtype, h is not None)
+    y = _RUN[TUNER.strategy(key, x2, w, h2)](x2, w, h2)
+    return y.view(*lead, w.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ b): ``F.linear``, in the tuned way for its shape on CUDA."""
+    if b is not None or not x.is_cuda or x.dim() < 2:
+        return F.linear(x, w, b)
+    return _gemm(x, w, None)
+
+
+def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """h + x @ w.T in one GEMM (the residual add in the epilogue), in the tuned way for its shape."""
+    if not x.is_cuda:
+        return torch.addmm(h.reshape(-1, h.shape[-1]), x.reshape(-1, x.shape[-1]), w.t()).view(h.shape)
+    return _gemm(x, w, h).view(h.shape)
