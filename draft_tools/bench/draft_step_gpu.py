@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from draft_server.drafters import DraftItem, IngestItem
+from draft_server.models import gemm
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.presets import PRESETS, random_drafter
 from protocol import GREEDY
@@ -292,6 +293,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     res["prepare"] = prep
     fast = d.fast
     assert fast is not None
+    res["mla_tuning_ms"] = {str(n): t for n, t in fast.mla_timings.items()}  # per bucket: each MLA form's time
+    res["gemm_tuning_ms"] = {repr(k): t for k, t in gemm.TUNER.timings.items()}
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)
     # The step's taps lie in registered host memory, as the server's receive arena (tcp/ipc frames)

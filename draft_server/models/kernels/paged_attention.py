@@ -97,6 +97,14 @@ GQA_CONFIG = KernelConfig(block_m=32, block_n=64, num_warps=2, num_stages=3)
 # small batches parallel (one 8K session is 56 MLA programs at 1024, 28 at 2048).
 MLA_CHUNK = 1024
 GQA_CHUNK = 512
+MIN_BLOCK_N = 16  # the smallest tile a config may use (sizes the two-pass rescale factors)
+# MLA's two-pass form (scores, then the value dims over v_split programs), the candidates ``FastStep``
+# times against the one-pass kernel per session bucket at start-up.
+MLA_TWO_PASS = (
+    KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, v_split=4, values_num_warps=4),
+    KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, v_split=2, values_num_warps=8),
+    KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, v_split=4, values_num_warps=4),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,31 +165,58 @@ class Workspace:
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    # MLA two-pass form only (``ensure_two_pass``): each chunk's probabilities in the model dtype,
+    # MLA two-pass form only (``allocate(two_pass_chunk=...)``): each chunk's probabilities in the model dtype,
     # their per-tile rescale factors, and each chunk's running max and sum.
     probs: torch.Tensor | None = None  # [capacity, pairs, chunk]
     alpha: torch.Tensor | None = None  # float32 [capacity, pairs, chunk // block_n]
     stats: torch.Tensor | None = None  # float32 [capacity, 2, pairs]: m, l
 
     @classmethod
-    def allocate(cls, capacity: int, pairs: int, v_dim: int, device: torch.device | str) -> Workspace:
-        return cls(
+    def allocate(
+        cls,
+        capacity: int,
+        pairs: int,
+        v_dim: int,
+        device: torch.device | str,
+        *,
+        two_pass_chunk: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+    ) -> Workspace:
+        """Stage-1 partials for ``capacity`` items; with ``two_pass_chunk``, also the MLA two-pass
+        buffers for chunks of up to that many tokens (probabilities in ``dtype``)."""
+        ws = cls(
             partial_out=torch.empty((capacity, pairs, v_dim), dtype=torch.float32, device=device),
             partial_lse=torch.empty((capacity, pairs), dtype=torch.float32, device=device),
         )
+        if two_pass_chunk:
+            ws.probs = torch.empty((capacity, pairs, two_pass_chunk), dtype=dtype, device=device)
+            ws.alpha = torch.empty((capacity, pairs, two_pass_chunk // MIN_BLOCK_N), dtype=torch.float32, device=device)
+            ws.stats = torch.empty((capacity, 2, pairs), dtype=torch.float32, device=device)
+        return ws
+
+    def fits_two_pass(self, capacity: int, pairs: int, chunk: int, tiles: int, dtype: torch.dtype) -> bool:
+        p, a, st = self.probs, self.alpha, self.stats
+        if p is None or a is None or st is None:
+            return False
+        return (
+            p.dtype == dtype
+            and p.shape[0] >= capacity
+            and p.shape[1] >= pairs
+            and p.shape[2] >= chunk
+            and a.shape[2] >= tiles
+            and st.shape[2] >= pairs
+        )
 
     def ensure_two_pass(self, capacity: int, pairs: int, chunk: int, tiles: int, dtype: torch.dtype) -> None:
-        """Grow the two-pass buffers to hold ``capacity`` chunks of ``chunk`` tokens (``tiles`` tiles)."""
-        dev = self.partial_out.device
-        p = self.probs
-        if p is None or p.dtype != dtype or p.shape[0] < capacity or p.shape[1] < pairs or p.shape[2] < chunk:
+        """The two-pass buffers, made here if this workspace has none (a standalone call); a workspace
+        whose buffers are too small raises (buffers a captured graph reads are never replaced)."""
+        if self.probs is None:
+            dev = self.partial_out.device
             self.probs = torch.empty((capacity, pairs, chunk), dtype=dtype, device=dev)
-        a = self.alpha
-        if a is None or a.shape[0] < capacity or a.shape[1] < pairs or a.shape[2] < tiles:
             self.alpha = torch.empty((capacity, pairs, tiles), dtype=torch.float32, device=dev)
-        st = self.stats
-        if st is None or st.shape[0] < capacity or st.shape[2] < pairs:
             self.stats = torch.empty((capacity, 2, pairs), dtype=torch.float32, device=dev)
+        if not self.fits_two_pass(capacity, pairs, chunk, tiles, dtype):
+            raise ValueError(f"workspace two-pass buffers too small for ({capacity}, {pairs}, {chunk}, {dtype})")
 
     def check(self, capacity: int, pairs: int, v_dim: int) -> None:
         po, pl = self.partial_out, self.partial_lse
@@ -528,7 +563,7 @@ def _mla_scores_kernel(
         n64 = n.to(tl.int64)
         w64 = pid_w.to(tl.int64)
         pos, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
-        p, pmask, _, _, row_end, q_nope, q_rope = _mla_queries(
+        p, pmask, _h, _b, row_end, q_nope, q_rope = _mla_queries(
             Q, QR, WID, n, pos, pid_m, stride_qn, stride_qb, stride_qh, stride_rn, stride_rb, stride_rh,
             ROWS, HEADS, KV_LORA, ROPE, CAUSAL, BLOCK_M, BLOCK_DL, BLOCK_DR,
         )  # fmt: skip
@@ -541,7 +576,7 @@ def _mla_scores_kernel(
             t, tmask, kv_rows = _tile_rows(
                 KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
             )
-            _, pr, alpha, m_i, l_i = _mla_tile(
+            _kv, pr, alpha, m_i, l_i = _mla_tile(
                 kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
                 DOT_PREC,
             )  # fmt: skip
