@@ -71,7 +71,6 @@ class PagedBatch:
     plan: object  # kernels.paged_attention.WorkPlan
     workspace: object  # kernels.paged_attention.Workspace
     out: torch.Tensor  # [N, B, H, Dv] output buffer, reused by every layer
-    config: object = None  # kernels.paged_attention.KernelConfig for this batch (None: the kernel's default)
 
 
 class PagedContext:
@@ -92,13 +91,7 @@ class PagedContext:
             scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out, width=b.width
         )
         if self.layout.mla:  # the kernel reads q and q_rope through their strides
-            return mla_paged_attention(
-                *args,
-                kv_lora=self.layout.value_dims,
-                q_rope=q_rope,
-                config=b.config,
-                **common,  # type: ignore[arg-type]
-            )
+            return mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
         return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
 
 

@@ -15,9 +15,7 @@ bucket (``protocol.wire``: bf16 or fp8 taps, or projected context rows); the for
 pinned staging buffer and one device buffer (ingests run one at a time, in stream order).
 
 Start-up tuning (CUDA, before any capture): every GEMM shape the buckets meet picks its fastest
-form (``gemm``), and for MLA each session bucket times the one-pass attention kernel against its
-two-pass forms (``pa.MLA_TWO_PASS``) on a synthetic batch of its typical shape and keeps the fastest
-(``_tune_mla``); the choices are fixed before the first graph is captured.
+form (``gemm``); the choices are fixed before the first graph is captured.
 
 Nothing in a step reads the device from the host before its end: no ``.item()``, no
 ``.tolist()``, no host-built tensors. Every captured bucket is replayed once against the eager
@@ -154,9 +152,6 @@ class FastStep:
         self._out_shape = (B, H, v_dim)
         self._ws: pa.Workspace | None = None
         self._draft_graphs: dict[int, _DraftGraph] = {}
-        self._mla_choice: dict[int, pa.KernelConfig] = {}  # MLA form per session bucket (``_tune_mla``)
-        self.mla_timings: dict[int, dict[str, float]] = {}
-        self.mla_errors: dict[str, str] = {}
         self._ingest_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # by (format, row bucket)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_s = 0.0
@@ -184,80 +179,11 @@ class FastStep:
 
     def _workspace(self, capacity: int) -> pa.Workspace:
         """One split-K workspace for every bucket (graphs replay one at a time), grown on demand (a
-        grown one is new: the graphs keep theirs). MLA on CUDA: with the two-pass buffers up to the
-        largest bucket's capacity (an eager batch past it takes the one-pass kernel)."""
+        grown one is new: the graphs keep theirs)."""
         _, H, v = self._out_shape
         if self._ws is None or self._ws.partial_out.shape[0] < capacity:
-            two_pass = self.m.layout.mla and self.use_graphs and capacity <= self._capacity(self.n_max)
-            chunk = MAX_CHUNK if two_pass else 0
-            self._ws = pa.Workspace.allocate(
-                capacity, self.B * H, v, self.dev, two_pass_chunk=chunk, dtype=self.m.dtype
-            )
+            self._ws = pa.Workspace.allocate(capacity, self.B * H, v, self.dev)
         return self._ws
-
-    def _mla_config(self, n: int, capacity: int, chunk: int) -> pa.KernelConfig | None:
-        """The MLA launch for a batch of bucket n: the form tuned for it at capture, if its workspace
-        holds the two-pass buffers for this plan; else the one-pass default (None)."""
-        cfg = self._mla_choice.get(n)
-        if cfg is None or cfg.v_split == 0:
-            return None
-        ws = self._workspace(capacity)
-        pairs = self.B * self._out_shape[1]
-        return cfg if ws.fits_two_pass(capacity, pairs, chunk, chunk // cfg.block_n, self.m.dtype) else None
-
-    def _tune_mla(self, n: int, capacity: int, chunk: int) -> None:
-        """Time MLA's one-pass kernel and its two-pass candidates (``pa.MLA_TWO_PASS``) for bucket n on a
-        synthetic batch of its typical shape (n sessions of TYPICAL_CONTEXT tokens, random latents and
-        queries, never zeros), and keep the fastest (a two-pass form must win by 5%)."""
-        cfg, B, P = self.m.cfg, self.B, self.P
-        H, lat, rope = cfg.num_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        g = torch.Generator(device=self.dev).manual_seed(n)
-        per = -(-(TYPICAL_CONTEXT + B) // P)
-        cache = torch.randn((n * per + 1, P, lat + rope), generator=g, device=self.dev).to(self.m.dtype)
-        table = torch.randperm(n * per, generator=g, device=self.dev).to(torch.int32).view(n, per)
-        q = torch.randn((n, B, H, lat), generator=g, device=self.dev).to(self.m.dtype)
-        q_rope = torch.randn((n, B, H, rope), generator=g, device=self.dev).to(self.m.dtype)
-        zeros = torch.zeros(n, dtype=torch.int32, device=self.dev)
-        pos = torch.full((n,), TYPICAL_CONTEXT, dtype=torch.int32, device=self.dev)
-        width = torch.full((n,), B, dtype=torch.int32, device=self.dev)
-        plan = pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=P, device=self.dev)
-        pa.plan_work(zeros, pos, rows=B, chunk=chunk, page_size=P, out=plan)
-        ws = self._workspace(capacity)
-        out = torch.empty((H, n, B, lat), dtype=self.m.dtype, device=self.dev).permute(1, 2, 0, 3)
-        times: dict[int, float] = {}
-        cands = [pa.MLA_CONFIG, *pa.MLA_TWO_PASS]
-        for i, c in enumerate(cands):
-            if c.v_split and not ws.fits_two_pass(capacity, B * H, chunk, chunk // c.block_n, self.m.dtype):
-                continue
-
-            def run(c: pa.KernelConfig = c) -> None:
-                pa.mla_paged_attention(
-                    q, cache, table, zeros, zeros, pos, scale=cfg.softmax_scale, causal=cfg.causal, kv_lora=lat,
-                    plan=plan, workspace=ws, out=out, config=c, q_rope=q_rope, width=width,
-                )  # fmt: skip
-
-            try:
-                for _ in range(3):
-                    run()
-            except Exception as e:  # a candidate this Triton cannot build here: skipped, said in the timings
-                if not c.v_split:
-                    raise
-                self.mla_errors[repr(c)] = f"{type(e).__name__}: {e}"[:300]
-                continue
-            runs = []
-            for _ in range(10):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run()
-                b.record()
-                b.synchronize()
-                runs.append(a.elapsed_time(b))
-            times[i] = float(np.median(runs))
-        best = min(times, key=lambda i: times[i])
-        if cands[best].v_split and times[best] > 0.95 * times[0]:
-            best = 0
-        self._mla_choice[n] = cands[best]
-        self.mla_timings[n] = {repr(cands[i]): t for i, t in times.items()}
 
     def _batch(self, n: int, capacity: int, chunk: int) -> PagedBatch:
         B, (_, H, v) = self.B, self._out_shape
@@ -275,7 +201,6 @@ class FastStep:
             plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
             workspace=self._workspace(capacity),
             out=out,
-            config=self._mla_config(n, capacity, chunk) if self.m.layout.mla else None,
         )
 
     def _block(self, n: int, batch: PagedBatch) -> torch.Tensor:
@@ -331,15 +256,12 @@ class FastStep:
             "seconds": self.capture_s,
             "gemm_shapes_padded": float(tuned["pad"]),
             "gemm_shapes_split": float(tuned["split"]),
-            "mla_two_pass_buckets": float(sum(1 for c in self._mla_choice.values() if c.v_split)),
         }
 
     def _capture_all(self, s: torch.cuda.Stream) -> None:
         with torch.cuda.stream(s), torch.inference_mode():
             for n in reversed(self.session_buckets):
                 chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B)), self._capacity(n)
-                if self.m.layout.mla:
-                    self._tune_mla(n, capacity, chunk)
                 batch = self._batch(n, capacity, chunk)
                 for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
                     self._draft_body(n, batch)

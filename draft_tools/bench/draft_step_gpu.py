@@ -293,7 +293,6 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     res["prepare"] = prep
     fast = d.fast
     assert fast is not None
-    res["mla_tuning_ms"] = {str(n): t for n, t in fast.mla_timings.items()}  # per bucket: each MLA form's time
     res["gemm_tuning_ms"] = {repr(k): t for k, t in gemm.TUNER.timings.items()}
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)

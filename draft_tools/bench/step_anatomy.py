@@ -233,13 +233,10 @@ def anatomy_part(name: str, dev: torch.device, sizes: list[int]) -> dict[str, An
 # ------------------------------------------------------------------------------------ MLA shapes
 
 MLA_SHAPES = [
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),  # today's one pass
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, v_split=2, values_num_warps=4),
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, v_split=2, values_num_warps=8),
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, v_split=4, values_num_warps=4),
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, v_split=4, values_num_warps=4),
-    pa.KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, v_split=4, values_num_warps=4),
-    pa.KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, v_split=8, values_num_warps=4),
+    pa.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),  # today's
+    pa.KernelConfig(block_m=64, block_n=64, num_warps=16, num_stages=2),
+    pa.KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=3),
+    pa.KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=1),
 ]
 
 

@@ -194,28 +194,3 @@ def test_a_mapped_shm_ring_is_registered_and_its_rows_skip_staging(tmp_path) -> 
     rings.sweep(1e12)  # idle: unmapped, and unregistered first
     assert fast._host_ranges == []
     ring.close()
-
-
-def test_the_two_pass_mla_form_drafts_what_the_dense_reference_drafts(tmp_path) -> None:
-    """A bucket whose tuned MLA form is the two-pass one (as ``_tune_mla`` picks on a GPU where it is
-    faster) reaches the kernels through the batch's config and drafts exactly what dense drafts."""
-    from draft_server.models.kernels import paged_attention as pa
-
-    dense, fast = _pair(tmp_path, "k3")
-    f = fast.fast
-    assert f is not None
-    two = pa.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2)
-    _, H, v = f._out_shape
-    f._ws = pa.Workspace.allocate(64, f.B * H, v, f.dev, two_pass_chunk=256, dtype=f.m.dtype)
-    f._workspace = lambda capacity: f._ws  # type: ignore[method-assign]
-    f._mla_choice = dict.fromkeys(f.session_buckets, two)
-    calls: list[object] = []
-    real = pa._mla_two_pass
-    pa._mla_two_pass = lambda *a, **k: (calls.append(a[12]), real(*a, **k))[1]  # type: ignore[assignment]
-    try:
-        spans = [(0, 3), (5, 37), (9, 9), (0, 1), (2, 70)]
-        for outs_dense, outs_fast in _drive([dense, fast], spans, np.random.default_rng(1), steps=2):
-            assert [o.tokens for o in outs_fast] == [o.tokens for o in outs_dense]
-    finally:
-        pa._mla_two_pass = real  # type: ignore[assignment]
-    assert calls and all(c is two for c in calls)  # every layer of every step took the two-pass form

@@ -61,7 +61,6 @@ class KernelConfig:
     """Launch shape of the two stages (the knobs to sweep on the GPU).
 
     block_m: (head, row) pairs per stage-1 program, the M of ``tl.dot`` (power of two, >= 16).
-    v_split: MLA's two-pass form when > 0 (``_mla_scores_kernel`` then ``_mla_values_kernel``, below).
     block_n: cache tokens per tile (power of two, >= 16 on GPU; may span several pages).
     num_warps / num_stages: stage-1 launch options (num_stages = software-pipelining depth).
     combine_block_p / combine_num_warps: pairs per stage-2 program and its warps.
@@ -73,8 +72,6 @@ class KernelConfig:
     num_stages: int = 2
     combine_block_p: int = 8
     combine_num_warps: int = 4
-    v_split: int = 0  # MLA only: 0 = one pass; n > 0 = two passes, the value dims over n programs
-    values_num_warps: int = 4  # warps of the two-pass value kernel
 
 
 # Defaults measured on one H200 (triton 3.6, torch 2.11, bf16, P=16, Bq=7, causal), timing stage 1 +
@@ -83,7 +80,12 @@ class KernelConfig:
 # (64, 64, 8 warps, 2 stages) was fastest everywhere (~135-157 TFLOP/s; 255 registers, 34 spilled);
 # (64, 32, 8, 2) is ~20% slower, block_m 128 or block_n 128 do not fit in shared memory. Swept again
 # with the value dims split over 2 or 4 programs (scores recomputed, fewer registers): slower at
-# every batch (bench/results/mla_sweep_h200.json), so that variant is gone.
+# every batch (bench/results/mla_sweep_h200.json), so that variant is gone. 16 warps, or 1, 3, 4
+# stages: slower at 64 x 1K (step_anatomy_h200.json). A two-pass form (scores + softmax writing the
+# probabilities, then the value product over 2-8 programs, so no 512-wide accumulator beside the
+# scores) was built, tested against this kernel and timed per bucket on the H200: slower at every
+# bucket but 8 sessions (64 x 1K: 0.67-0.76 ms against 0.50; draft_step_h200_v5.json
+# ``mla_tuning_ms``), so it is gone too.
 MLA_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # float32 inputs (tests, debugging) need twice the shared memory: 64-token tiles do not fit at K3 dims.
 MLA_CONFIG_FP32 = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -97,14 +99,6 @@ GQA_CONFIG = KernelConfig(block_m=32, block_n=64, num_warps=2, num_stages=3)
 # small batches parallel (one 8K session is 56 MLA programs at 1024, 28 at 2048).
 MLA_CHUNK = 1024
 GQA_CHUNK = 512
-MIN_BLOCK_N = 16  # the smallest tile a config may use (sizes the two-pass rescale factors)
-# MLA's two-pass form (scores, then the value dims over v_split programs), the candidates ``FastStep``
-# times against the one-pass kernel per session bucket at start-up.
-MLA_TWO_PASS = (
-    KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, v_split=4, values_num_warps=4),
-    KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, v_split=2, values_num_warps=8),
-    KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, v_split=4, values_num_warps=4),
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,58 +159,13 @@ class Workspace:
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
-    # MLA two-pass form only (``allocate(two_pass_chunk=...)``): each chunk's probabilities in the model dtype,
-    # their per-tile rescale factors, and each chunk's running max and sum.
-    probs: torch.Tensor | None = None  # [capacity, pairs, chunk]
-    alpha: torch.Tensor | None = None  # float32 [capacity, pairs, chunk // block_n]
-    stats: torch.Tensor | None = None  # float32 [capacity, 2, pairs]: m, l
 
     @classmethod
-    def allocate(
-        cls,
-        capacity: int,
-        pairs: int,
-        v_dim: int,
-        device: torch.device | str,
-        *,
-        two_pass_chunk: int = 0,
-        dtype: torch.dtype = torch.bfloat16,
-    ) -> Workspace:
-        """Stage-1 partials for ``capacity`` items; with ``two_pass_chunk``, also the MLA two-pass
-        buffers for chunks of up to that many tokens (probabilities in ``dtype``)."""
-        ws = cls(
+    def allocate(cls, capacity: int, pairs: int, v_dim: int, device: torch.device | str) -> Workspace:
+        return cls(
             partial_out=torch.empty((capacity, pairs, v_dim), dtype=torch.float32, device=device),
             partial_lse=torch.empty((capacity, pairs), dtype=torch.float32, device=device),
         )
-        if two_pass_chunk:
-            ws.probs = torch.empty((capacity, pairs, two_pass_chunk), dtype=dtype, device=device)
-            ws.alpha = torch.empty((capacity, pairs, two_pass_chunk // MIN_BLOCK_N), dtype=torch.float32, device=device)
-            ws.stats = torch.empty((capacity, 2, pairs), dtype=torch.float32, device=device)
-        return ws
-
-    def fits_two_pass(self, capacity: int, pairs: int, chunk: int, tiles: int, dtype: torch.dtype) -> bool:
-        p, a, st = self.probs, self.alpha, self.stats
-        if p is None or a is None or st is None:
-            return False
-        return (
-            p.dtype == dtype
-            and p.shape[0] >= capacity
-            and p.shape[1] >= pairs
-            and p.shape[2] >= chunk
-            and a.shape[2] >= tiles
-            and st.shape[2] >= pairs
-        )
-
-    def ensure_two_pass(self, capacity: int, pairs: int, chunk: int, tiles: int, dtype: torch.dtype) -> None:
-        """The two-pass buffers, made here if this workspace has none (a standalone call); a workspace
-        whose buffers are too small raises (buffers a captured graph reads are never replaced)."""
-        if self.probs is None:
-            dev = self.partial_out.device
-            self.probs = torch.empty((capacity, pairs, chunk), dtype=dtype, device=dev)
-            self.alpha = torch.empty((capacity, pairs, tiles), dtype=torch.float32, device=dev)
-            self.stats = torch.empty((capacity, 2, pairs), dtype=torch.float32, device=dev)
-        if not self.fits_two_pass(capacity, pairs, chunk, tiles, dtype):
-            raise ValueError(f"workspace two-pass buffers too small for ({capacity}, {pairs}, {chunk}, {dtype})")
 
     def check(self, capacity: int, pairs: int, v_dim: int) -> None:
         po, pl = self.partial_out, self.partial_lse
@@ -542,110 +491,6 @@ def _mla_stage1_kernel(
 
 
 @triton.jit
-def _mla_scores_kernel(
-    Q, QR, KV, BT, FIRST, LO, POS, WID, WORK, NCH, PR, AL, ST, PL,
-    stride_qn, stride_qb, stride_qh, stride_kvp, stride_kvt, stride_btn, max_pages,
-    stride_pw, stride_pp, stride_aw, stride_ap, stride_sw, stride_plw, qk_scale,
-    stride_rn, stride_rb, stride_rh,
-    ROWS: tl.constexpr, HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr, PAGE: tl.constexpr,
-    CHUNK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DL: tl.constexpr, BLOCK_DR: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """Two-pass MLA, pass 1: a chunk's scores and online softmax, exactly as the one-pass kernel forms
-    them; each tile's probabilities (model dtype, as the one-pass kernel feeds them to its value
-    product) and rescale factor go to the workspace, and the chunk's running max and sum at the end
-    (its log2-sum-exp too, when the session has several chunks). No value accumulator: few registers."""
-    pid_m = tl.program_id(0)
-    pid_w = tl.program_id(1)
-    n = tl.load(WORK + 2 * pid_w)
-    c = tl.load(WORK + 2 * pid_w + 1)
-    if n >= 0:
-        n64 = n.to(tl.int64)
-        w64 = pid_w.to(tl.int64)
-        pos, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
-        p, pmask, _h, _b, row_end, q_nope, q_rope = _mla_queries(
-            Q, QR, WID, n, pos, pid_m, stride_qn, stride_qb, stride_qh, stride_rn, stride_rb, stride_rh,
-            ROWS, HEADS, KV_LORA, ROPE, CAUSAL, BLOCK_M, BLOCK_DL, BLOCK_DR,
-        )  # fmt: skip
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        bt_row = BT + n64 * stride_btn
-        pr_rows = PR + w64 * stride_pw + p.to(tl.int64) * stride_pp
-        al_rows = AL + w64 * stride_aw + p * stride_ap
-        for t0 in range(c0, c1, BLOCK_N):
-            t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
-            )
-            _kv, pr, alpha, m_i, l_i = _mla_tile(
-                kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
-                DOT_PREC,
-            )  # fmt: skip
-            tl.store(pr_rows[:, None] + (t - c0)[None, :], pr.to(PR.dtype.element_ty), mask=pmask[:, None])
-            tl.store(al_rows + (t0 - c0) // BLOCK_N, alpha, mask=pmask)
-        st_rows = ST + w64 * stride_sw
-        tl.store(st_rows + p, m_i, mask=pmask)
-        tl.store(st_rows + ROWS * HEADS + p, l_i, mask=pmask)
-        if nch != 1:
-            has = l_i > 0.0
-            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-            tl.store(PL + w64 * stride_plw + p, lse, mask=pmask)
-
-
-@triton.jit
-def _mla_values_kernel(
-    KV, BT, FIRST, LO, POS, WORK, NCH, PR, AL, ST, PO, OUT,
-    stride_kvp, stride_kvt, stride_btn, max_pages, stride_pw, stride_pp, stride_aw, stride_ap, stride_sw,
-    stride_pow, stride_pop, stride_on, stride_ob, stride_oh,
-    ROWS: tl.constexpr, HEADS: tl.constexpr, KV_LORA: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, V_SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """Two-pass MLA, pass 2: one slice of the value dims (``BLOCK_DV`` of ``kv_lora``) for a block of
-    pairs over a chunk: acc = acc * alpha_t + P_t V_t tile by tile, the one-pass kernel's recurrence
-    with its probabilities and factors read back, then the same epilogue (out, or the chunk's partial)."""
-    pid = tl.program_id(0)
-    pid_w = tl.program_id(1)
-    pid_m = pid // V_SPLIT
-    vs = pid % V_SPLIT
-    n = tl.load(WORK + 2 * pid_w)
-    c = tl.load(WORK + 2 * pid_w + 1)
-    if n >= 0:
-        n64 = n.to(tl.int64)
-        w64 = pid_w.to(tl.int64)
-        _, first, nch, c0, c1, start = _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE, CHUNK, ROWS)
-        p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pmask = p < ROWS * HEADS
-        h = p // ROWS
-        b = p % ROWS
-        d = vs * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        dmask = d < KV_LORA
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        bt_row = BT + n64 * stride_btn
-        pr_rows = PR + w64 * stride_pw + p.to(tl.int64) * stride_pp
-        al_rows = AL + w64 * stride_aw + p * stride_ap
-        for t0 in range(c0, c1, BLOCK_N):
-            t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
-            )
-            v = tl.load(kv_rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
-            pr = tl.load(pr_rows[:, None] + (t - c0)[None, :], mask=pmask[:, None] & (t < c1)[None, :], other=0.0)
-            alpha = tl.load(al_rows + (t0 - c0) // BLOCK_N, mask=pmask, other=1.0)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(pr, v, acc, input_precision=DOT_PREC)
-        st_rows = ST + w64 * stride_sw
-        l_i = tl.load(st_rows + ROWS * HEADS + p, mask=pmask, other=0.0)
-        has = l_i > 0.0
-        o = acc / tl.where(has, l_i, 1.0)[:, None]
-        mask = pmask[:, None] & dmask[None, :]
-        if nch == 1:
-            out_rows = OUT + n64 * stride_on + b * stride_ob + h * stride_oh
-            tl.store(out_rows[:, None] + d[None, :], o.to(OUT.dtype.element_ty), mask=mask)
-        else:
-            po_rows = PO + w64 * stride_pow + p * stride_pop
-            tl.store(po_rows[:, None] + d[None, :], o, mask=mask)
-
-
-@triton.jit
 def _gqa_stage1_kernel(
     Q,
     KV,
@@ -917,63 +762,6 @@ def _stage1(
     )  # fmt: skip
 
 
-def _mla_two_pass(
-    q: torch.Tensor,
-    q_rope: torch.Tensor,
-    cache: torch.Tensor,
-    block_table: torch.Tensor,
-    first_page: torch.Tensor,
-    lo: torch.Tensor,
-    pos: torch.Tensor,
-    width: torch.Tensor,
-    plan: WorkPlan,
-    ws: Workspace,
-    out: torch.Tensor,
-    scale: float,
-    config: KernelConfig,
-    *,
-    causal: bool,
-    heads: int,
-    kv_lora: int,
-    rope: int,
-) -> None:
-    """MLA in two passes (``config.v_split`` > 0): scores and softmax, then the value product split
-    over ``v_split`` programs per pair block. Same probabilities, factors and recurrence as the one-pass
-    kernel; what it buys is registers (no 512-wide accumulator beside the scores) for the price of the
-    chunk's probabilities written once and read ``v_split`` times."""
-    rows = q.shape[1]
-    pairs = rows * heads
-    if plan.chunk % config.block_n:
-        raise ValueError(f"chunk {plan.chunk} must be a multiple of block_n {config.block_n}")
-    tiles = plan.chunk // config.block_n
-    ws.ensure_two_pass(plan.capacity, pairs, plan.chunk, tiles, q.dtype)
-    pr, al, st = ws.probs, ws.alpha, ws.stats
-    assert pr is not None and al is not None and st is not None
-    prec = _dot_precision(q.dtype)
-    blk_dl = max(16, triton.next_power_of_2(kv_lora))
-    blk_dr = max(16, triton.next_power_of_2(max(rope, 1)))
-    m_blocks = triton.cdiv(pairs, config.block_m)
-    _mla_scores_kernel[(m_blocks, plan.capacity)](
-        q, q_rope, cache, block_table, first_page, lo, pos, width, plan.work, plan.nchunks, pr, al, st,
-        ws.partial_lse, q.stride(0), q.stride(1), q.stride(2), cache.stride(0), cache.stride(1),
-        block_table.stride(0), block_table.shape[1], pr.stride(0), pr.stride(1), al.stride(0), al.stride(1),
-        st.stride(0), ws.partial_lse.stride(0), scale * _LOG2E, q_rope.stride(0), q_rope.stride(1),
-        q_rope.stride(2), ROWS=rows, HEADS=heads, KV_LORA=kv_lora, ROPE=rope, PAGE=int(cache.shape[1]),
-        CHUNK=plan.chunk, CAUSAL=causal, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_DL=blk_dl,
-        BLOCK_DR=blk_dr, DOT_PREC=prec, num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-    block_dv = triton.next_power_of_2(-(-kv_lora // config.v_split))
-    _mla_values_kernel[(m_blocks * config.v_split, plan.capacity)](
-        cache, block_table, first_page, lo, pos, plan.work, plan.nchunks, pr, al, st, ws.partial_out, out,
-        cache.stride(0), cache.stride(1), block_table.stride(0), block_table.shape[1], pr.stride(0),
-        pr.stride(1), al.stride(0), al.stride(1), st.stride(0), ws.partial_out.stride(0),
-        ws.partial_out.stride(1), out.stride(0), out.stride(1), out.stride(2), ROWS=rows, HEADS=heads,
-        KV_LORA=kv_lora, PAGE=int(cache.shape[1]), CHUNK=plan.chunk, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_DV=block_dv, V_SPLIT=config.v_split, DOT_PREC=prec,
-        num_warps=config.values_num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
-
-
 def mla_paged_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -1039,11 +827,6 @@ def mla_paged_attention(
     grid = (triton.cdiv(rows * heads, config.block_m), plan.capacity)
     if q_rope is None:
         q_rope = q[..., kv_lora:]
-    if config.v_split > 0:
-        _mla_two_pass(q, q_rope, cache, block_table, first_page, lo, pos, width, plan, ws, out, scale, config,
-                      causal=causal, heads=heads, kv_lora=kv_lora, rope=rope)  # fmt: skip
-        _combine(plan, ws, out, rows=rows, heads=heads, v_dim=kv_lora, config=config)
-        return out
     _stage1(
         _mla_stage1_kernel, grid, q, cache, (cache.stride(0), cache.stride(1)), block_table, first_page, lo, pos,
         width, plan, ws, out, scale, config, q_rope=q_rope, CAUSAL=causal,
