@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from protocol import Status
 from protocol.telemetry import LATENCY_BUCKETS
 
-OUTCOMES = ("ok", "timeout", "breaker_open", "not_ready", "error", "overloaded", "closed")
+OUTCOMES = ("ok", "timeout", "breaker_open", "not_ready", "error", "overloaded", "closed", "catching_up")
 ENTRY_STATUSES = (*(s.name.lower() for s in Status), "skipped")
 
 

@@ -37,6 +37,7 @@ STAT_KEYS = (
     "probes_sent",
     "pongs",
     "frees_sent",
+    "catching_up_entries",
 )
 # A step outcome's own stats key; the others (breaker_open, not_ready, closed) are fallbacks.
 _OUTCOME_KEYS = {"ok": "ok", "timeout": "timeouts", "error": "errors", "overloaded": "overloaded_returns"}

@@ -12,6 +12,13 @@ table, the per-session resend buffers (``resend.SessionRows``), the handshake
 adaptive budget (``step_builder.AdaptiveBudget``). Callers read immutable snapshots only
 (``gate``, ``handshake.welcome``/``pinned``/``epoch``, ``budget.ms``, ``advised_k``,
 ``last_timing``). No lock is ever held across network I/O.
+
+A burst larger than the budget (``resend`` module docstring, "catching up"): a step that misses,
+or is answered EXPIRED, while its session's big rows are unproven leaves the session behind; its
+next steps send rows ingest-only and are not waited for (a call whose every request is answered
+locally is pending as "taps": acknowledgements only, never a breaker miss, outcome
+"catching_up"), until a prompt acknowledgement shows the server holds the burst and takes rows
+in time again (the next step is a trial), or the server's epoch changes.
 """
 
 from __future__ import annotations
@@ -307,14 +314,16 @@ class IoLoop:
         merged = merge_rows(call, self.sessions, now, cid, layout, room, cfg.resend_rows_limit, self._in_taps)
         if merged.skipped:
             self._c.entries_skipped.inc(merged.skipped)
+        if merged.behind:
+            self._c.add("catching_up_entries", merged.behind)
         self._c.dropped_rows(merged.dropped)
         if not send:
             if call.phase != Phase.TAPS:
                 self.breaker.gated_step(now, hs.need_hello)  # probe now if the breaker is open
             resolve(call.future, empty_replies(n), self.gate or "not_ready")
             return
-        if not merged.entries:  # everything held back
-            resolve(call.future, merged.replies(n), "overloaded")
+        if not merged.entries:  # everything held back, or catching up with nothing to ingest
+            resolve(call.future, merged.replies(n), "catching_up" if merged.behind else "overloaded")
             return
         assert layout is not None and cid is not None and welcome is not None
         ring = hs.rows_ring
@@ -341,8 +350,9 @@ class IoLoop:
             self._c.add("resent_rows", merged.resent)
         if call.phase == Phase.TAPS:
             self._c.add("taps_sent")
+        detached = call.phase == Phase.TAPS or len(merged.local) == n  # nobody waits for its reply
         self.pending[cid] = Pending(
-            "taps" if call.phase == Phase.TAPS else "step",
+            "taps" if detached else "step",
             cid,
             call.deadline,
             now,
@@ -353,6 +363,8 @@ class IoLoop:
             merged.local,
             n,
         )
+        if detached and call.phase != Phase.TAPS:  # every request catching up: rows ingest-only, no wait
+            resolve(call.future, merged.replies(n), "catching_up")
 
     def _in_taps(self, call_id: int) -> bool:
         """Whether ``call_id`` is an early Taps call still awaiting its reply."""
@@ -429,6 +441,7 @@ class IoLoop:
                 if p.future is not None:
                     p.future.cancel()  # the caller gives up at the same deadline; a later reply is late
                 self._miss(now)
+                self._fell_behind(p, now)
             elif p.kind == "ping" and p.future is not None:
                 set_future(p.future, None)
 
@@ -518,11 +531,21 @@ class IoLoop:
         self._note_epoch(msg.epoch)
 
     def _ack(self, p: Pending, results: Sequence[EntryResult], now: float) -> None:
-        """The resend buffers after a reply to call ``p``: rows acknowledged, held back, or due again."""
-        for name, r in zip(p.sessions, results, strict=True):
+        """The resend buffers after a reply to call ``p``: rows acknowledged, held back, or due
+        again; a burst proven (or refused), or a session behind it (``resend``: catching up)."""
+        for name, r, k in zip(p.sessions, results, p.ks, strict=True):
             s = self.sessions.get(name)
             if s is None:
                 continue
+            if s.big_call is not None:
+                if r.status not in _APPLIED and (p.call_id == s.big_call or r.status == Status.MISSING_ROWS):
+                    s.caught_up()  # the burst was refused or is not there: nothing to wait for
+                elif r.status == Status.OK:
+                    s.acked(p.call_id, now <= p.deadline, r.start)
+                    if r.drafts:
+                        s.drafted(p.call_id, now <= p.deadline)
+                elif r.status == Status.EXPIRED and k:  # the server could not draft it in time
+                    s.fell_behind(now)
             if r.status in _APPLIED:
                 s.ack(p.call_id, r.end)
             elif r.status == Status.MISSING_ROWS:
@@ -542,6 +565,14 @@ class IoLoop:
         self._c.add("late_replies_dropped")
         if not already_missed:  # the caller gave up before the I/O thread's own expiry
             self._miss(now)
+            self._fell_behind(p, now)
+
+    def _fell_behind(self, p: Pending, now: float) -> None:
+        """Step ``p`` missed: its sessions with a burst still unproven are behind it (``resend``)."""
+        for name in p.sessions:
+            s = self.sessions.get(name)
+            if s is not None:
+                s.fell_behind(now)
 
     def _replies(self, p: Pending, results: Sequence[EntryResult] | None, payloads: Sequence[Any]) -> list[DraftReply]:
         local = p.local or {}
@@ -551,7 +582,8 @@ class IoLoop:
         pinned = self.handshake.pinned
         vocab = pinned.vocab_size if pinned is not None else None
         for idx, k, r in zip(p.index, p.ks, results, strict=True):
-            out[idx] = self._reply(r, k, vocab, payloads)
+            if idx not in local:  # a request catching up keeps its local reply (its entry was ingest-only)
+                out[idx] = self._reply(r, k, vocab, payloads)
         return out
 
     def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
@@ -637,6 +669,7 @@ class IoLoop:
         for s in self.sessions.values():
             s.unsent()
             s.retry_at = 0.0
+            s.caught_up()  # nothing of a burst is left there to wait for
             s.chunks, d = keep_newest(s.chunks, self.cfg.restart_resend_rows)  # a small first step
             dropped += d
         self._c.dropped_rows(dropped)

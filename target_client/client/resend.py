@@ -12,6 +12,22 @@ so there are no locks. The rules (DESIGN.md §4, positions make appends idempote
 * an OK/EXPIRED result of the call that last carried the rows acknowledges rows below the
   server's reported ``end``; results of older calls are ignored (a later call may have
   overwritten those positions with different rows, e.g. after a rollback).
+
+Catching up (a burst larger than the budget: a prefill of many rows, K3 taps of 16 sessions x
+256 rows = 294 MB in one step). An entry carrying more rows than the buffer keeps (``limit``)
+leaves rows that only the server can hold: they are *unproven* (``big_pos``, ``big_call``) until
+the session is drafted on time by that call or a later one (``drafted``). A step of the session
+that misses its budget, or is answered EXPIRED, while they are unproven means the server is
+still receiving or ingesting them and no draft for the session can come in time before it has:
+the session is *behind* (``fell_behind``). While it is (``catching_up``), the I/O thread sends
+the session's rows ingest-only and nobody waits for its drafts (``step_builder.merge_rows``):
+one missed budget per burst instead of one per step until the server is through it, and every
+committed row still goes out. It ends when a later call is acknowledged within its budget with
+a context start at or below the burst (``acked``: the server is taking rows promptly again and
+holds the burst), and the next step is then a trial that waits as usual: drafted on time, the
+burst is proven; missed or EXPIRED, the session is behind again. A new server epoch ends it, and
+so does ``CATCH_UP_MAX_S`` (the rows were lost after all, say with a reply the network dropped:
+the session then drafts from what the server holds, as after any gap).
 """
 
 from __future__ import annotations
@@ -19,6 +35,10 @@ from __future__ import annotations
 import numpy as np
 
 Chunk = tuple[int, np.ndarray]  # (absolute position of row 0, rows [n, tap_width])
+
+# The longest a session stays behind without the server showing that it holds its burst (see the
+# module docstring). A K3 burst of 64 sessions x 256 rows is 1.2 GB: about 0.5 s over loopback.
+CATCH_UP_MAX_S = 5.0
 
 
 def chunk_rows(chunks: list[Chunk]) -> int:
@@ -70,13 +90,16 @@ def cut_from(chunks: list[Chunk], pos: int) -> tuple[list[Chunk], int]:
 class SessionRows:
     """Unacknowledged rows of one session (I/O thread only)."""
 
-    __slots__ = ("call_id", "chunks", "last_used", "retry_at")
+    __slots__ = ("behind_since", "big_call", "big_pos", "call_id", "chunks", "last_used", "retry_at")
 
     def __init__(self, now: float) -> None:
         self.chunks: list[Chunk] = []  # contiguous, ascending positions
         self.call_id: int | None = None  # the call that last carried all of ``chunks`` (None: never sent)
         self.retry_at = 0.0  # monotonic time before which the server asked us not to send
         self.last_used = now
+        self.big_call: int | None = None  # the call that sent rows only the server holds (None: none unproven)
+        self.big_pos = -1  # the first of those rows
+        self.behind_since = -1.0  # when the session fell behind them (< 0: it is not behind)
 
     @property
     def rows(self) -> int:
@@ -122,3 +145,43 @@ class SessionRows:
     def unsent(self) -> None:
         """The call that carried the rows never left the client: they are buffered, not in flight."""
         self.call_id = None
+
+    # -- catching up (module docstring)
+
+    def sent_big(self, call_id: int, pos: int) -> None:
+        """Call ``call_id`` carries rows from ``pos`` on that the buffer cannot keep."""
+        if self.big_call is None or pos < self.big_pos:
+            self.big_call, self.big_pos = call_id, pos
+
+    def fell_behind(self, now: float) -> bool:
+        """A step of the session missed or expired: behind, if rows only the server holds are unproven."""
+        if self.big_call is None or self.behind_since >= 0:
+            return False
+        self.behind_since = now
+        return True
+
+    def catching_up(self, now: float) -> bool:
+        """Whether the session is behind (its steps do not wait for drafts); ends at the bound."""
+        if self.behind_since < 0:
+            return False
+        if now - self.behind_since < CATCH_UP_MAX_S:
+            return True
+        self.caught_up()
+        return False
+
+    def acked(self, call_id: int, prompt: bool, start: int) -> None:
+        """An OK of call ``call_id`` naming context ``start``, within its budget (``prompt``) or not:
+        a later call's prompt OK at or below the burst ends catching up (the next step is a trial)."""
+        big = self.big_call
+        if self.behind_since >= 0 and big is not None and prompt and call_id > big and 0 <= start <= self.big_pos:
+            self.behind_since = -1.0
+
+    def drafted(self, call_id: int, on_time: bool) -> None:
+        """Drafts of call ``call_id`` for the session: on time from the burst's call or a later one,
+        the burst is proven (the server drafted from all it holds, in time)."""
+        if on_time and self.big_call is not None and call_id >= self.big_call:
+            self.caught_up()
+
+    def caught_up(self) -> None:
+        """Nothing of a burst left to wait for (proven, refused, lost with a server restart, or the bound)."""
+        self.big_call, self.big_pos, self.behind_since = None, -1, -1.0

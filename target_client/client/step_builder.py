@@ -9,8 +9,9 @@ Owns the two halves of building a step and the budget of a step:
   client's wire format (``protocol.wire``; once known), the per-step limits.
 * ``merge_rows`` and ``step_frames`` (I/O thread): each session's unacknowledged rows
   (``resend.SessionRows``) merged in front of its new rows within the resend bound and the
-  step's room, sessions the server asked to hold back answered locally, the rows of a step that
-  is not sent buffered; then the ``Step`` message with one tap frame (the caller's own array,
+  step's room, sessions the server asked to hold back answered locally, sessions catching up
+  after a burst (``resend`` module docstring) sent ingest-only and answered locally, the rows of
+  a step that is not sent buffered; then the ``Step`` message with one tap frame (the caller's own array,
   uncopied, in the common case), or with its rows copied into a region of the client's
   shared-memory ring (transport shm, ``ring``) or, device to device, of its CUDA IPC buffer
   (transport cuda_ipc, ``target_client.cuda.ipc``: the rows are torch CUDA tensors then, and go
@@ -42,6 +43,7 @@ from target_client.client.resend import SessionRows, chunk_rows, keep_newest
 from target_client.client.ring import ClientRing
 
 RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
+CATCHING_UP = "catching up: the server is still taking in this session's earlier rows"
 
 
 # ---------------------------------------------------------------- caller side
@@ -201,6 +203,7 @@ class MergedStep:
     resent: int = 0  # buffered rows sent again
     dropped: int = 0  # buffered or new rows given up
     skipped: int = 0  # requests held back because the server asked us to
+    behind: int = 0  # requests answered locally: their session is catching up (rows sent ingest-only)
 
     def replies(self, n: int) -> list[DraftReply]:
         """Empty replies for the ``n`` requests, apart from those answered locally."""
@@ -236,6 +239,13 @@ def merge_rows(
     A commit (``Phase.COMMIT``, no rows of its own) does not resend rows an early Taps call still
     in flight carries (``in_taps(call id)``): they stay buffered under that call, so its reply
     acknowledges them; once it failed (or the commit was answered MISSING_ROWS) they go again.
+    A session catching up (``SessionRows.catching_up``) gets a local reply without drafts and its
+    rows go as a plain ingest-only entry (WHOLE, k=0: the server ingests it with the next batch,
+    where early taps would wait for one without drafting; a rowless commit not at all), so that
+    nobody waits on it; it resends only buffered rows that never left (the others are on their way
+    in order, and the server is behind already), and an acknowledgement of its newest call covers
+    them all. A request of more than ``limit`` new rows (a burst) marks them as only the server's
+    (``SessionRows.sent_big``).
     """
     send = call_id is not None
     out = MergedStep()
@@ -248,7 +258,8 @@ def merge_rows(
         if s is None:
             s = sessions[e.session] = SessionRows(now)
         s.last_used = now
-        carried = s.call_id if (send and new is None and e.phase == Phase.COMMIT) else None
+        flying = s.call_id  # the call carrying the buffered rows (None: they never left)
+        carried = flying if (send and new is None and e.phase == Phase.COMMIT) else None
         if carried is not None and not (in_taps is not None and in_taps(carried)):
             carried = None
         prev, d = s.take(e.pos, limit)
@@ -273,6 +284,25 @@ def merge_rows(
             out.skipped += 1
             out.zero_copy = out.zero_copy and new is None
             continue
+        behind = s.catching_up(now)
+        if behind:  # the server is still taking in this session's burst: its rows go, nobody waits
+            local[i] = DraftReply([], None, message=CATCHING_UP)
+            out.behind += 1
+            if e.k or e.phase != Phase.WHOLE:  # plain ingest-only: urgent on the server, as early taps are not
+                e = msgspec.structs.replace(e, k=0, phase=Phase.WHOLE, after=0)
+            if prev and flying is not None:  # on their way already, in order: not again (that
+                if new is None:  # would double the rows of a server that is behind)
+                    out.dropped += s.store(prev, limit, flying)
+                    continue
+                out.entries.append(e)
+                out.parts.append(new)
+                out.index.append(i)
+                out.sessions.append(e.session)
+                out.ks.append(0)
+                out.dropped += s.store([*prev, (e.pos, new)], limit, call_id)
+                if e.rows > limit:
+                    s.sent_big(call_id, e.pos)
+                continue
         if carried is not None:  # on their way in the early Taps call: not twice
             out.dropped += s.store(prev, limit, carried)
             out.entries.append(msgspec.structs.replace(e, after=carried))
@@ -292,6 +322,11 @@ def merge_rows(
         chunks = [*prev, (e.pos, new)] if new is not None else prev
         start = chunks[0][0] if chunks else e.pos
         rows = chunk_rows(chunks)
+        if behind and not rows:  # nothing to ingest: the entry would be a no-op
+            out.dropped += s.store(chunks, limit, call_id)
+            continue
+        if e.rows > limit:  # new rows beyond what the buffer keeps (a burst): only the server will hold them
+            s.sent_big(call_id, e.pos)
         out.entries.append(e if start == e.pos else msgspec.structs.replace(e, pos=start, rows=rows))
         out.parts.extend(a for _, a in chunks)
         out.index.append(i)

@@ -70,3 +70,71 @@ def test_store_bounds_rows_and_ack_only_from_the_last_carrier() -> None:
     assert positions(s.chunks) == [8, 9] and s.call_id == 7
     s.ack(7, 10)
     assert s.chunks == [] and s.call_id is None and s.end == -1
+
+
+# ---------------------------------------------------------------- catching up after a burst
+
+
+def test_a_burst_is_behind_only_after_a_miss_and_ends_on_a_prompt_ack_at_or_below_it() -> None:
+    from target_client.client.resend import CATCH_UP_MAX_S
+
+    s = SessionRows(0.0)
+    assert not s.fell_behind(1.0)  # no burst sent: a miss is an ordinary miss
+    s.sent_big(5, 0)  # call 5 carried rows from 0 the buffer cannot keep
+    assert not s.catching_up(1.0)  # sent, not missed: the step waits as usual
+    assert s.fell_behind(1.0) and s.catching_up(1.1)
+    assert not s.fell_behind(1.2)  # already behind: the bound runs from the first miss
+    s.acked(5, prompt=True, start=0)  # the burst's own ack says admitted, not ingested
+    s.acked(6, prompt=False, start=0)  # a late ack: the server is not taking rows in time yet
+    s.acked(7, prompt=True, start=300)  # a guess past the burst: rows still queued ahead of it
+    assert s.catching_up(1.3)
+    s.acked(8, prompt=True, start=0)  # prompt, holding the burst: the next step is a trial
+    assert not s.catching_up(1.4) and s.big_call == 5
+    assert s.fell_behind(1.5) and s.catching_up(1.5)  # the trial missed: behind again
+    s.drafted(4, on_time=True)  # an older call's drafts prove nothing
+    s.drafted(9, on_time=False)  # late drafts neither
+    assert s.catching_up(1.6)
+    s.drafted(9, on_time=True)
+    assert s.big_call is None and not s.catching_up(1.7) and not s.fell_behind(1.8)
+    s.sent_big(10, 100)
+    assert s.fell_behind(2.0) and s.catching_up(2.0 + CATCH_UP_MAX_S - 0.01)
+    assert not s.catching_up(2.0 + CATCH_UP_MAX_S) and s.big_call is None  # the bound: lost after all
+
+
+def test_a_session_catching_up_sends_rows_ingest_only_resends_nothing_in_flight_and_is_answered_locally() -> None:
+    from protocol import Phase, StepEntry
+    from target_client.client.calls import StepCall
+    from target_client.client.step_builder import CATCHING_UP, merge_rows
+
+    sessions: dict[str, SessionRows] = {}
+    burst = rows(0, 100)
+    call = StepCall(
+        (StepEntry("a", 0, 100, 7, 4), StepEntry("b", 0, 2, 7, 4)), np.concatenate([burst, rows(0, 2)]), 1.0, True
+    )
+    m = merge_rows(call, sessions, 0.0, 1, None, room=64, limit=64)
+    assert [e.rows for e in m.entries] == [100, 2] and not m.local
+    assert sessions["a"].big_call == 1 and sessions["b"].big_call is None  # only a's rows exceed the buffer
+    assert sessions["a"].fell_behind(0.1) and not sessions["b"].fell_behind(0.1)
+    # the next step: a's 3 new rows go alone (its buffered rows are on their way in call 1), k=0; b as usual
+    call = StepCall(
+        (StepEntry("a", 100, 3, 8, 4), StepEntry("b", 2, 1, 8, 4)),
+        np.concatenate([rows(100, 3), rows(2, 1)]),
+        1.0,
+        True,
+    )
+    m = merge_rows(call, sessions, 0.2, 2, None, room=64, limit=64)
+    assert [(e.session, e.pos, e.rows, e.k) for e in m.entries] == [("a", 100, 3, 0), ("b", 0, 3, 4)]
+    assert m.behind == 1 and m.local[0].message == CATCHING_UP and m.local[0].tokens == [] and 1 not in m.local
+    assert positions(sessions["a"].chunks) == list(range(39, 103)) and sessions["a"].call_id == 2  # the newest 64
+    # a commit of a session catching up is not sent; an early taps span goes as a plain ingest-only entry
+    call = StepCall((StepEntry("a", 103, 0, 9, 4, phase=Phase.COMMIT),), None, 1.0, True, phase=Phase.COMMIT)
+    m = merge_rows(call, sessions, 0.3, 3, None, room=64, limit=64)
+    assert m.entries == [] and m.behind == 1 and sessions["a"].call_id == 2
+    call = StepCall((StepEntry("a", 103, 5, 0, 0, phase=Phase.TAPS),), rows(103, 5), 1.0, True, phase=Phase.TAPS)
+    m = merge_rows(call, sessions, 0.4, 4, None, room=64, limit=64)
+    assert [(e.pos, e.rows, e.k, e.phase) for e in m.entries] == [(103, 5, 0, Phase.WHOLE)]
+    # rows that never left (the send failed) are resent even while catching up
+    sessions["a"].unsent()
+    call = StepCall((StepEntry("a", 108, 1, 9, 4),), rows(108, 1), 1.0, True)
+    m = merge_rows(call, sessions, 0.5, 5, None, room=64, limit=64)
+    assert [(e.pos, e.rows, e.k) for e in m.entries] == [(44, 65, 0)] and m.resent == 64
