@@ -1,7 +1,9 @@
 """The engine thread: continuous batching over every client's queued work, and the drafter calls.
 
-The I/O thread hands over admitted work with ``submit`` / ``submit_free`` and never waits;
-the engine hands finished replies back through ``send_reply`` (a callback that only queues).
+The I/O thread hands over admitted work with ``submit`` / ``submit_free`` (an append to the
+inbox) and rings the engine awake with ``wake`` once per pass over the socket, right before it
+sleeps itself; it never waits. The engine hands finished replies to ``send_reply`` (a callback
+that never blocks: it sends when the socket is free, else queues).
 One engine iteration:
 
 1. take everything that arrived (new work, frees), bind each entry to its session (a newer
@@ -33,6 +35,7 @@ gap restart.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -81,7 +84,8 @@ class Engine:
         self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
 
         self._inbox: deque[tuple[str, object]] = deque()
-        self._wake = threading.Event()
+        self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()  # a token ends the idle wait
+        self._idle = False  # the engine waits on the bell (or is about to)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
@@ -96,19 +100,24 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
+        self._bell.put(None)
         self._thread.join(timeout)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, works: list[Work]) -> None:
+        """Queue admitted work (taken by the engine's next iteration; ``wake`` if it may be idle)."""
         self._inbox.append(("work", works))
-        self._wake.set()
 
     def submit_free(self, owner: bytes, sessions: tuple[str, ...]) -> None:
         self._inbox.append(("free", (owner, sessions)))
-        self._wake.set()
+
+    def wake(self) -> None:
+        """End the engine's idle wait if it is in one (any thread; costs nothing when it is busy)."""
+        if self._idle:
+            self._idle = False
+            self._bell.put(None)
 
     def reply_now(self, call: Call) -> None:
         """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
@@ -118,7 +127,6 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.clear()
             try:
                 self._drain_inbox()
                 if self.window_s and self._has_decode_work():
@@ -131,8 +139,20 @@ class Engine:
                 self.metrics.engine_errors.inc()
                 did = True
             if not did:
-                self._wake.wait(timeout=0.05)
+                self._wait()
         self._fail_all_pending("server shutting down")
+
+    def _wait(self) -> None:
+        """Idle: until ``wake`` (new work), ``stop`` or 50 ms (sweeps, expiry)."""
+        self._idle = True  # announced before the inbox is read: work queued after the read rings the bell
+        if not self._inbox and not self._stop.is_set():
+            try:
+                self._bell.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._idle = False
+        while not self._bell.empty():  # a second ring for the same work
+            self._bell.get_nowait()
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -248,7 +268,9 @@ class Engine:
             self.busy_since = None
         dt = time.monotonic() - t0
         self.admission.iter_ewma_s = 0.8 * self.admission.iter_ewma_s + 0.2 * dt
-        self.metrics.iteration.observe(dt)
+        m = self.metrics
+        m.later.later(m.iteration.observe, dt)
+        m.later.flush()  # the iteration's replies are out: its metric updates are off their path now
         return True
 
     def _expire(self, now: float) -> None:
@@ -296,6 +318,8 @@ class Engine:
         self._release(s, "error")
 
     def _decode_batch(self, batch: list[tuple[Session, Work]], t0: float) -> None:
+        m = self.metrics
+        later, queue_wait = m.later.later, m.queue_wait.observe
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
@@ -310,8 +334,10 @@ class Engine:
             placed.append((s, w))
             if w.k:
                 drafts.append((s, w))
-            self.metrics.queue_wait.observe(t0 - w.call.recv_t)
-            w.call.queue_s = max(w.call.queue_s, t0 - w.call.recv_t)
+            wait = t0 - w.call.recv_t
+            later(queue_wait, wait)
+            if wait > w.call.queue_s:
+                w.call.queue_s = wait
         n_rows = sum(len(i.taps) for i in ingest)
         try:
             if ingest:
@@ -331,18 +357,20 @@ class Engine:
             return
         ingest.clear()  # the rows are in the KV cache: let go of them (a shm region is free once unreferenced)
         dt = time.monotonic() - t0
-        self.metrics.rows_ingested.inc(n_rows)
-        self.metrics.batch_rows.observe(n_rows)
-        self.metrics.batch_sessions.observe(len(drafts))
+        if n_rows:
+            later(m.rows_ingested.inc, n_rows)
+        later(m.batch_rows.observe, n_rows)
+        later(m.batch_sessions.observe, len(drafts))
         for call in {id(w.call): w.call for _, w in placed}.values():
             call.compute_s += dt  # once per call: its entries shared this batch
         for s, w in placed:
             s.pending.popleft()
             self.admission.retire_rows(w.call.owner, w.rows)
             w.taps = None
+        drafted = 0
         for (s, w), out in zip(drafts, outs, strict=True):
             conf = tuple(out.confidence) if out.confidence else ()
-            self.metrics.drafted_tokens.inc(len(out.tokens))
+            drafted += len(out.tokens)
             probs = prob_ids = None
             if out.probs is not None and out.prob_ids is not None:  # frames of the reply
                 payloads = w.call.payloads
@@ -353,6 +381,8 @@ class Engine:
                 Status.OK, tuple(out.tokens), w.end, confidence=conf, probs=probs, prob_ids=prob_ids, start=s.start
             )
             self._resolve(w, result)
+        if drafted:
+            later(m.drafted_tokens.inc, drafted)
 
     def _prefill_chunk(self, s: Session, t0: float) -> None:
         w = s.pending[0]
@@ -394,7 +424,8 @@ class Engine:
         if call.results[w.idx] is not None:
             return
         call.results[w.idx] = result
-        self.metrics.entries.labels(result.status.name.lower()).inc()
+        m = self.metrics
+        m.later.later(m.entry_status[result.status].inc, 1)
         call.remaining -= 1
         if call.remaining == 0:
             self._reply(call)
@@ -413,8 +444,9 @@ class Engine:
             ),
             advised_k=self.admission.advised_k(self.drafter.contract.block_size),
         )
-        self.metrics.step_latency.observe(now - call.recv_t)
         self.send_reply(call.ident, res, call.payloads)
+        m = self.metrics
+        m.later.later(m.step_latency.observe, now - call.recv_t)
 
     def _release(self, s: Session, reason: str) -> None:
         for w in self.sessions.release(s, reason):
