@@ -368,7 +368,7 @@ class DraftClient:
         if out is not None:
             return out.replies, out.outcome
         assert call.future is not None
-        return self._give_up(call.future, len(call.entries))
+        return self._give_up(call.future, len(call.entries), call.deadline)
 
     def _call_gate(self) -> str | None:
         if self._closed:
@@ -378,10 +378,10 @@ class DraftClient:
             self._io.submit(Connect(None))
         return self._io.gate
 
-    @staticmethod
-    def _give_up(fut: Future, n: int) -> tuple[list[DraftReply], str]:
+    def _give_up(self, fut: Future, n: int, deadline: float) -> tuple[list[DraftReply], str]:
         """The deadline passed: claim the call as timed out, unless its result was just claimed."""
         if fut.cancel():
+            self._io.gave_up(deadline)  # the miss counts now
             return empty_replies(n), "timeout"
         try:
             out = fut.result(timeout=_RESULT_GRACE_S)
