@@ -17,7 +17,7 @@ import errno
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from draft_server.config import StartupError
-from protocol import ErrorCode, Status
+from protocol import EntryResult, ErrorCode, Status
 from protocol.telemetry import LATENCY_BUCKETS, Deferred
 
 if TYPE_CHECKING:
@@ -161,6 +161,18 @@ class ServerMetrics:
             self.stale_steps.labels(why)
         for reason in ARENA_FALLBACKS:
             self.arena_fallbacks.labels(reason)
+
+    def count_entries(self, results: Sequence[EntryResult]) -> None:
+        """A reply's entries by status (queued: one update per status, not per entry)."""
+        later = self.later.later
+        if len(results) == 1:
+            later(self.entry_status[results[0].status].inc, 1)
+            return
+        by: dict[Status, int] = {}
+        for r in results:
+            by[r.status] = by.get(r.status, 0) + 1
+        for status, n in by.items():
+            later(self.entry_status[status].inc, n)
 
     def set_weights(self, d: dict) -> None:
         """Format, bits and weight bytes of the loaded drafter (``app.describe``)."""

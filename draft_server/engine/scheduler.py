@@ -134,6 +134,7 @@ class Engine:
                     self._drain_inbox()
                 did = self._iteration()
                 self._sweep()
+                self._flush_metrics()
             except Exception:  # the loop must survive anything a batch does
                 log.exception("engine iteration failed")
                 self.metrics.engine_errors.inc()
@@ -141,6 +142,7 @@ class Engine:
             if not did:
                 self._wait()
         self._fail_all_pending("server shutting down")
+        self._flush_metrics()
 
     def _wait(self) -> None:
         """Idle: until ``wake`` (new work), ``stop`` or 50 ms (sweeps, expiry)."""
@@ -270,8 +272,12 @@ class Engine:
         self.admission.iter_ewma_s = 0.8 * self.admission.iter_ewma_s + 0.2 * dt
         m = self.metrics
         m.later.later(m.iteration.observe, dt)
-        m.later.flush()  # the iteration's replies are out: its metric updates are off their path now
         return True
+
+    def _flush_metrics(self) -> None:
+        """Apply the metric updates queued so far (each iteration's replies are out by now, so
+        they are off their path)."""
+        self.metrics.later.flush()
 
     def _expire(self, now: float) -> None:
         early = False
@@ -367,10 +373,11 @@ class Engine:
             s.pending.popleft()
             self.admission.retire_rows(w.call.owner, w.rows)
             w.taps = None
-        drafted = 0
+        drafted = sum(len(out.tokens) for out in outs)
+        if drafted:  # queued before the replies go: a scrape after a reply counts its drafts
+            later(m.drafted_tokens.inc, drafted)
         for (s, w), out in zip(drafts, outs, strict=True):
             conf = tuple(out.confidence) if out.confidence else ()
-            drafted += len(out.tokens)
             probs = prob_ids = None
             if out.probs is not None and out.prob_ids is not None:  # frames of the reply
                 payloads = w.call.payloads
@@ -381,8 +388,6 @@ class Engine:
                 Status.OK, tuple(out.tokens), w.end, confidence=conf, probs=probs, prob_ids=prob_ids, start=s.start
             )
             self._resolve(w, result)
-        if drafted:
-            later(m.drafted_tokens.inc, drafted)
 
     def _prefill_chunk(self, s: Session, t0: float) -> None:
         w = s.pending[0]
@@ -424,19 +429,19 @@ class Engine:
         if call.results[w.idx] is not None:
             return
         call.results[w.idx] = result
-        m = self.metrics
-        m.later.later(m.entry_status[result.status].inc, 1)
         call.remaining -= 1
         if call.remaining == 0:
             self._reply(call)
 
     def _reply(self, call: Call) -> None:
         now = time.monotonic()
+        results: tuple[EntryResult, ...] = tuple(call.results)  # type: ignore[arg-type]
+        self.metrics.count_entries(results)  # queued before the send: a scrape after the reply counts it
         res = StepResult(
             call_id=call.call_id,
             epoch=self.epoch,
             contract_id=self.contract_id,
-            results=tuple(call.results),  # type: ignore[arg-type]
+            results=results,
             timing=Timing(
                 queue_ms=round(call.queue_s * 1000, 4),
                 compute_ms=round(call.compute_s * 1000, 4),
@@ -444,9 +449,9 @@ class Engine:
             ),
             advised_k=self.admission.advised_k(self.drafter.contract.block_size),
         )
-        self.send_reply(call.ident, res, call.payloads)
         m = self.metrics
         m.later.later(m.step_latency.observe, now - call.recv_t)
+        self.send_reply(call.ident, res, call.payloads)
 
     def _release(self, s: Session, reason: str) -> None:
         for w in self.sessions.release(s, reason):

@@ -606,6 +606,4 @@ class Router:
             log.warning("client %r: %d tap rows with NaN/Inf so far", owner[-16:], before + rows)
 
     def _set(self, call: Call, i: int, result: EntryResult) -> None:
-        call.results[i] = result
-        m = self.metrics
-        m.later.later(m.entry_status[result.status].inc, 1)
+        call.results[i] = result  # counted with the reply (``ServerMetrics.count_entries``)
