@@ -248,9 +248,13 @@ class Router:
         return self._thread.is_alive()
 
     def stop(self) -> None:
+        """Idempotent; the thread need not have started."""
+        if self._closed:
+            return
         self._running.clear()
         self._wake()
-        self._thread.join(5.0)
+        if self._thread.ident is not None:  # started
+            self._thread.join(5.0)
         with self._lock:  # a reply the engine sends from now on is dropped, never sent on a closed socket
             self._closed = True
             self._sock.close(linger=0)

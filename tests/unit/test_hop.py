@@ -1,0 +1,262 @@
+"""The hop's mechanisms, one at a time (issue 12, RPC overhead): no timed assertions.
+
+* ``protocol.telemetry.Deferred``: queued metric updates are applied exactly once, whoever
+  flushes, and a registry's collection (a scrape, ``get_sample_value``) applies them first;
+* the server's replies: the engine sends a reply itself when the socket is free, queues it for
+  the I/O thread when that thread holds the socket (never lost, never reordered behind a later
+  one), wakes the I/O thread when its send may have taken the edge of a message still unread,
+  and drops it quietly once the router is stopped; the engine is rung only when it idles;
+* the client: a step goes out from the caller's own thread when the loop is free, and from the
+  I/O thread when a pass of that thread holds it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from draft_server.app import DraftServer
+from draft_server.config import ServerConfig
+from draft_server.drafters.checksum import ChecksumDrafter
+from protocol import Ping, Pong, decode_reply, encode
+from protocol.telemetry import Deferred
+from target_client import ClientConfig, DraftClient, StepRequest
+from tests.conftest import wait_for
+from tests.unit.client_fake_server import FakeServer, fake_drafts
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# ---------------------------------------------------------------- Deferred
+
+
+def test_deferred_updates_are_applied_exactly_once_by_concurrent_flushers() -> None:
+    reg = CollectorRegistry()
+    d = Deferred(bound=1 << 30)  # only the flushers below apply anything
+    c = Counter("hop_updates", "test", registry=reg)
+    n, writers = 20_000, 2
+    stop = threading.Event()
+
+    def write() -> None:
+        for _ in range(n):
+            d.later(c.inc, 1)
+
+    def flush() -> None:
+        while not stop.is_set():
+            d.flush()
+
+    flushers = [threading.Thread(target=flush) for _ in range(3)]
+    ws = [threading.Thread(target=write) for _ in range(writers)]
+    for t in flushers + ws:
+        t.start()
+    for t in ws:
+        t.join()
+    stop.set()
+    for t in flushers:
+        t.join()
+    d.flush()
+    assert len(d) == 0
+    assert reg.get_sample_value("hop_updates_total") == n * writers
+
+
+def test_a_registry_applies_what_is_queued_before_it_reads() -> None:
+    reg = CollectorRegistry()
+    d = Deferred()
+    reg.register(d)  # type: ignore[arg-type]  # first, as both sides register it
+    h = Histogram("hop_wait_seconds", "test", buckets=(0.001, 0.01), registry=reg)
+    for v in (0.0005, 0.002, 0.5):
+        d.later(h.observe, v)
+    assert h._sum.get() == 0.0  # queued, not applied yet
+    assert reg.get_sample_value("hop_wait_seconds_count") == 3.0  # the collection applied them
+    assert reg.get_sample_value("hop_wait_seconds_bucket", {"le": "0.001"}) == 1.0
+    assert len(d) == 0
+
+
+def test_the_queue_never_grows_past_its_bound() -> None:
+    reg = CollectorRegistry()
+    d = Deferred(bound=8)
+    c = Counter("hop_bounded", "test", registry=reg)
+    for _ in range(100):
+        d.later(c.inc, 1)
+    assert len(d) <= 8
+    assert c._value.get() + len(d) == 100
+
+
+# ---------------------------------------------------------------- server: who sends a reply
+
+
+@pytest.fixture
+def router():
+    """A server's router with no I/O thread running (the test plays it), and a DEALER peer."""
+    srv = DraftServer(ServerConfig(bind="tcp://127.0.0.1:0", metrics_port=-1, drafter="checksum"), ChecksumDrafter())
+    r = srv.router
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.setsockopt(zmq.ROUTING_ID, b"dc-peer")
+    peer.connect(r.endpoint)
+    yield r, peer
+    peer.close(0)
+    ctx.term()
+    r.stop()
+
+
+def _ident(r, peer) -> bytes:
+    """Send a Ping and read it as the I/O thread would, so the router knows the peer's route."""
+    peer.send_multipart(encode(Ping(call_id=1)))
+    assert r._sock.poll(5000, zmq.POLLIN)
+    frames = r._sock.recv_multipart()
+    return frames[0]
+
+
+def _got(peer, first_ms: int = 5000) -> list[int]:
+    """Call ids of the replies the peer has now (after waiting up to ``first_ms`` for the first)."""
+    ids = []
+    if peer.poll(first_ms, zmq.POLLIN):
+        while peer.poll(200, zmq.POLLIN):
+            ids.append(decode_reply(peer.recv_multipart()[0]).call_id)
+    return ids
+
+
+def _woken(r) -> bool:
+    try:
+        return bool(os.read(r._wake_r, 4096))
+    except BlockingIOError:
+        return False
+
+
+def _pong(r, call_id: int) -> Pong:
+    return r._pong(call_id)
+
+
+def test_a_reply_sent_from_another_thread_goes_out_at_once_when_the_socket_is_free(router) -> None:
+    r, peer = router
+    ident = _ident(r, peer)
+    _woken(r)
+    t = threading.Thread(target=r.queue_reply, args=(ident, _pong(r, 7)))  # as the engine does
+    t.start()
+    t.join()
+    assert _got(peer) == [7]  # no I/O thread runs: the engine's thread sent it
+    assert not r._outbox and not _woken(r)
+
+
+def test_a_reply_that_finds_the_socket_busy_is_queued_and_sent_first_by_the_next_pass(router) -> None:
+    r, peer = router
+    ident = _ident(r, peer)
+    _woken(r)
+    held, go = threading.Event(), threading.Event()
+
+    def io_pass() -> None:  # the I/O thread in the middle of a pass
+        with r._lock:
+            held.set()
+            go.wait(5)
+            r._serve()
+
+    t = threading.Thread(target=io_pass)
+    t.start()
+    assert held.wait(5)
+    r.queue_reply(ident, _pong(r, 8))  # the engine: the socket is busy
+    assert len(r._outbox) == 1 and _woken(r)  # queued, and the I/O thread told
+    go.set()
+    t.join()
+    r.queue_reply(ident, _pong(r, 9))  # a later reply, sent directly
+    assert _got(peer) == [8, 9]  # never lost, and in order
+
+
+def test_the_engine_wakes_the_io_thread_when_a_message_waits_unread_after_its_send(router) -> None:
+    r, peer = router
+    ident = _ident(r, peer)
+    _woken(r)
+    peer.send_multipart(encode(Ping(call_id=2)))  # arrives; the I/O thread (not running) has not read it
+    assert r._sock.poll(5000, zmq.POLLIN)  # (this read of the socket's state takes the FD's edge too)
+    r.queue_reply(ident, _pong(r, 10))
+    assert _woken(r)  # the message is the I/O thread's: the engine's send rang it
+    assert _got(peer) == [10]
+
+
+def test_a_reply_after_stop_is_dropped_quietly(router) -> None:
+    r, peer = router
+    ident = _ident(r, peer)
+    r.stop()
+    r.queue_reply(ident, _pong(r, 11))  # no exception, no send on a closed socket
+    assert _got(peer, first_ms=300) == []
+
+
+def test_the_engine_is_rung_only_while_it_idles() -> None:
+    srv = DraftServer(ServerConfig(bind="tcp://127.0.0.1:0", metrics_port=-1, drafter="checksum"), ChecksumDrafter())
+    try:
+        eng = srv.engine
+        eng.wake()  # busy (not waiting): nothing to ring
+        assert eng._bell.empty()
+        eng._idle = True
+        eng.wake()
+        eng.wake()  # rung once: the first ring ends the idle state
+        assert eng._bell.qsize() == 1 and not eng._idle
+    finally:
+        srv.router.stop()
+
+
+# ---------------------------------------------------------------- client: who sends a step
+
+
+@pytest.fixture
+def fake():
+    srv = FakeServer()
+    yield srv
+    srv.stop()
+
+
+def _client(endpoint: str) -> DraftClient:
+    return DraftClient(ClientConfig(endpoint=endpoint, budget_ms=2000.0, registry=CollectorRegistry()))
+
+
+def _record_senders(c: DraftClient) -> list[int]:
+    senders: list[int] = []
+    send = c._io._try_send
+
+    def recording(frames) -> bool:
+        senders.append(threading.get_ident())
+        return send(frames)
+
+    c._io._try_send = recording  # type: ignore[method-assign]
+    return senders
+
+
+def _taps(rows: int) -> np.ndarray:
+    return np.random.default_rng(rows).integers(0, 1 << 16, size=(rows, 32), dtype=np.uint16)
+
+
+def test_a_step_goes_out_from_the_callers_thread_when_the_loop_is_free(fake) -> None:
+    c = _client(fake.endpoint)
+    try:
+        c.connect(wait=True)
+        senders = _record_senders(c)
+        r = StepRequest("a", 0, 2, anchor=5, k=4)
+        out = c.step([r], _taps(2))
+        assert out[0].tokens == fake_drafts("a", 2, 5, 4)
+        assert senders == [threading.get_ident()]
+    finally:
+        c.close()
+
+
+def test_a_step_goes_out_from_the_io_thread_when_a_pass_of_it_holds_the_loop(fake) -> None:
+    c = _client(fake.endpoint)
+    try:
+        c.connect(wait=True)
+        senders = _record_senders(c)
+        box: list = []
+        with c._io._lock:  # the I/O thread's pass, as far as the caller can tell
+            t = threading.Thread(target=lambda: box.append(c.step([StepRequest("b", 0, 1, anchor=3, k=2)], _taps(1))))
+            t.start()
+            assert wait_for(lambda: bool(c._io._cmds))  # queued for the I/O thread, nothing sent yet
+            assert not senders
+        t.join(10)
+        assert box and box[0][0].tokens == fake_drafts("b", 1, 3, 2)
+        assert senders == [c._io.thread.ident]
+    finally:
+        c.close()
