@@ -637,15 +637,18 @@ class IoLoop:
             self._miss(now)
 
     def _replies(self, p: Pending, results: Sequence[EntryResult] | None, payloads: Sequence[Any]) -> list[DraftReply]:
-        local = p.local or {}
-        out = [local.get(i) or DraftReply([]) for i in range(p.n)]
-        if results is None:
-            return out
-        pinned = self.handshake.pinned
-        vocab = pinned.vocab_size if pinned is not None else None
-        for idx, k, r in zip(p.index, p.ks, results, strict=True):
-            out[idx] = self._reply(r, k, vocab, payloads)
-        return out
+        out: list[DraftReply | None] = [None] * p.n
+        if results is not None:
+            pinned = self.handshake.pinned
+            vocab = pinned.vocab_size if pinned is not None else None
+            for idx, k, r in zip(p.index, p.ks, results, strict=True):
+                out[idx] = self._reply(r, k, vocab, payloads)
+        if results is None or len(results) < p.n:  # requests answered locally, or not at all
+            local = p.local or {}
+            for i, rep in enumerate(out):
+                if rep is None:
+                    out[i] = local.get(i) or DraftReply([])
+        return out  # type: ignore[return-value]
 
     def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
         if r.status != Status.OK:

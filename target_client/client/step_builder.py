@@ -241,6 +241,7 @@ def merge_rows(
     out = MergedStep()
     local = out.local
     off = 0
+    new_fit = call.taps is None or fits(call.taps, layout)  # every request's rows are a slice of these
     for i, e in enumerate(call.entries):
         new = call.taps[off : off + e.rows] if (e.rows and call.taps is not None) else None
         off += e.rows
@@ -256,7 +257,7 @@ def merge_rows(
         if prev and not fits(prev[0][1], layout):  # buffered before the row layout was known
             out.dropped += chunk_rows(prev)
             prev = []
-        if new is not None and not fits(new, layout):  # validated before the row layout was known
+        if new is not None and not new_fit:  # validated before the row layout was known
             out.dropped += len(new)
             local[i] = DraftReply([], None, message="taps do not fit the server's contract")
             out.zero_copy = False
