@@ -421,10 +421,7 @@ class StepTicket:
             return self.replies
         call = self._call
         assert call is not None and call.future is not None
-        try:
-            out: Outcome | None = call.future.result(timeout=max(0.0, call.deadline - time.monotonic()))
-        except (FutureTimeout, FutureCancelled):
-            out = None
+        out = self._client._io.await_step(call)
         replies, self.outcome = self._client._outcome(call, out)
         self.replies = self._client._finish(self._t0, replies, self.outcome)
         return self.replies

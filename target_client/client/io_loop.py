@@ -25,6 +25,16 @@ runs it. Callers read immutable snapshots only (``gate``, ``handshake.welcome``/
 A reply's caller is woken last: its future is claimed during the pass and its result set once
 the pass is over (``calls.Wakeups``), so the woken caller finds the GIL free instead of waiting
 for the rest of the pass.
+
+Who watches the socket for replies: the I/O thread, unless a caller waiting in ``step()``
+(``await_step``) does. Such a caller (the owner) polls the socket's FD itself until its deadline
+and runs the pass its reply wakes it for: the reply reaches it with no hop through the I/O thread,
+whose poll leaves the FD out while a caller owns it (one thread woken per reply, never two racing
+for the GIL). Ownership is sticky between a caller's steps, so a caller that steps back to back
+hands nothing over; the I/O thread takes the socket back once the owner has stopped watching for
+``_RECLAIM_S`` (meanwhile a Pong or a late reply waits at most that long), and at once when the
+owner leaves while other calls wait. A pass elsewhere that reads a reply while a caller owns the
+socket rings the owner (its reply may be among them, and its FD's edge gone).
 """
 
 from __future__ import annotations
@@ -38,6 +48,9 @@ import select
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import CancelledError as FutureCancelled
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
@@ -65,6 +78,7 @@ from target_client.client.calls import (
     CloseCmd,
     Connect,
     FreeCmd,
+    Outcome,
     Pending,
     PingCmd,
     StepCall,
@@ -94,6 +108,7 @@ _POLLOUT = int(zmq.POLLOUT)
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _CALL_KINDS = ("step", "taps")  # pending calls whose expiry is bookkeeping (the caller times out by itself)
+_RECLAIM_S = 0.005  # the I/O thread watches the socket again this long after its owner stopped
 
 
 def random_routing_id() -> bytes:
@@ -134,6 +149,10 @@ class IoLoop:
         self._lock = threading.Lock()  # the socket and all of the state above (see the module docstring)
         self._wakeups = Wakeups()  # callers whose results are set once the pass is over
         self._sleep_until = -math.inf  # when the I/O thread's current sleep ends (written under the lock)
+        self._owner: int | None = None  # the caller thread watching the socket for replies (None: the I/O thread)
+        self._owner_polling = False  # the owner is in its wait now (only the owner clears it)
+        self._owner_seen = 0.0  # when the owner last stopped waiting
+        self._unread = False  # the latest read of ZMQ_EVENTS saw a reply waiting (so its FD edge is gone)
         self._shut = False  # the thread has shut the loop down (socket gone)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
@@ -152,6 +171,13 @@ class IoLoop:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
         os.set_blocking(self._wfd, False)
+        self._orfd, self._owfd = os.pipe()  # rings the owner: a pass elsewhere read replies
+        os.set_blocking(self._orfd, False)
+        os.set_blocking(self._owfd, False)
+        self._zfd = self._sock.get(zmq.FD)
+        self._owner_poll = select.poll()  # the owner's: the socket and its ring
+        self._owner_poll.register(self._zfd, select.POLLIN)
+        self._owner_poll.register(self._orfd, select.POLLIN)
         # Guards the write end against stop(): a caller racing close() must never write into a
         # closed (and possibly reused) descriptor. Held for one non-blocking write only.
         self._wake_lock = threading.Lock()
@@ -175,33 +201,112 @@ class IoLoop:
         if not self._lock.acquire(blocking=False):
             self._wake()  # the I/O thread holds the loop: it passes again before it sleeps
             return
+        wake = ring = False
         try:
-            wake = self._caller_pass_locked(due)
+            wake, ring = self._caller_pass_locked(due)
         finally:
             self._lock.release()
             self._wakeups.release()
         if wake:
             self._wake()
+        if ring:
+            self._ring_owner()
         self._m.later.flush()  # the Step is out and the caller waits for its reply anyway
 
-    def _caller_pass_locked(self, due: float | None) -> bool:
-        """A pass in a caller's thread (under the lock). True when the I/O thread must look: a
-        reply is left unread, something waits for the socket to turn writable, commands are left
-        over, a timer is due before its sleep ends, or the loop is closing."""
+    def await_step(self, call: StepCall) -> Outcome | None:
+        """A step's outcome, waiting at most until its deadline (None: none by then). The caller
+        watches the socket itself when nobody else does (see the module docstring), else waits on
+        the step's future."""
+        fut = call.future
+        assert fut is not None
+        if not fut.done() and call.deadline > time.monotonic() and self._own():
+            self._watch(fut, call.deadline)
+        try:
+            return fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
+        except (FutureTimeout, FutureCancelled):
+            return None
+
+    def _own(self) -> bool:
+        """Make this thread the socket's owner; False when another caller watches it now (its
+        passes resolve this caller's step too), the loop is busy or closing."""
+        me = threading.get_ident()
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            owner = self._owner
+            if self._closing or (owner not in (None, me) and self._owner_polling):
+                return False
+            self._owner = me
+            self._owner_polling = True  # under the lock: the I/O thread never takes back a socket in use
+        finally:
+            self._lock.release()
+        if owner is None:
+            self._wake()  # the I/O thread may sleep on the socket: it leaves the FD out from its next poll
+        return True
+
+    def _watch(self, fut: Future, deadline: float) -> None:
+        """The owner's wait: poll the socket (and the owner's ring) until ``fut`` is done or the
+        deadline passes, and run a pass for what arrives."""
+        try:
+            while not fut.done():
+                ms = math.ceil((deadline - time.monotonic()) * 1000.0)
+                if ms <= 0:
+                    return
+                for fd, _ in self._owner_poll.poll(0 if self._unread else ms):  # FD's edge taken: look now
+                    if fd == self._orfd:
+                        try:
+                            os.read(self._orfd, 4096)
+                        except OSError:
+                            pass
+                if self._closing or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return
+                try:
+                    wake, _ = self._caller_pass_locked(None)
+                finally:
+                    self._lock.release()
+                    self._wakeups.release()
+                if wake:
+                    self._wake()
+        finally:
+            self._owner_seen = time.monotonic()
+            self._owner_polling = False
+            if self._cmds or any(p.kind == "step" and p.future is not fut for p in list(self.pending.values())):
+                self._owner = None  # other callers wait on their futures: the I/O thread watches for them
+                self._wake()
+
+    def _ring_owner(self) -> None:
+        """A pass that is not the owner's read replies while a caller owns the socket: wake it."""
+        if self._owner is not None and self._owner != threading.get_ident():
+            with self._wake_lock:
+                if self._owfd >= 0:
+                    try:
+                        os.write(self._owfd, b"\0")
+                    except OSError:
+                        pass  # full: it is rung already
+
+    def _caller_pass_locked(self, due: float | None) -> tuple[bool, bool]:
+        """A pass in a caller's thread (under the lock). Returns whether the I/O thread must look
+        (a reply is left unread while it watches the socket, something waits for the socket to turn
+        writable, commands are left over, a timer is due before its sleep ends, or the loop is
+        closing) and whether another thread that owns the socket must (it may have lost its reply
+        or its FD's edge to this pass; a reply left for this thread, the owner, it reads itself)."""
         if self._closing:
             if self._shut:  # the thread has gone: nobody else answers what was just queued
                 self._close_commands()
-            return True
+            return True, True
         try:
-            self._pass(bool(self._sock.get(_EVENTS) & _POLLIN), due)
+            got = self._pass(bool(self._sock.get(_EVENTS) & _POLLIN), due)
         except Exception:  # the I/O thread's own pass counts and logs it the same way
             self._c.add("io_errors")
             log.exception("draft client %s: a caller's pass of the I/O loop failed", self.cfg.name)
-            return True
-        ev = self._sock.get(_EVENTS)  # last: the thread sleeps on the FD's edge, which this may have taken
-        if ev & _POLLIN or (ev & _POLLOUT and self._out_due()) or self._cmds or self._closing:
-            return True
-        return self._wake_at(time.monotonic(), calls=False) < self._sleep_until
+            return True, True
+        ev = self._sock.get(_EVENTS)  # last: whoever sleeps on the FD's edge may have lost it to this read
+        unread = self._unread = bool(ev & _POLLIN)
+        owner = self._owner
+        ring = owner is not None and owner != threading.get_ident() and bool(got or unread)
+        if (unread and owner is None) or (ev & _POLLOUT and self._out_due()) or self._cmds or self._closing:
+            return True, ring
+        return self._wake_at(time.monotonic(), calls=False) < self._sleep_until, ring
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -222,7 +327,8 @@ class IoLoop:
             return
         with self._wake_lock:
             wfd, self._wfd = self._wfd, -1
-        for fd in (self._rfd, wfd):
+            owfd, self._owfd = self._owfd, -1
+        for fd in (self._rfd, wfd, self._orfd, owfd):
             try:
                 os.close(fd)
             except OSError:
@@ -252,19 +358,28 @@ class IoLoop:
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._sock.get(zmq.FD), select.POLLIN)
         poller.register(self._rfd, select.POLLIN)
         rfd = self._rfd
+        watching = False  # the socket's FD is in the poll (not while a caller owns the socket)
         timeout = 0  # the socket's state may have changed before the first read of ZMQ_EVENTS
         failures = 0  # consecutive passes that raised
         try:
             while True:
+                got = 0
                 try:
+                    if watching != (self._owner is None):
+                        watching = not watching
+                        if watching:
+                            poller.register(self._zfd, select.POLLIN)
+                            timeout = 0  # its edge may have gone to the owner: look first
+                        else:
+                            poller.unregister(self._zfd)
                     for fd, _ in poller.poll(timeout):
                         if fd == rfd:
                             self._drain_wake()
                     with self._lock:
-                        self._pass(True)
+                        self._reclaim()
+                        got = self._pass(True)
                         if self._closing:
                             break
                         timeout = self._sleep_ms()
@@ -281,30 +396,38 @@ class IoLoop:
                     timeout = 0
                 finally:
                     self._wakeups.release()  # last before the poll: the woken callers find the GIL free
+                    if got:
+                        self._ring_owner()
         except Exception:
             log.exception("draft client %s: I/O thread failed; drafting is off for this client", self.cfg.name)
         finally:
             with self._lock:
                 self._shutdown()
             self._wakeups.release()
+            self._ring_owner()  # an owner waiting on the socket: the loop is closed
 
-    def _pass(self, readable: bool, due: float | None = None) -> None:
+    def _reclaim(self) -> None:
+        """The I/O thread takes the socket back from a caller that stopped watching it a while ago."""
+        if self._owner is not None and not self._owner_polling and time.monotonic() - self._owner_seen >= _RECLAIM_S:
+            self._owner = None
+
+    def _pass(self, readable: bool, due: float | None = None) -> int:
         """One pass over everything due (under the lock): replies (when ``readable``), expiry
         (``due``: of every step due by then, its caller gave up), commands, timers, and the sends
-        that wait for a writable socket."""
+        that wait for a writable socket. Returns the replies read."""
         if self._closing:
-            return
+            return 0
         now = time.monotonic()
-        if readable:
-            self._recv_all(now)  # replies first: their acks shape the next resend
+        got = self._recv_all(now) if readable else 0  # replies first: their acks shape the next resend
         self._expire(now, due)  # before the commands: a step sees the breaker its predecessor's miss opened
         self._drain_commands(now)
         if self._closing:
-            return
+            return got
         now = time.monotonic()
         self._timers(now)
         if self._out_due() and (self._sock.get(_EVENTS) & _POLLOUT):
             self._send_due(now)
+        return got
 
     def _out_due(self) -> bool:
         return self.handshake.hello_due or self.breaker.probe_due or bool(self._ping_queue)
@@ -313,10 +436,14 @@ class IoLoop:
         """How long the I/O thread may sleep on the FD and the pipe (ZMQ_EVENTS read last)."""
         now = time.monotonic()
         ev = self._sock.get(_EVENTS)
+        self._unread = bool(ev & _POLLIN)
         if self._cmds or ev & _POLLIN or (ev & _POLLOUT and self._out_due()):
             self._sleep_until = now
             return 0  # commands left over from a bounded drain, a reply, or a send that can go now
-        t = self._sleep_until = self._wake_at(now, calls=True)
+        t = self._wake_at(now, calls=True)
+        if self._owner is not None:  # a caller owns the socket: look again in a while, to take it back
+            t = min(t, now + _RECLAIM_S)
+        self._sleep_until = t
         return max(0, math.ceil((t - now) * 1000.0))
 
     def _wake_at(self, now: float, calls: bool) -> float:
@@ -526,20 +653,23 @@ class IoLoop:
 
     # ------------------------------------------------------------------ receiving
 
-    def _recv_all(self, now: float) -> None:
+    def _recv_all(self, now: float) -> int:
         sock = self._sock
+        n = 0
         for _ in range(1024):
             if not sock.get(_EVENTS) & _POLLIN:
-                return
+                break
             try:
                 frames = sock.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:  # not expected after POLLIN (a message's parts arrive together)
-                return
+                break
+            n += 1
             try:
                 self._on_frames(frames, now)
             except Exception:
                 log.exception("draft client %s: reply handling failed", self.cfg.name)
                 self._c.bad_reply()
+        return n
 
     def _on_frames(self, frames: list[zmq.Frame], now: float) -> None:
         bufs = [f.buffer for f in frames]

@@ -260,3 +260,71 @@ def test_a_step_goes_out_from_the_io_thread_when_a_pass_of_it_holds_the_loop(fak
         assert senders == [c._io.thread.ident]
     finally:
         c.close()
+
+
+def _record_readers(c: DraftClient) -> list[int]:
+    """Threads that read replies (a pass's ``_on_frames``)."""
+    readers: list[int] = []
+    on_frames = c._io._on_frames
+
+    def recording(frames, now) -> None:
+        readers.append(threading.get_ident())
+        on_frames(frames, now)
+
+    c._io._on_frames = recording  # type: ignore[method-assign]
+    return readers
+
+
+def test_a_waiting_caller_reads_its_own_reply(fake) -> None:
+    c = _client(fake.endpoint)
+    try:
+        c.connect(wait=True)
+        readers = _record_readers(c)
+        for pos in range(8):
+            out = c.step([StepRequest("c", pos, 1, anchor=4, k=3)], _taps(1))
+            assert out[0].tokens == fake_drafts("c", pos + 1, 4, 3)
+        # a reply may still reach the I/O thread (it is told to leave the socket to the caller only
+        # once the first step is out, and it looks at the socket on its own timers), but back to
+        # back the caller owns the socket and reads its own replies: no hop through the I/O thread
+        assert readers.count(threading.get_ident()) >= 4, readers
+        assert c._io._owner == threading.get_ident()  # sticky between its steps
+    finally:
+        c.close()
+
+
+def test_the_io_thread_takes_the_socket_back_from_a_caller_that_stopped(fake) -> None:
+    c = _client(fake.endpoint)
+    try:
+        c.connect(wait=True)
+        assert c.step([StepRequest("d", 0, 1, anchor=4, k=3)], _taps(1))[0].tokens
+        assert wait_for(lambda: c._io._owner is None)  # reclaimed once the owner idled
+        readers = _record_readers(c)
+        assert c.ping(2000.0) is not None  # a Pong: the I/O thread reads it (no caller watches)
+        assert readers == [c._io.thread.ident]
+    finally:
+        c.close()
+
+
+def test_concurrent_callers_of_one_client_all_get_their_drafts(fake) -> None:
+    # one of them watches the socket at a time; the others' replies reach them through its passes
+    # (or through the I/O thread's, once it leaves while they still wait)
+    c = _client(fake.endpoint)
+    errors: list[str] = []
+    try:
+        c.connect(wait=True)
+
+        def caller(name: str) -> None:
+            for pos in range(40):
+                out = c.step([StepRequest(name, pos, 1, anchor=6, k=2)], _taps(1))
+                if out[0].tokens != fake_drafts(name, pos + 1, 6, 2):
+                    errors.append(f"{name}@{pos}: {out[0].tokens} ({out[0].status}, {c.stats()['timeouts']} timeouts)")
+
+        threads = [threading.Thread(target=caller, args=(f"t{i}",)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:5]
+        assert c.stats()["ok"] == 160 and c.stats()["bad_replies"] == 0
+    finally:
+        c.close()
