@@ -219,18 +219,24 @@ class IoLoop:
         the step's future."""
         fut = call.future
         assert fut is not None
-        if not fut.done() and call.deadline > time.monotonic() and self._own():
+        if not fut.done() and call.deadline > time.monotonic() and self._own(call.deadline):
             self._watch(fut, call.deadline)
         try:
             return fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
         except (FutureTimeout, FutureCancelled):
             return None
 
-    def _own(self) -> bool:
+    def _own(self, deadline: float) -> bool:
         """Make this thread the socket's owner; False when another caller watches it now (its
-        passes resolve this caller's step too), the loop is busy or closing."""
+        passes resolve this caller's step too) or the loop is closing. Waits for a pass that holds
+        the loop to end (never past ``deadline``): giving up here while this thread owns the
+        socket from an earlier step would leave nobody watching it until the I/O thread takes it
+        back."""
         me = threading.get_ident()
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if self._owner == me:  # nobody watches: the I/O thread must
+                self._owner = None
+                self._wake()
             return False
         try:
             owner = self._owner
