@@ -3,7 +3,10 @@
 The I/O thread hands over admitted work with ``submit`` / ``submit_free`` (an append to the
 inbox) and rings the engine awake with ``wake`` once per pass over the socket, right before it
 sleeps itself; it never waits. The engine hands finished replies to ``send_reply`` (a callback
-that never blocks: it sends when the socket is free, else queues).
+that never blocks: it sends when the socket is free, else queues). An idle engine given the
+socket (``attach_socket``: its FD and the router's ``engine_take`` / ``engine_serve``) watches it
+itself: a Step that finds it idle wakes it directly and is read and admitted on its thread (the
+router's own code, under the router's lock), with no hop through the I/O thread.
 One engine iteration:
 
 1. take everything that arrived (new work, frees), bind each entry to its session (a newer
@@ -35,7 +38,8 @@ gap restart.
 from __future__ import annotations
 
 import logging
-import queue
+import os
+import select
 import threading
 import time
 from collections import deque
@@ -84,8 +88,12 @@ class Engine:
         self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
 
         self._inbox: deque[tuple[str, object]] = deque()
-        self._bell: queue.SimpleQueue[None] = queue.SimpleQueue()  # a token ends the idle wait
+        self._bell_r, self._bell_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # a byte ends the idle wait
         self._idle = False  # the engine waits on the bell (or is about to)
+        self._poll = select.poll()
+        self._poll.register(self._bell_r, select.POLLIN)
+        # the socket an idle engine watches itself: (its FD, take it, read it); None: the bell only
+        self._socket: tuple[int, Callable[[], bool], Callable[[], None]] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
@@ -100,8 +108,9 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._bell.put(None)
-        self._thread.join(timeout)
+        self._ring()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -117,7 +126,21 @@ class Engine:
         """End the engine's idle wait if it is in one (any thread; costs nothing when it is busy)."""
         if self._idle:
             self._idle = False
-            self._bell.put(None)
+            self._ring()
+
+    def _ring(self) -> None:
+        try:
+            os.write(self._bell_w, b"\0")
+        except OSError:  # full: it is rung already
+            pass
+
+    def attach_socket(self, fd: int, take: Callable[[], bool], serve: Callable[[], None]) -> None:
+        """Watch the socket while idle (before ``start``): ``fd`` its ZMQ_FD, ``take()`` makes the
+        engine the one watching it (False: not now), ``serve()`` reads what waits, as the I/O
+        thread would (the work it admits lands in this engine's inbox). Not with a batch window
+        (the engine sleeps through it, so the socket would go unread)."""
+        if not self.window_s:
+            self._socket = (fd, take, serve)
 
     def reply_now(self, call: Call) -> None:
         """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
@@ -145,16 +168,26 @@ class Engine:
         self._flush_metrics()
 
     def _wait(self) -> None:
-        """Idle: until ``wake`` (new work), ``stop`` or 50 ms (sweeps, expiry)."""
+        """Idle: until new work (``wake``, or a message on the socket it watches), ``stop`` or
+        50 ms (sweeps, expiry)."""
         self._idle = True  # announced before the inbox is read: work queued after the read rings the bell
-        if not self._inbox and not self._stop.is_set():
-            try:
-                self._bell.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self._idle = False
-        while not self._bell.empty():  # a second ring for the same work
-            self._bell.get_nowait()
+        sock = self._socket
+        watch = sock is not None and sock[1]()
+        if watch:
+            self._poll.register(sock[0], select.POLLIN)  # type: ignore[index]
+        try:
+            if not self._inbox and not self._stop.is_set():
+                for fd, _ in self._poll.poll(50):
+                    if fd == self._bell_r:
+                        try:
+                            os.read(self._bell_r, 4096)
+                        except OSError:
+                            pass
+        finally:
+            if watch:
+                self._poll.unregister(sock[0])  # type: ignore[index]
+                sock[2]()  # type: ignore[index]  # read what came (it lands in the inbox), or give the socket back
+            self._idle = False
 
     def _drain_inbox(self) -> None:
         while self._inbox:

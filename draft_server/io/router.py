@@ -14,6 +14,14 @@ socket's state changed, not that a message waits, and any socket call may consum
 every holder reads ``ZMQ_EVENTS`` last before letting go, and the I/O thread sleeps only after it
 read no POLLIN there; another thread that reads POLLIN writes the wake-up pipe.
 
+Who watches the socket: the I/O thread, unless the engine is idle. An idle engine takes the
+socket (``engine_take``) and polls its FD itself; a Step that finds it so wakes the engine, which
+reads it (``engine_serve``: this module's own code on the engine's thread, under the lock) and
+drafts it, with no hop through the I/O thread. The I/O thread leaves the FD out of its poll while
+the engine owns the socket, so one thread is woken per message, and takes the socket back once
+the engine has been away from it for ``_RECLAIM_S`` (a long batch: messages that arrive during it
+are read within that time); the engine takes it again when it idles.
+
 Ownership: sessions belong to the connection that made them, keyed by its routing id, and by its
 CurveZMQ public key too when Curve is on. ``ROUTER_HANDOVER`` is off, so a second connection
 that presents a routing id already in use is refused by the socket instead of taking over;
@@ -110,6 +118,8 @@ _POLLIN = int(zmq.POLLIN)  # zmq's flag enums cost a Python call per operation; 
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLL_MS = 100  # the I/O thread's longest sleep (sweeps, shutdown)
+_RECLAIM_S = 0.005  # the I/O thread watches the socket again this long after the engine went to work
+_RECLAIM_MS = 5
 _BATCH = 256  # messages per pass, so replies and sweeps keep going under a flood
 
 NONFINITE_STRIDE = 61  # tap values sampled per row for NaN/Inf (a prime: any period shows up)
@@ -197,6 +207,10 @@ class Router:
         self._lock = threading.RLock()  # the socket's owner (see the module docstring); re-entered by reply_now
         self._closed = False  # set under the lock when the socket is closed
         self._handed = False  # work went to the engine in this pass (it is woken before the next poll)
+        self._engine_owns = False  # the idle engine watches the socket (the I/O thread's poll leaves its FD out)
+        self._engine_polling = False  # ... and is in its poll now (only the engine clears it)
+        self._engine_left = 0.0  # when the engine last stopped watching
+        self.fd = self._sock.get(zmq.FD)  # the socket's ZMQ_FD (edge-triggered, see the module docstring)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
@@ -292,16 +306,55 @@ class Router:
         except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: stopped
             pass
 
+    # ------------------------------------------------------------------ the idle engine's watch
+
+    def engine_take(self) -> bool:
+        """The idle engine: watch the socket now (False: not now, the I/O thread is in a pass or the
+        router is closed). A message already waiting behind a taken edge is the I/O thread's: it was
+        woken for it, and rings the engine once it queued the work."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self._closed:
+                return False
+            was = self._engine_owns
+            self._engine_owns = self._engine_polling = True
+        finally:
+            self._lock.release()
+        if not was:
+            self._wake()  # the I/O thread may sleep on the FD: it leaves it out from its next poll
+        return True
+
+    def engine_serve(self) -> None:
+        """The engine's watch ended (a message, its bell, a timeout): read what waits, on its thread."""
+        with self._lock:  # an I/O pass is short, and the engine is idle
+            self._engine_polling = False
+            self._engine_left = time.monotonic()
+            if self._closed:
+                return
+            more = self._serve()
+            self._handed = False  # read by the engine itself: nobody to wake
+        if more:  # a flood: the I/O thread reads the rest while the engine works
+            self._engine_owns = False
+            self._wake()
+
     # ------------------------------------------------------------------ I/O thread
 
     def _loop(self) -> None:
         poller = select.poll()
-        poller.register(self._sock.get(zmq.FD), select.POLLIN)
         poller.register(self._wake_r, select.POLLIN)
         wake_r = self._wake_r
+        watching = False  # the socket's FD is in the poll (not while the idle engine watches it)
         timeout = 0  # a message may have arrived before the first read of ZMQ_EVENTS
         while self._running.is_set():
             try:
+                if watching == self._engine_owns:
+                    watching = not watching
+                    if watching:
+                        poller.register(self.fd, select.POLLIN)
+                        timeout = 0  # its edge may have gone to the engine: look first
+                    else:
+                        poller.unregister(self.fd)
                 for fd, _ in poller.poll(timeout):
                     if fd == wake_r:
                         try:
@@ -311,11 +364,13 @@ class Router:
                 with self._lock:
                     if self._closed:
                         return
-                    more = self._serve()
                     now = time.monotonic()
+                    if self._engine_owns and not self._engine_polling and now - self._engine_left >= _RECLAIM_S:
+                        self._engine_owns = False  # a long batch: the socket is this thread's again
+                    more = self._serve()
                     self.rings.sweep(now)  # under the lock: a reply's ack reads the rings and buffers
                     self.cuda_ipc.sweep(now)
-                timeout = 0 if more else _POLL_MS
+                timeout = 0 if more else (_RECLAIM_MS if self._engine_owns else _POLL_MS)
             except zmq.ContextTerminated:
                 return
             except Exception:  # never let one message end the I/O thread
