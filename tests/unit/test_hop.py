@@ -335,3 +335,71 @@ def test_concurrent_callers_of_one_client_all_get_their_drafts(fake) -> None:
         assert c.stats()["ok"] == 160 and c.stats()["bad_replies"] == 0
     finally:
         c.close()
+
+
+# ---------------------------------------------------------------- server: who reads a Step
+
+
+@pytest.fixture
+def running():
+    """A started server (checksum drafter; ``delay`` ms per draft call, set per test) and a DEALER peer."""
+    made: list = []
+
+    def make(delay_ms: float = 0.0):
+        cfg = ServerConfig(bind="tcp://127.0.0.1:0", metrics_port=-1, drafter="checksum")
+        srv = DraftServer(cfg, ChecksumDrafter(delay_ms=delay_ms))
+        srv.start()
+        ctx = zmq.Context()
+        peer = ctx.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(srv.endpoint)
+        made.append((srv, ctx, peer))
+        return srv, peer
+
+    yield make
+    for srv, ctx, peer in made:
+        peer.close(0)
+        ctx.term()
+        srv.stop()
+
+
+def _readers(srv) -> list[str]:
+    """Names of the threads that read the server's messages."""
+    names: list[str] = []
+    on_message = srv.router._on_message
+
+    def recording(*a) -> None:
+        names.append(threading.current_thread().name)
+        on_message(*a)
+
+    srv.router._on_message = recording
+    return names
+
+
+def _step(call_id: int, session: str = "s", k: int = 3):
+    from protocol import Step, StepEntry
+
+    return encode(Step(call_id=call_id, budget_ms=5000.0, entries=(StepEntry(session, 0, 0, 1, k),)))
+
+
+def test_a_step_that_finds_the_engine_idle_is_read_on_the_engines_thread(running) -> None:
+    srv, peer = running()
+    names = _readers(srv)
+    assert wait_for(lambda: srv.router._engine_owns)  # idle: the engine watches the socket
+    for i in range(1, 6):
+        peer.send_multipart(_step(i))
+        assert _got(peer) == [i]
+        assert wait_for(lambda: srv.router._engine_polling)  # idle again before the next one
+    assert names == ["draft-engine"] * 5  # no hop through the I/O thread
+
+
+def test_the_io_thread_takes_the_socket_back_during_a_long_batch(running) -> None:
+    srv, peer = running(delay_ms=1500.0)  # every draft call takes 1.5 s
+    names = _readers(srv)
+    assert wait_for(lambda: srv.router._engine_polling)
+    peer.send_multipart(_step(1))
+    assert wait_for(lambda: names == ["draft-engine"])  # read by the idle engine, which now drafts
+    peer.send_multipart(encode(Ping(call_id=2)))
+    assert _got(peer) == [2]  # the Pong first: the I/O thread read the Ping while the engine drafted
+    assert names == ["draft-engine", "draft-io"]
+    assert _got(peer) == [1]
