@@ -90,6 +90,7 @@ class Engine:
         self._inbox: deque[tuple[str, object]] = deque()
         self._bell_r, self._bell_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # a byte ends the idle wait
         self._idle = False  # the engine waits on the bell (or is about to)
+        self._bell_lock = threading.Lock()  # held for one write, or for closing the bell at stop
         self._poll = select.poll()
         self._poll.register(self._bell_r, select.POLLIN)
         # the socket an idle engine watches itself: (its FD, take it, read it); None: the bell only
@@ -111,6 +112,12 @@ class Engine:
         self._ring()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            with self._bell_lock:  # a late wake() never writes into a closed (or reused) descriptor
+                fds, self._bell_r, self._bell_w = (self._bell_r, self._bell_w), -1, -1
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -129,10 +136,13 @@ class Engine:
             self._ring()
 
     def _ring(self) -> None:
-        try:
-            os.write(self._bell_w, b"\0")
-        except OSError:  # full: it is rung already
-            pass
+        with self._bell_lock:
+            if self._bell_w < 0:
+                return  # stopped
+            try:
+                os.write(self._bell_w, b"\0")
+            except OSError:  # full: it is rung already
+                pass
 
     def attach_socket(self, fd: int, take: Callable[[], bool], serve: Callable[[], None]) -> None:
         """Watch the socket while idle (before ``start``): ``fd`` its ZMQ_FD, ``take()`` makes the
