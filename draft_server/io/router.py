@@ -309,18 +309,16 @@ class Router:
     # ------------------------------------------------------------------ the idle engine's watch
 
     def engine_take(self) -> bool:
-        """The idle engine: watch the socket now (False: not now, the I/O thread is in a pass or the
-        router is closed). A message already waiting behind a taken edge is the I/O thread's: it was
-        woken for it, and rings the engine once it queued the work."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
+        """The idle engine: watch the socket now (False: the router is closed). Waits for an I/O
+        pass that holds the socket (the engine is idle; giving up instead while it still owned the
+        socket from its last watch would leave nobody watching until the I/O thread took it back).
+        A message already waiting behind a taken edge is the I/O thread's: it was woken for it, and
+        rings the engine once it queued the work."""
+        with self._lock:
             if self._closed:
                 return False
             was = self._engine_owns
             self._engine_owns = self._engine_polling = True
-        finally:
-            self._lock.release()
         if not was:
             self._wake()  # the I/O thread may sleep on the FD: it leaves it out from its next poll
         return True
