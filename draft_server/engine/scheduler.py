@@ -56,6 +56,8 @@ from protocol import DType, EntryResult, Phase, Status, StepResult, Timing, spec
 
 log = logging.getLogger("draft_server.engine")
 
+LONG_BATCH_S = 0.002  # an engine watching the socket hands it to the I/O thread before batches longer than this
+
 
 class Engine:
     def __init__(
@@ -93,8 +95,8 @@ class Engine:
         self._bell_lock = threading.Lock()  # held for one write, or for closing the bell at stop
         self._poll = select.poll()
         self._poll.register(self._bell_r, select.POLLIN)
-        # the socket an idle engine watches itself: (its FD, take it, read it); None: the bell only
-        self._socket: tuple[int, Callable[[], bool], Callable[[], None]] | None = None
+        # the socket an idle engine watches itself: (its FD, take it, read it, leave it); None: the bell only
+        self._socket: tuple[int, Callable[[], bool], Callable[[], None], Callable[[], None]] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
@@ -144,13 +146,16 @@ class Engine:
             except OSError:  # full: it is rung already
                 pass
 
-    def attach_socket(self, fd: int, take: Callable[[], bool], serve: Callable[[], None]) -> None:
+    def attach_socket(
+        self, fd: int, take: Callable[[], bool], serve: Callable[[], None], leave: Callable[[], None]
+    ) -> None:
         """Watch the socket while idle (before ``start``): ``fd`` its ZMQ_FD, ``take()`` makes the
         engine the one watching it (False: not now), ``serve()`` reads what waits, as the I/O
-        thread would (the work it admits lands in this engine's inbox). Not with a batch window
-        (the engine sleeps through it, so the socket would go unread)."""
+        thread would (the work it admits lands in this engine's inbox), ``leave()`` hands it back
+        before a batch expected to be long (``LONG_BATCH_S``). Not with a batch window (the engine
+        sleeps through it, so the socket would go unread)."""
         if not self.window_s:
-            self._socket = (fd, take, serve)
+            self._socket = (fd, take, serve, leave)
 
     def reply_now(self, call: Call) -> None:
         """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
@@ -302,6 +307,8 @@ class Engine:
                 rows += w.rows
         if not decode and prefill is None:
             return False
+        if self._socket is not None and (prefill is not None or self.admission.iter_ewma_s > LONG_BATCH_S):
+            self._socket[3]()  # a long batch ahead: the I/O thread watches the socket meanwhile
         t0 = time.monotonic()
         self.busy_since = t0
         try:

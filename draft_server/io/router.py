@@ -18,9 +18,11 @@ Who watches the socket: the I/O thread, unless the engine is idle. An idle engin
 socket (``engine_take``) and polls its FD itself; a Step that finds it so wakes the engine, which
 reads it (``engine_serve``: this module's own code on the engine's thread, under the lock) and
 drafts it, with no hop through the I/O thread. The I/O thread leaves the FD out of its poll while
-the engine owns the socket, so one thread is woken per message, and takes the socket back once
-the engine has been away from it for ``_RECLAIM_S`` (a long batch: messages that arrive during it
-are read within that time); the engine takes it again when it idles.
+the engine owns the socket, so one thread is woken per message. An engine about to run a batch it
+expects to be long (a prefill chunk, or recent iterations over ``scheduler.LONG_BATCH_S``) gives
+the socket back first (``engine_leave``); one away longer than ``_RECLAIM_S`` anyway has it taken
+back (a batch longer than expected: messages that arrive during it are read within that time);
+the engine takes it again when it idles.
 
 Ownership: sessions belong to the connection that made them, keyed by its routing id, and by its
 CurveZMQ public key too when Curve is on. ``ROUTER_HANDOVER`` is off, so a second connection
@@ -118,8 +120,8 @@ _POLLIN = int(zmq.POLLIN)  # zmq's flag enums cost a Python call per operation; 
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLL_MS = 100  # the I/O thread's longest sleep (sweeps, shutdown)
-_RECLAIM_S = 0.005  # the I/O thread watches the socket again this long after the engine went to work
-_RECLAIM_MS = 5
+_RECLAIM_S = 0.02  # the I/O thread watches the socket again this long after the engine went to work
+_RECLAIM_MS = 20
 _BATCH = 256  # messages per pass, so replies and sweeps keep going under a flood
 
 NONFINITE_STRIDE = 61  # tap values sampled per row for NaN/Inf (a prime: any period shows up)
@@ -323,6 +325,12 @@ class Router:
             self._wake()  # the I/O thread may sleep on the FD: it leaves it out from its next poll
         return True
 
+    def engine_leave(self) -> None:
+        """The engine is off to a batch it expects to be long: the I/O thread watches meanwhile."""
+        if self._engine_owns:
+            self._engine_owns = False
+            self._wake()
+
     def engine_serve(self) -> None:
         """The engine's watch ended (a message, its bell, a timeout): read what waits, on its thread."""
         with self._lock:  # an I/O pass is short, and the engine is idle
@@ -353,7 +361,8 @@ class Router:
                         timeout = 0  # its edge may have gone to the engine: look first
                     else:
                         poller.unregister(self.fd)
-                for fd, _ in poller.poll(timeout):
+                ready = poller.poll(timeout)
+                for fd, _ in ready:
                     if fd == wake_r:
                         try:
                             os.read(wake_r, 65536)
@@ -364,8 +373,9 @@ class Router:
                         return
                     now = time.monotonic()
                     if self._engine_owns and not self._engine_polling and now - self._engine_left >= _RECLAIM_S:
-                        self._engine_owns = False  # a long batch: the socket is this thread's again
-                    more = self._serve()
+                        self._engine_owns = False  # a batch longer than expected: the socket is this thread's again
+                    # a timer's look while the idle engine watches reads nothing: the message is the engine's
+                    more = self._serve() if ready or not (self._engine_owns and self._engine_polling) else False
                     self.rings.sweep(now)  # under the lock: a reply's ack reads the rings and buffers
                     self.cuda_ipc.sweep(now)
                 timeout = 0 if more else (_RECLAIM_MS if self._engine_owns else _POLL_MS)
