@@ -173,12 +173,11 @@ class Engine:
                 did = self._iteration()
                 self._sweep()
                 self._flush_metrics()
-            except Exception:  # the loop must survive anything a batch does
+                if not did:
+                    self._wait()  # inside: it reads the socket (the router's code) when it watches it
+            except Exception:  # the loop must survive anything a batch (or a message it read) does
                 log.exception("engine iteration failed")
                 self.metrics.engine_errors.inc()
-                did = True
-            if not did:
-                self._wait()
         self._fail_all_pending("server shutting down")
         self._flush_metrics()
 
