@@ -178,9 +178,7 @@ def write_exl3_checkpoint(
             return random_linear(w.shape[0], w.shape[1], bits, codebook, seed=seed)
         return encode_linear(w, bits, codebook, seed=seed)
 
-    return write_checkpoint(
-        src, out, encode, bits, codebook, "draft_tools.exl3_cpu", modules, seed, log=log, **names
-    )
+    return write_checkpoint(src, out, encode, bits, codebook, "draft_tools.exl3_cpu", modules, seed, log=log, **names)
 
 
 def dequantized_error(q: dict[str, torch.Tensor], weight: torch.Tensor, codebook: str) -> float:
