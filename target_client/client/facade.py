@@ -4,9 +4,12 @@ Owns what callers see: the constructor, ``connect``, ``step``/``astep``, ``send_
 ``commit`` (early taps), ``free``, ``ping``, ``stats``, ``close`` and the read-only properties.
 Everything else is in the parts:
 
-* ``io_loop.IoLoop``: the one I/O thread that alone touches the ZeroMQ DEALER socket (the vLLM
-  ``core_client`` shape); callers append a command to its queue and wake it through a pipe;
-  replies resolve per-call futures keyed by call id (``calls``: commands, futures, outcomes);
+* ``io_loop.IoLoop``: the ZeroMQ DEALER socket and the loop around it (the vLLM ``core_client``
+  shape): whoever holds its lock runs a pass over the socket. A caller's command is one such pass
+  in the caller's own thread when the lock is free (else the I/O thread's), and a caller waiting
+  in ``step()`` watches the socket itself, so a step's send and its reply take no hop through the
+  I/O thread; replies resolve per-call futures keyed by call id (``calls``: commands, futures,
+  outcomes);
 * ``handshake.Handshake``: Hello/Welcome, the pinned contract, refusals, epochs;
 * ``breaker.Breaker``: when to stop sending and when to probe;
 * ``step_builder``: argument checks (caller side) and Step messages with resend rows merged in
@@ -14,8 +17,9 @@ Everything else is in the parts:
 * ``counters.Counters``: metrics and the counts behind ``stats()``.
 
 Callers, from any thread or from asyncio tasks, validate their own arguments locally and never
-hold a lock across network I/O; no zmq socket is shared between threads. Every wait has a
-deadline. ``step()`` blocks at most its budget and never raises for a draft-side fault (server
+hold a lock across a wait: the loop's lock covers one pass of non-blocking socket calls, which is
+how the socket moves between threads (ZeroMQ asks for a full memory barrier there, which a mutex
+is). Every wait has a deadline. ``step()`` blocks at most its budget and never raises for a draft-side fault (server
 down, slow, restarted, overloaded, garbage, another model): it returns empty drafts for the
 requests it could not serve and counts why. ``ValueError`` is raised only for caller bugs,
 checked with ``protocol.validate`` before anything is sent.
