@@ -145,6 +145,8 @@ class DraftServer:
             weights=_weights(drafter),
         )
         self.endpoint = self.router.endpoint
+        r = self.router
+        self.engine.attach_socket(r.fd, r.engine_take, r.engine_serve, r.engine_leave)
         self._running = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="draft-watchdog", daemon=True)
         self._overrun = False

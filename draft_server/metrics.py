@@ -4,6 +4,11 @@ Names follow Prometheus practice: `draft_server_` prefix, base units, `_total` c
 only low-cardinality labels (message kind, status, error code, eviction reason) — never a
 session or client id. Latency histograms start at 50 µs: the RPC hop lives below a
 millisecond. Each server owns its registry, so tests can run several in one process.
+
+The updates every Step makes (messages, entries by status, the step, queue-wait, iteration and
+batch histograms, rows and drafts) go through ``later`` (``protocol.telemetry.Deferred``): the
+engine applies them once the iteration's replies are out, and every scrape applies what is still
+queued first, so /metrics never lags. Per-entry counts are added up per batch.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import errno
 import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
@@ -20,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from draft_server.config import StartupError
-from protocol import ErrorCode, Status
-from protocol.telemetry import LATENCY_BUCKETS
+from protocol import EntryResult, ErrorCode, Status
+from protocol.telemetry import LATENCY_BUCKETS, Deferred
 
 if TYPE_CHECKING:
     from draft_server.io.arena import Arena
@@ -38,6 +43,8 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.later = Deferred()  # registered first: a scrape applies the queued updates before reading any
+        r.register(self.later)  # type: ignore[arg-type]
         self.renders = 0  # scrapes served (the watchdog exit waits for one)
         self.info = Info("draft_server", "Server identity", registry=r)
         self.messages = Counter("draft_server_messages_total", "Messages received, by kind", ["kind"], registry=r)
@@ -139,12 +146,11 @@ class ServerMetrics:
         self.max_queue_rows = Gauge("draft_server_max_queue_rows", "Configured ingest queue bound in rows", registry=r)
         ProcessCollector(namespace="draft_server", registry=r)  # RSS, CPU, fds of the server process
         # label children exist from the start, so rate() and increase() see the first event
-        for kind in MESSAGE_KINDS:
-            self.messages.labels(kind)
+        # label children exist from the start; the hot ones are kept (labels() is a lock and a lookup)
+        self.message_kind = {kind: self.messages.labels(kind) for kind in MESSAGE_KINDS}
         for code in ErrorCode:
             self.bad_messages.labels(code.name.lower())
-        for status in Status:
-            self.entries.labels(status.name.lower())
+        self.entry_status = {status: self.entries.labels(status.name.lower()) for status in Status}
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason)
         for cause in RESTART_CAUSES:
@@ -155,6 +161,18 @@ class ServerMetrics:
             self.stale_steps.labels(why)
         for reason in ARENA_FALLBACKS:
             self.arena_fallbacks.labels(reason)
+
+    def count_entries(self, results: Sequence[EntryResult]) -> None:
+        """A reply's entries by status (queued: one update per status, not per entry)."""
+        later = self.later.later
+        if len(results) == 1:
+            later(self.entry_status[results[0].status].inc, 1)
+            return
+        by: dict[Status, int] = {}
+        for r in results:
+            by[r.status] = by.get(r.status, 0) + 1
+        for status, n in by.items():
+            later(self.entry_status[status].inc, n)
 
     def set_weights(self, d: dict) -> None:
         """Format, bits and weight bytes of the loaded drafter (``app.describe``)."""

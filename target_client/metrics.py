@@ -5,6 +5,11 @@ DraftClient (and every ``FleetClient``: ``draft_client_fleet_*``) that uses that
 (label-free apart from small fixed enums), so two clients in one process never collide;
 ``draft_client_breaker_open`` then counts the clients whose breaker is open. No per-request or
 per-session labels.
+
+The updates every step makes (its duration and outcome, drafts, the RTT, entries by status, shm
+and CUDA IPC steps) go through ``later`` (``protocol.telemetry.Deferred``): the caller applies them
+once its next Step is out (waiting for the reply anyway), the I/O thread once a second, and every
+scrape of the registry applies what is still queued first, so it never lags.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from protocol import Status
-from protocol.telemetry import LATENCY_BUCKETS
+from protocol.telemetry import LATENCY_BUCKETS, Deferred
 
 OUTCOMES = ("ok", "timeout", "breaker_open", "not_ready", "error", "overloaded", "closed", "catching_up")
 ENTRY_STATUSES = (*(s.name.lower() for s in Status), "skipped")
@@ -26,6 +31,8 @@ class ClientMetrics:
 
     def __init__(self, registry: Any) -> None:
         kw = {"registry": registry}
+        self.later = Deferred()  # registered first: a scrape applies the queued updates before reading any
+        registry.register(self.later)
         self.step_duration = Histogram(
             "draft_client_step_duration_seconds",
             "Time step()/astep() blocked the caller, whatever the outcome",

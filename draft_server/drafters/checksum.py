@@ -79,6 +79,7 @@ class ChecksumDrafter(Drafter):
         # per session: (start, list of digests for positions start..)
         self._sessions: dict[int, tuple[int, list[int]]] = {}
         self._reserved: dict[int, int] = {}
+        self._used = 0  # sum of _reserved
         self._device: object | None = None
         if device is not None:
             import torch
@@ -95,18 +96,20 @@ class ChecksumDrafter(Drafter):
         return self._capacity
 
     def used_tokens(self) -> int:
-        return sum(self._reserved.values())
+        return self._used
 
     def reserve(self, key: int, start: int, end: int) -> bool:
         need = max(0, end - start)
-        if self.used_tokens() - self._reserved.get(key, 0) + need > self._capacity:
+        have = self._reserved.get(key, 0)
+        if self._used - have + need > self._capacity:
             return False
         self._reserved[key] = need
+        self._used += need - have  # a running total: reserve is per entry, a sum over sessions was O(n^2) a batch
         return True
 
     def release(self, key: int) -> None:
         self._sessions.pop(key, None)
-        self._reserved.pop(key, None)
+        self._used -= self._reserved.pop(key, 0)
 
     def ingest(self, items: Sequence[IngestItem]) -> None:
         for it in items:

@@ -38,6 +38,7 @@ class Admission:
         self._queued_rows = 0
         self._by_client: dict[bytes, int] = {}
         self.iter_ewma_s = 0.001  # recent engine iteration time (the engine updates it)
+        metrics.queue_rows.set_function(lambda: self._queued_rows)  # read at scrape time
 
     # -- queued rows (I/O thread admits, engine thread retires) ------------------------------
     @property
@@ -68,7 +69,6 @@ class Admission:
                 self._by_client[owner] = left
             else:
                 self._by_client.pop(owner, None)
-        self.metrics.queue_rows.set(self._queued_rows)
 
     # -- replies -----------------------------------------------------------------------------
     def retry_hint_ms(self) -> float:

@@ -1,7 +1,12 @@
 """The engine thread: continuous batching over every client's queued work, and the drafter calls.
 
-The I/O thread hands over admitted work with ``submit`` / ``submit_free`` and never waits;
-the engine hands finished replies back through ``send_reply`` (a callback that only queues).
+The I/O thread hands over admitted work with ``submit`` / ``submit_free`` (an append to the
+inbox) and rings the engine awake with ``wake`` once per pass over the socket, right before it
+sleeps itself; it never waits. The engine hands finished replies to ``send_reply`` (a callback
+that never blocks: it sends when the socket is free, else queues). An idle engine given the
+socket (``attach_socket``: its FD and the router's ``engine_take`` / ``engine_serve``) watches it
+itself: a Step that finds it idle wakes it directly and is read and admitted on its thread (the
+router's own code, under the router's lock), with no hop through the I/O thread.
 One engine iteration:
 
 1. take everything that arrived (new work, frees), bind each entry to its session (a newer
@@ -9,8 +14,8 @@ One engine iteration:
    acknowledged once its session is admitted);
 2. expire drafting work whose budget cannot be met any more (rows are kept);
 3. decode batch: the head entry of every session whose rows fit a chunk, taken round-robin
-   across clients so no client fills the batch alone — ingest all of their rows in one
-   ``drafter.ingest``, draft all that want drafts in one ``drafter.draft``;
+   across clients so no client fills the batch alone — ingest all of their rows and draft all
+   that want drafts in one ``drafter.step`` (ingest, then draft; the rows free when it returns);
 4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
@@ -33,6 +38,8 @@ gap restart.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
 from collections import deque
@@ -48,6 +55,8 @@ from draft_server.metrics import ServerMetrics
 from protocol import DType, EntryResult, Phase, Status, StepResult, Timing, spec_for
 
 log = logging.getLogger("draft_server.engine")
+
+LONG_BATCH_S = 0.002  # an engine watching the socket hands it to the I/O thread before batches longer than this
 
 
 class Engine:
@@ -81,7 +90,13 @@ class Engine:
         self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
 
         self._inbox: deque[tuple[str, object]] = deque()
-        self._wake = threading.Event()
+        self._bell_r, self._bell_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # a byte ends the idle wait
+        self._idle = False  # the engine waits on the bell (or is about to)
+        self._bell_lock = threading.Lock()  # held for one write, or for closing the bell at stop
+        self._poll = select.poll()
+        self._poll.register(self._bell_r, select.POLLIN)
+        # the socket an idle engine watches itself: (its FD, take it, read it, leave it); None: the bell only
+        self._socket: tuple[int, Callable[[], bool], Callable[[], None], Callable[[], None]] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
@@ -96,19 +111,51 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        self._ring()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            with self._bell_lock:  # a late wake() never writes into a closed (or reused) descriptor
+                fds, self._bell_r, self._bell_w = (self._bell_r, self._bell_w), -1, -1
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
 
     def submit(self, works: list[Work]) -> None:
+        """Queue admitted work (taken by the engine's next iteration; ``wake`` if it may be idle)."""
         self._inbox.append(("work", works))
-        self._wake.set()
 
     def submit_free(self, owner: bytes, sessions: tuple[str, ...]) -> None:
         self._inbox.append(("free", (owner, sessions)))
-        self._wake.set()
+
+    def wake(self) -> None:
+        """End the engine's idle wait if it is in one (any thread; costs nothing when it is busy)."""
+        if self._idle:
+            self._idle = False
+            self._ring()
+
+    def _ring(self) -> None:
+        with self._bell_lock:
+            if self._bell_w < 0:
+                return  # stopped
+            try:
+                os.write(self._bell_w, b"\0")
+            except OSError:  # full: it is rung already
+                pass
+
+    def attach_socket(
+        self, fd: int, take: Callable[[], bool], serve: Callable[[], None], leave: Callable[[], None]
+    ) -> None:
+        """Watch the socket while idle (before ``start``): ``fd`` its ZMQ_FD, ``take()`` makes the
+        engine the one watching it (False: not now), ``serve()`` reads what waits, as the I/O
+        thread would (the work it admits lands in this engine's inbox), ``leave()`` hands it back
+        before a batch expected to be long (``LONG_BATCH_S``). Not with a batch window (the engine
+        sleeps through it, so the socket would go unread)."""
+        if not self.window_s:
+            self._socket = (fd, take, serve, leave)
 
     def reply_now(self, call: Call) -> None:
         """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
@@ -118,7 +165,6 @@ class Engine:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wake.clear()
             try:
                 self._drain_inbox()
                 if self.window_s and self._has_decode_work():
@@ -126,13 +172,36 @@ class Engine:
                     self._drain_inbox()
                 did = self._iteration()
                 self._sweep()
-            except Exception:  # the loop must survive anything a batch does
+                self._flush_metrics()
+                if not did:
+                    self._wait()  # inside: it reads the socket (the router's code) when it watches it
+            except Exception:  # the loop must survive anything a batch (or a message it read) does
                 log.exception("engine iteration failed")
                 self.metrics.engine_errors.inc()
-                did = True
-            if not did:
-                self._wake.wait(timeout=0.05)
         self._fail_all_pending("server shutting down")
+        self._flush_metrics()
+
+    def _wait(self) -> None:
+        """Idle: until new work (``wake``, or a message on the socket it watches), ``stop`` or
+        50 ms (sweeps, expiry)."""
+        self._idle = True  # announced before the inbox is read: work queued after the read rings the bell
+        sock = self._socket
+        watch = sock is not None and sock[1]()
+        if watch:
+            self._poll.register(sock[0], select.POLLIN)  # type: ignore[index]
+        try:
+            if not self._inbox and not self._stop.is_set():
+                for fd, _ in self._poll.poll(50):
+                    if fd == self._bell_r:
+                        try:
+                            os.read(self._bell_r, 4096)
+                        except OSError:
+                            pass
+        finally:
+            if watch:
+                self._poll.unregister(sock[0])  # type: ignore[index]
+                sock[2]()  # type: ignore[index]  # read what came (it lands in the inbox), or give the socket back
+            self._idle = False
 
     def _drain_inbox(self) -> None:
         while self._inbox:
@@ -237,6 +306,8 @@ class Engine:
                 rows += w.rows
         if not decode and prefill is None:
             return False
+        if self._socket is not None and (prefill is not None or self.admission.iter_ewma_s > LONG_BATCH_S):
+            self._socket[3]()  # a long batch ahead: the I/O thread watches the socket meanwhile
         t0 = time.monotonic()
         self.busy_since = t0
         try:
@@ -248,8 +319,14 @@ class Engine:
             self.busy_since = None
         dt = time.monotonic() - t0
         self.admission.iter_ewma_s = 0.8 * self.admission.iter_ewma_s + 0.2 * dt
-        self.metrics.iteration.observe(dt)
+        m = self.metrics
+        m.later.later(m.iteration.observe, dt)
         return True
+
+    def _flush_metrics(self) -> None:
+        """Apply the metric updates queued so far (each iteration's replies are out by now, so
+        they are off their path)."""
+        self.metrics.later.flush()
 
     def _expire(self, now: float) -> None:
         early = False
@@ -296,6 +373,8 @@ class Engine:
         self._release(s, "error")
 
     def _decode_batch(self, batch: list[tuple[Session, Work]], t0: float) -> None:
+        m = self.metrics
+        later, queue_wait = m.later.later, m.queue_wait.observe
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
@@ -310,8 +389,10 @@ class Engine:
             placed.append((s, w))
             if w.k:
                 drafts.append((s, w))
-            self.metrics.queue_wait.observe(t0 - w.call.recv_t)
-            w.call.queue_s = max(w.call.queue_s, t0 - w.call.recv_t)
+            wait = t0 - w.call.recv_t
+            later(queue_wait, wait)
+            if wait > w.call.queue_s:
+                w.call.queue_s = wait
         n_rows = sum(len(i.taps) for i in ingest)
         try:
             td = time.monotonic()
@@ -328,18 +409,21 @@ class Engine:
             return
         ingest.clear()  # the rows are in the KV cache: let go of them (a shm region is free once unreferenced)
         dt = time.monotonic() - t0
-        self.metrics.rows_ingested.inc(n_rows)
-        self.metrics.batch_rows.observe(n_rows)
-        self.metrics.batch_sessions.observe(len(drafts))
+        if n_rows:
+            later(m.rows_ingested.inc, n_rows)
+        later(m.batch_rows.observe, n_rows)
+        later(m.batch_sessions.observe, len(drafts))
         for call in {id(w.call): w.call for _, w in placed}.values():
             call.compute_s += dt  # once per call: its entries shared this batch
         for s, w in placed:
             s.pending.popleft()
             self.admission.retire_rows(w.call.owner, w.rows)
             w.taps = None
+        drafted = sum(len(out.tokens) for out in outs)
+        if drafted:  # queued before the replies go: a scrape after a reply counts its drafts
+            later(m.drafted_tokens.inc, drafted)
         for (s, w), out in zip(drafts, outs, strict=True):
             conf = tuple(out.confidence) if out.confidence else ()
-            self.metrics.drafted_tokens.inc(len(out.tokens))
             probs = prob_ids = None
             if out.probs is not None and out.prob_ids is not None:  # frames of the reply
                 payloads = w.call.payloads
@@ -391,18 +475,19 @@ class Engine:
         if call.results[w.idx] is not None:
             return
         call.results[w.idx] = result
-        self.metrics.entries.labels(result.status.name.lower()).inc()
         call.remaining -= 1
         if call.remaining == 0:
             self._reply(call)
 
     def _reply(self, call: Call) -> None:
         now = time.monotonic()
+        results: tuple[EntryResult, ...] = tuple(call.results)  # type: ignore[arg-type]
+        self.metrics.count_entries(results)  # queued before the send: a scrape after the reply counts it
         res = StepResult(
             call_id=call.call_id,
             epoch=self.epoch,
             contract_id=self.contract_id,
-            results=tuple(call.results),  # type: ignore[arg-type]
+            results=results,
             timing=Timing(
                 queue_ms=round(call.queue_s * 1000, 4),
                 compute_ms=round(call.compute_s * 1000, 4),
@@ -410,7 +495,8 @@ class Engine:
             ),
             advised_k=self.admission.advised_k(self.drafter.contract.block_size),
         )
-        self.metrics.step_latency.observe(now - call.recv_t)
+        m = self.metrics
+        m.later.later(m.step_latency.observe, now - call.recv_t)
         self.send_reply(call.ident, res, call.payloads)
 
     def _release(self, s: Session, reason: str) -> None:

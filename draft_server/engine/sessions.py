@@ -25,7 +25,7 @@ from draft_server.metrics import ServerMetrics
 TOMBSTONES = 1 << 16
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Session:
     handle: int  # the drafter's key for this session
     key: SessionKey

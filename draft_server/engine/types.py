@@ -12,7 +12,7 @@ from protocol import EntryResult, Phase, Sampling, WireFormat
 SessionKey = tuple[bytes, str]  # (owner, session id)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Call:
     """One Step message: answered once every entry has a result.
 
@@ -35,7 +35,7 @@ class Call:
         self.owner = self.owner or self.ident
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Work:
     """One admitted entry, queued on its session."""
 

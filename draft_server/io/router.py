@@ -2,8 +2,27 @@
 
 Decodes and validates each message, answers what needs no model (Hello, Ping, malformed input,
 per-entry rejections) at once, and hands admitted entries to the engine without waiting.
-Replies come back from any thread through an outbox and a wake-up pipe registered in the same
-poller, so neither the I/O thread nor the engine ever waits on the other's work.
+
+Who touches the socket: whoever holds ``_lock`` (ZeroMQ allows a socket to move between threads
+behind a full memory barrier, which a mutex is). The I/O thread sleeps in ``select.poll`` on the
+socket's ``ZMQ_FD`` and a wake-up pipe, never inside a socket call, and takes the lock for each
+pass over the messages waiting. The engine's replies are sent by the engine thread itself when
+the lock is free (``queue_reply``: one non-blocking try, one non-blocking send), which saves the
+hop through the I/O thread; when the I/O thread holds the lock they go to an outbox that thread
+flushes. Nobody ever waits on the other's work. ``ZMQ_FD`` is edge-triggered: it says that the
+socket's state changed, not that a message waits, and any socket call may consume the change. So
+every holder reads ``ZMQ_EVENTS`` last before letting go, and the I/O thread sleeps only after it
+read no POLLIN there; another thread that reads POLLIN writes the wake-up pipe.
+
+Who watches the socket: the I/O thread, unless the engine is idle. An idle engine takes the
+socket (``engine_take``) and polls its FD itself; a Step that finds it so wakes the engine, which
+reads it (``engine_serve``: this module's own code on the engine's thread, under the lock) and
+drafts it, with no hop through the I/O thread. The I/O thread leaves the FD out of its poll while
+the engine owns the socket, so one thread is woken per message. An engine about to run a batch it
+expects to be long (a prefill chunk, or recent iterations over ``scheduler.LONG_BATCH_S``) gives
+the socket back first (``engine_leave``); one away longer than ``_RECLAIM_S`` anyway has it taken
+back (a batch longer than expected: messages that arrive during it are read within that time);
+the engine takes it again when it idles.
 
 Ownership: sessions belong to the connection that made them, keyed by its routing id, and by its
 CurveZMQ public key too when Curve is on. ``ROUTER_HANDOVER`` is off, so a second connection
@@ -41,6 +60,7 @@ import errno
 import logging
 import mmap
 import os
+import select
 import threading
 import time
 from collections import OrderedDict, deque
@@ -94,6 +114,15 @@ from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
 log = logging.getLogger("draft_server.io")
 
+
+_KINDS = {Step: "step", Hello: "hello", Ping: "ping", Free: "free"}  # metrics.MESSAGE_KINDS
+_POLLIN = int(zmq.POLLIN)  # zmq's flag enums cost a Python call per operation; the loop uses ints
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_POLL_MS = 100  # the I/O thread's longest sleep (sweeps, shutdown)
+_RECLAIM_S = 0.02  # the I/O thread watches the socket again this long after the engine went to work
+_RECLAIM_MS = 20
+_BATCH = 256  # messages per pass, so replies and sweeps keep going under a flood
 
 NONFINITE_STRIDE = 61  # tap values sampled per row for NaN/Inf (a prime: any period shows up)
 
@@ -176,7 +205,14 @@ class Router:
         if cfg.arena_mib > 0:
             self.arena = Arena(cfg.arena_mib << 20, drafter.register_host, drafter.unregister_host)
             metrics.watch_arena(self.arena)
-        self._outbox: deque[tuple[bytes, object]] = deque()
+        self._outbox: deque[tuple[bytes, object, Sequence]] = deque()
+        self._lock = threading.RLock()  # the socket's owner (see the module docstring); re-entered by reply_now
+        self._closed = False  # set under the lock when the socket is closed
+        self._handed = False  # work went to the engine in this pass (it is woken before the next poll)
+        self._engine_owns = False  # the idle engine watches the socket (the I/O thread's poll leaves its FD out)
+        self._engine_polling = False  # ... and is in its poll now (only the engine clears it)
+        self._engine_left = 0.0  # when the engine last stopped watching
+        self.fd = self._sock.get(zmq.FD)  # the socket's ZMQ_FD (edge-triggered, see the module docstring)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
@@ -228,10 +264,16 @@ class Router:
         return self._thread.is_alive()
 
     def stop(self) -> None:
+        """Idempotent; the thread need not have started."""
+        if self._closed:
+            return
         self._running.clear()
-        os.write(self._wake_w, b"\0")
-        self._thread.join(5.0)
-        self._sock.close(linger=0)
+        self._wake()
+        if self._thread.ident is not None:  # started
+            self._thread.join(5.0)
+        with self._lock:  # a reply the engine sends from now on is dropped, never sent on a closed socket
+            self._closed = True
+            self._sock.close(linger=0)
         self.rings.close()
         self.cuda_ipc.close()
         if self.arena is not None:
@@ -243,42 +285,126 @@ class Router:
         os.close(self._wake_w)
 
     def queue_reply(self, ident: bytes, msg: object, payloads: list | None = None) -> None:
-        """Any thread: queue a reply (and its payload frames) for the I/O thread (never blocks)."""
-        self._outbox.append((ident, msg, payloads or ()))
+        """Any thread: send a reply now if the socket is free, else queue it for the I/O thread
+        (the caller never blocks: one non-blocking lock try, one non-blocking send)."""
+        if not self._lock.acquire(blocking=False):
+            self._outbox.append((ident, msg, payloads or ()))
+            self._wake()  # the I/O thread holds the socket: it flushes the outbox before it lets go
+            return
+        try:
+            if self._closed:
+                return
+            self._flush_outbox()  # an earlier reply that found the socket busy goes first
+            self._send(ident, msg, payloads or ())
+            waiting = self._sock.get(_EVENTS) & _POLLIN  # the send may have taken the FD's edge
+        finally:
+            self._lock.release()
+        if waiting:
+            self._wake()
+
+    def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:
-            pass  # pipe already full of wake-ups: the I/O thread is about to drain
+        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: stopped
+            pass
+
+    # ------------------------------------------------------------------ the idle engine's watch
+
+    def engine_take(self) -> bool:
+        """The idle engine: watch the socket now (False: the router is closed). Waits for an I/O
+        pass that holds the socket (the engine is idle; giving up instead while it still owned the
+        socket from its last watch would leave nobody watching until the I/O thread took it back).
+        A message already waiting behind a taken edge is the I/O thread's: it was woken for it, and
+        rings the engine once it queued the work."""
+        with self._lock:
+            if self._closed:
+                return False
+            was = self._engine_owns
+            self._engine_owns = self._engine_polling = True
+        if not was:
+            self._wake()  # the I/O thread may sleep on the FD: it leaves it out from its next poll
+        return True
+
+    def engine_leave(self) -> None:
+        """The engine is off to a batch it expects to be long: the I/O thread watches meanwhile."""
+        if self._engine_owns:
+            self._engine_owns = False
+            self._wake()
+
+    def engine_serve(self) -> None:
+        """The engine's watch ended (a message, its bell, a timeout): read what waits, on its thread."""
+        with self._lock:  # an I/O pass is short, and the engine is idle
+            self._engine_polling = False
+            self._engine_left = time.monotonic()
+            if self._closed:
+                return
+            more = self._serve()
+            self._handed = False  # read by the engine itself: nobody to wake
+        if more:  # a flood: the I/O thread reads the rest while the engine works
+            self._engine_owns = False
+            self._wake()
 
     # ------------------------------------------------------------------ I/O thread
 
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        wake_r = self._wake_r
+        watching = False  # the socket's FD is in the poll (not while the idle engine watches it)
+        timeout = 0  # a message may have arrived before the first read of ZMQ_EVENTS
         while self._running.is_set():
             try:
-                events = dict(poller.poll(100))
-                if self._sock in events:
-                    for _ in range(256):  # bounded so replies keep flowing under a flood
+                if watching == self._engine_owns:
+                    watching = not watching
+                    if watching:
+                        poller.register(self.fd, select.POLLIN)
+                        timeout = 0  # its edge may have gone to the engine: look first
+                    else:
+                        poller.unregister(self.fd)
+                ready = poller.poll(timeout)
+                for fd, _ in ready:
+                    if fd == wake_r:
                         try:
-                            # no local keeps the frames: an arena slot is free once the engine is done with it
-                            self._on_message(*self._recv())
-                        except zmq.Again:
-                            break
-                if self._wake_r in events:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                self._flush_outbox()
-                self.rings.sweep(time.monotonic())
-                self.cuda_ipc.sweep(time.monotonic())
+                            os.read(wake_r, 65536)
+                        except BlockingIOError:
+                            pass
+                with self._lock:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if self._engine_owns and not self._engine_polling and now - self._engine_left >= _RECLAIM_S:
+                        self._engine_owns = False  # a batch longer than expected: the socket is this thread's again
+                    # a timer's look while the idle engine watches reads nothing: the message is the engine's
+                    more = self._serve() if ready or not (self._engine_owns and self._engine_polling) else False
+                    self.rings.sweep(now)  # under the lock: a reply's ack reads the rings and buffers
+                    self.cuda_ipc.sweep(now)
+                timeout = 0 if more else (_RECLAIM_MS if self._engine_owns else _POLL_MS)
             except zmq.ContextTerminated:
                 return
             except Exception:  # never let one message end the I/O thread
                 log.exception("I/O loop error")
                 self.metrics.io_errors.inc()
+                timeout = 1  # soon (a message may wait behind the FD's edge), but never a busy loop
+            finally:
+                if self._handed:  # last before the poll, so the engine woken now finds the GIL free (the
+                    self._handed = False  # work was queued as it was read: a busy engine takes it unwoken)
+                    self.engine.wake()
+
+    def _serve(self) -> bool:
+        """Under the lock: read the messages waiting (at most ``_BATCH``), send the outbox; True
+        when messages still wait (ZMQ_EVENTS, read last: the loop may sleep on the FD only after
+        it saw no POLLIN there)."""
+        sock = self._sock
+        for _ in range(_BATCH):
+            if not sock.get(_EVENTS) & _POLLIN:
+                break
+            try:
+                # no local keeps the frames: an arena slot is free once the engine is done with it
+                self._on_message(*self._recv())
+            except zmq.Again:  # not expected after POLLIN (a message's parts arrive together)
+                break
+        self._flush_outbox()
+        return bool(sock.get(_EVENTS) & _POLLIN)
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -289,7 +415,7 @@ class Router:
         if isinstance(msg, StepResult) and (ack := self.rings.ack(ident) or self.cuda_ipc.ack(ident)) is not None:
             msg = msgspec.structs.replace(msg, ring=ack)
         try:
-            self._sock.send_multipart([ident, *encode(msg, payloads)], zmq.NOBLOCK, copy=False)  # type: ignore[arg-type]
+            self._sock.send_multipart([ident, *encode(msg, payloads)], _NOBLOCK, copy=False)  # type: ignore[arg-type]
         except (zmq.Again, zmq.ZMQError):
             self.metrics.replies_dropped.inc()
 
@@ -300,14 +426,14 @@ class Router:
         was not decoded here); and when its reading began. Raises zmq.Again when no message
         waits. The parts of a message arrive together, so only the first read can find nothing."""
         sock = self._sock
-        first = sock.recv(zmq.NOBLOCK, copy=False)
+        first = sock.recv(_NOBLOCK, copy=False)
         recv_t = time.monotonic()  # the copy into the arena counts as the server's time
         frames: list = [first]
         more = first.more
         decoded: Request | ProtocolError | None = None
         try:
             if more:
-                header = sock.recv(zmq.NOBLOCK, copy=False)
+                header = sock.recv(_NOBLOCK, copy=False)
                 frames.append(header)
                 more = header.more
                 if more and self.arena is not None and len(header) <= self.limits.max_message_bytes:
@@ -317,18 +443,18 @@ class Router:
                         decoded = e
                     slot = self._arena_slot(decoded)
                     if slot is not None:
-                        n = sock.recv_into(slot, flags=zmq.NOBLOCK)
+                        n = sock.recv_into(slot, flags=_NOBLOCK)
                         # shorter than announced: validation names its size; longer: ZeroMQ cut it, and
                         # a stand-in of its length (pages never touched) gets the same BAD_FRAMES
                         frames.append(slot if n == len(slot) else slot[:n] if n < len(slot) else _cut_frame(n))
                         more = bool(sock.getsockopt(zmq.RCVMORE))
             while more:
-                f = sock.recv(zmq.NOBLOCK, copy=False)
+                f = sock.recv(_NOBLOCK, copy=False)
                 frames.append(f)
                 more = f.more
         except Exception:
             while sock.getsockopt(zmq.RCVMORE):  # never leave a message half read: the next would start mid-way
-                sock.recv(zmq.NOBLOCK, copy=False)
+                sock.recv(_NOBLOCK, copy=False)
             raise
         return frames, decoded, recv_t
 
@@ -394,8 +520,8 @@ class Router:
                 return
             self._error(ident, e)
             return
-        kind = type(msg).__name__.lower()
-        self.metrics.messages.labels(kind).inc()
+        m = self.metrics
+        m.later.later(m.message_kind[_KINDS[type(msg)]].inc, 1)
         try:
             if isinstance(msg, Step):
                 self._on_step(ident, owner, msg, payloads, recv_t)
@@ -407,6 +533,7 @@ class Router:
                 if payloads:
                     raise ProtocolError(ErrorCode.BAD_FRAMES, "free carries no payload frames")
                 self.engine.submit_free(owner, msg.sessions)
+                self._handed = True
         except ProtocolError as e:
             self._error(ident, e)
 
@@ -523,6 +650,7 @@ class Router:
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on
+            self._handed = True
         if answered_here:
             self.engine.reply_now(call)
 
@@ -545,5 +673,4 @@ class Router:
             log.warning("client %r: %d tap rows with NaN/Inf so far", owner[-16:], before + rows)
 
     def _set(self, call: Call, i: int, result: EntryResult) -> None:
-        call.results[i] = result
-        self.metrics.entries.labels(result.status.name.lower()).inc()
+        call.results[i] = result  # counted with the reply (``ServerMetrics.count_entries``)

@@ -4,14 +4,17 @@ Owns the commands callers append to the I/O thread's queue (``StepCall``, ``Conn
 ``PingCmd``, ``FreeCmd``, ``CloseCmd``), the I/O thread's record of a call in flight
 (``Pending``), a step's outcome (``Outcome``) and the once-only claiming of futures.
 
-Outcome race: a step's future is claimed exactly once, either by the I/O thread
-(``set_running_or_notify_cancel`` before ``set_result``, here) or by the caller (``cancel`` at
-its deadline). A reply whose future was cancelled is late: its drafts are dropped and counted,
-its acknowledgements still update the resend buffers.
+Outcome race: a step's future is claimed exactly once, either by the I/O loop
+(``set_running_or_notify_cancel``, here) or by the caller (``cancel`` at its deadline). A reply
+whose future was cancelled is late: its drafts are dropped and counted, its acknowledgements still
+update the resend buffers. The loop claims a step's future during its pass and sets the result when
+the pass is over (``Wakeups``): a caller whose future is claimed waits for that (microseconds; a
+caller past its deadline waits a short grace for it).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +88,30 @@ def set_future(f: Future, value: Any) -> bool:
     return False
 
 
-def resolve(f: Future | None, replies: list[DraftReply], outcome: str) -> bool:
-    """Hand a step's replies to its caller; False if there is none or it gave up already."""
-    return f is not None and set_future(f, Outcome(replies, outcome))
+class Wakeups:
+    """Steps' outcomes claimed during a pass of the I/O loop, handed to their callers after it
+    (``release``, from any thread: every outcome is set exactly once)."""
+
+    __slots__ = ("_due",)
+
+    def __init__(self) -> None:
+        self._due: deque[tuple[Future, Outcome]] = deque()
+
+    def resolve(self, f: Future | None, replies: list[DraftReply], outcome: str) -> bool:
+        """Claim a step's future for ``replies``; False if there is none or its caller gave up already."""
+        if f is None:
+            return False
+        try:
+            if not f.set_running_or_notify_cancel():
+                return False
+        except RuntimeError:  # already resolved
+            return False
+        self._due.append((f, Outcome(replies, outcome)))
+        return True
+
+    def release(self) -> None:
+        """Set the outcomes claimed so far (wakes their callers)."""
+        due = self._due
+        while due:
+            f, out = due.popleft()
+            f.set_result(out)

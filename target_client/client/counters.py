@@ -1,8 +1,9 @@
 """What one client counts: its Prometheus metric children and the plain counts behind ``stats()``.
 
-Owns ``Counters``. Written by the caller threads (a step's outcome) and by the I/O thread
+Owns ``Counters``. Written by the caller threads (a step's outcome) and by the I/O loop
 (everything else); the plain counts sit behind one lock held for a few dict updates only, never
-around I/O. The Prometheus objects are thread-safe by themselves.
+around I/O. The Prometheus objects are thread-safe by themselves; a step's updates of them are
+queued (``ClientMetrics.later``) and applied off the hop.
 """
 
 from __future__ import annotations
@@ -69,11 +70,13 @@ class Counters:
 
     def step_done(self, seconds: float, replies: Sequence[DraftReply], outcome: str) -> None:
         """One step()/astep() call returned after ``seconds`` with ``outcome``."""
-        self.m.step_duration.observe(seconds)
-        self.steps[outcome].inc()
+        m = self.m
+        later = m.later.later
+        later(m.step_duration.observe, seconds)
+        later(self.steps[outcome].inc, 1)
         drafts = sum(len(r.tokens) for r in replies)
         if drafts:
-            self.m.drafts.inc(drafts)
+            later(m.drafts.inc, drafts)
         key = _OUTCOME_KEYS.get(outcome)
         with self._lock:
             c = self._counts
@@ -84,6 +87,18 @@ class Counters:
                 c[key] += 1
             else:  # breaker_open / not_ready / closed: returned at once without waiting
                 c["fallbacks"] += 1
+
+    def entries_answered(self, results: Sequence[Any]) -> None:
+        """A reply's per-entry statuses (``protocol.EntryResult``s): one queued update per status."""
+        later = self.m.later.later
+        if len(results) == 1:
+            later(self.entries[results[0].status].inc, 1)
+            return
+        by: dict[Status, int] = {}
+        for r in results:
+            by[r.status] = by.get(r.status, 0) + 1
+        for status, n in by.items():
+            later(self.entries[status].inc, n)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

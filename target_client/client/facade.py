@@ -4,9 +4,12 @@ Owns what callers see: the constructor, ``connect``, ``step``/``astep``, ``send_
 ``commit`` (early taps), ``free``, ``ping``, ``stats``, ``close`` and the read-only properties.
 Everything else is in the parts:
 
-* ``io_loop.IoLoop``: the one I/O thread that alone touches the ZeroMQ DEALER socket (the vLLM
-  ``core_client`` shape); callers append a command to its queue and wake it through a pipe;
-  replies resolve per-call futures keyed by call id (``calls``: commands, futures, outcomes);
+* ``io_loop.IoLoop``: the ZeroMQ DEALER socket and the loop around it (the vLLM ``core_client``
+  shape): whoever holds its lock runs a pass over the socket. A caller's command is one such pass
+  in the caller's own thread when the lock is free (else the I/O thread's), and a caller waiting
+  in ``step()`` watches the socket itself, so a step's send and its reply take no hop through the
+  I/O thread; replies resolve per-call futures keyed by call id (``calls``: commands, futures,
+  outcomes);
 * ``handshake.Handshake``: Hello/Welcome, the pinned contract, refusals, epochs;
 * ``breaker.Breaker``: when to stop sending and when to probe;
 * ``step_builder``: argument checks (caller side) and Step messages with resend rows merged in
@@ -14,8 +17,9 @@ Everything else is in the parts:
 * ``counters.Counters``: metrics and the counts behind ``stats()``.
 
 Callers, from any thread or from asyncio tasks, validate their own arguments locally and never
-hold a lock across network I/O; no zmq socket is shared between threads. Every wait has a
-deadline. ``step()`` blocks at most its budget and never raises for a draft-side fault (server
+hold a lock across a wait: the loop's lock covers one pass of non-blocking socket calls, which is
+how the socket moves between threads (ZeroMQ asks for a full memory barrier there, which a mutex
+is). Every wait has a deadline. ``step()`` blocks at most its budget and never raises for a draft-side fault (server
 down, slow, restarted, overloaded, garbage, another model): it returns empty drafts for the
 requests it could not serve and counts why. ``ValueError`` is raised only for caller bugs,
 checked with ``protocol.validate`` before anything is sent.
@@ -368,7 +372,7 @@ class DraftClient:
         if out is not None:
             return out.replies, out.outcome
         assert call.future is not None
-        return self._give_up(call.future, len(call.entries))
+        return self._give_up(call.future, len(call.entries), call.deadline)
 
     def _call_gate(self) -> str | None:
         if self._closed:
@@ -378,10 +382,10 @@ class DraftClient:
             self._io.submit(Connect(None))
         return self._io.gate
 
-    @staticmethod
-    def _give_up(fut: Future, n: int) -> tuple[list[DraftReply], str]:
+    def _give_up(self, fut: Future, n: int, deadline: float) -> tuple[list[DraftReply], str]:
         """The deadline passed: claim the call as timed out, unless its result was just claimed."""
         if fut.cancel():
+            self._io.gave_up(deadline)  # the miss counts now
             return empty_replies(n), "timeout"
         try:
             out = fut.result(timeout=_RESULT_GRACE_S)
@@ -421,10 +425,7 @@ class StepTicket:
             return self.replies
         call = self._call
         assert call is not None and call.future is not None
-        try:
-            out: Outcome | None = call.future.result(timeout=max(0.0, call.deadline - time.monotonic()))
-        except (FutureTimeout, FutureCancelled):
-            out = None
+        out = self._client._io.await_step(call)
         replies, self.outcome = self._client._outcome(call, out)
         self.replies = self._client._finish(self._t0, replies, self.outcome)
         return self.replies

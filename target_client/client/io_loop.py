@@ -1,17 +1,40 @@
-"""The client's I/O thread: the only code that touches the DEALER socket.
+"""The client's I/O loop: the only code that touches the DEALER socket, and its thread.
 
 Owns ``IoLoop``: the ZeroMQ context and socket (made in the constructor, so a bad endpoint fails
-there), the command deque and the wake pipe callers use to reach the thread, the zmq Poller
-loop, sending (steps, Hellos, pings, probes, frees; never blocking: a send that would block
-fails fast and counts as a miss), receiving and dispatching replies by call id to the pending
-calls, timers (Hello retry, breaker probes, call expiry, idle session sweep) and the shutdown.
+there), the command deque and the wake pipe callers use to reach the thread, the loop, sending
+(steps, Hellos, pings, probes, frees; never blocking: a send that would block fails fast and
+counts as a miss), receiving and dispatching replies by call id to the pending calls, timers
+(Hello retry, breaker probes, call expiry, idle session sweep) and the shutdown.
 
-All mutable protocol state lives here and is touched by this thread only: the pending-call
-table, the per-session resend buffers (``resend.SessionRows``), the handshake
+All mutable protocol state lives here and is touched only by whoever holds ``_lock``: the
+pending-call table, the per-session resend buffers (``resend.SessionRows``), the handshake
 (``handshake.Handshake``), the circuit breaker (``breaker.Breaker``) and the RTT window of the
-adaptive budget (``step_builder.AdaptiveBudget``). Callers read immutable snapshots only
-(``gate``, ``handshake.welcome``/``pinned``/``epoch``, ``budget.ms``, ``advised_k``,
-``last_timing``). No lock is ever held across network I/O.
+adaptive budget (``step_builder.AdaptiveBudget``), and the socket itself (ZeroMQ lets a socket move
+between threads behind a full memory barrier, which a mutex is). A caller's command is one pass of
+the loop: ``submit`` queues it and, when the lock is free, runs the pass in the caller's own thread
+(a step goes out with no hop through the I/O thread); when the I/O thread holds the lock it wakes
+that thread instead. The lock is held for one pass of non-blocking work only, never across a wait.
+The I/O thread sleeps in ``select.poll`` on the socket's ``ZMQ_FD`` and the wake pipe, never inside
+a socket call. ``ZMQ_FD`` is edge-triggered (it says that the socket's state changed, and any
+socket call may consume that), so every pass reads ``ZMQ_EVENTS`` last, and a caller's pass that
+leaves a reply unread, or a timer earlier than the thread's sleep, wakes the thread. A step's
+expiry is bookkeeping (its caller gives up at its own deadline): the next pass does it, whoever
+runs it. Callers read immutable snapshots only (``gate``, ``handshake.welcome``/``pinned``/``epoch``,
+``budget.ms``, ``advised_k``, ``last_timing``).
+
+A reply's caller is woken last: its future is claimed during the pass and its result set once
+the pass is over (``calls.Wakeups``), so the woken caller finds the GIL free instead of waiting
+for the rest of the pass.
+
+Who watches the socket for replies: the I/O thread, unless a caller waiting in ``step()``
+(``await_step``) does. Such a caller (the owner) polls the socket's FD itself until its deadline
+and runs the pass its reply wakes it for: the reply reaches it with no hop through the I/O thread,
+whose poll leaves the FD out while a caller owns it (one thread woken per reply, never two racing
+for the GIL). Ownership is sticky between a caller's steps, so a caller that steps back to back
+hands nothing over; the I/O thread takes the socket back once the owner has stopped watching for
+``_RECLAIM_S`` (meanwhile a Pong or a late reply waits at most that long), and at once when the
+owner leaves while other calls wait. A pass elsewhere that reads a reply while a caller owns the
+socket rings the owner (its reply may be among them, and its FD's edge gone).
 
 A burst larger than the budget (``resend`` module docstring, "catching up"): a step that misses,
 or is answered EXPIRED, while its session's big rows are unproven leaves the session behind; its
@@ -28,9 +51,13 @@ import itertools
 import logging
 import math
 import os
+import select
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import CancelledError as FutureCancelled
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import msgspec
@@ -58,10 +85,11 @@ from target_client.client.calls import (
     CloseCmd,
     Connect,
     FreeCmd,
+    Outcome,
     Pending,
     PingCmd,
     StepCall,
-    resolve,
+    Wakeups,
     set_future,
 )
 from target_client.client.counters import Counters
@@ -74,6 +102,7 @@ log = logging.getLogger("target_client")
 _EXPIRED_KEEP = 4096  # timed-out calls remembered so their late replies can still acknowledge rows
 _MAX_RETRY_AFTER_S = 5.0  # cap on a server's retry hint
 _SWEEP_EVERY_S = 5.0
+_FLUSH_EVERY_S = 1.0  # queued metric updates reach a registry another process exports within this
 # The I/O thread expires a step this long after the caller's own deadline, so that at the deadline
 # only the caller wakes (it gives up by itself; the I/O thread's expiry is bookkeeping).
 _EXPIRE_GRACE_S = 0.002
@@ -81,6 +110,12 @@ _FREE_CHUNK = 1024  # sessions per Free message
 _COMMANDS_PER_ITERATION = 256
 _NO_ROOM_LIMIT = 1 << 62  # resend room of a step that is not sent (its rows are only buffered)
 _APPLIED = (Status.OK, Status.EXPIRED)
+_POLLIN = int(zmq.POLLIN)  # zmq's flag enums cost a Python call per operation; the loop uses ints
+_POLLOUT = int(zmq.POLLOUT)
+_EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
+_CALL_KINDS = ("step", "taps")  # pending calls whose expiry is bookkeeping (the caller times out by itself)
+_RECLAIM_S = 0.005  # the I/O thread watches the socket again this long after its owner stopped
 
 
 def random_routing_id() -> bytes:
@@ -115,8 +150,17 @@ class IoLoop:
         self._gauge_on = False  # this client counted in draft_client_breaker_open
         self._ping_queue: list[PingCmd] = []  # caller pings waiting for a live connection
         self._next_sweep = time.monotonic() + _SWEEP_EVERY_S
+        self._next_flush = time.monotonic() + _FLUSH_EVERY_S
         self._closing = False
         self._ready: Any = None  # cuda_ipc: the caller's event after its latest device rows (StepCall.ready)
+        self._lock = threading.Lock()  # the socket and all of the state above (see the module docstring)
+        self._wakeups = Wakeups()  # callers whose results are set once the pass is over
+        self._sleep_until = -math.inf  # when the I/O thread's current sleep ends (written under the lock)
+        self._owner: int | None = None  # the caller thread watching the socket for replies (None: the I/O thread)
+        self._owner_polling = False  # the owner is in its wait now (only the owner clears it)
+        self._owner_seen = 0.0  # when the owner last stopped waiting
+        self._unread = False  # the latest read of ZMQ_EVENTS saw a reply waiting (so its FD edge is gone)
+        self._shut = False  # the thread has shut the loop down (socket gone)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
         # I/O thread (thread start is the full memory barrier ZeroMQ asks for when a socket moves).
@@ -134,6 +178,13 @@ class IoLoop:
         self._rfd, self._wfd = os.pipe()
         os.set_blocking(self._rfd, False)
         os.set_blocking(self._wfd, False)
+        self._orfd, self._owfd = os.pipe()  # rings the owner: a pass elsewhere read replies
+        os.set_blocking(self._orfd, False)
+        os.set_blocking(self._owfd, False)
+        self._zfd = self._sock.get(zmq.FD)
+        self._owner_poll = select.poll()  # the owner's: the socket and its ring
+        self._owner_poll.register(self._zfd, select.POLLIN)
+        self._owner_poll.register(self._orfd, select.POLLIN)
         # Guards the write end against stop(): a caller racing close() must never write into a
         # closed (and possibly reused) descriptor. Held for one non-blocking write only.
         self._wake_lock = threading.Lock()
@@ -143,9 +194,132 @@ class IoLoop:
     # ------------------------------------------------------------------ caller side
 
     def submit(self, cmd: object) -> None:
-        """Queue a command for this thread and wake it (any thread)."""
+        """Queue a command and run it now, in this thread, when the loop's lock is free; else wake
+        the I/O thread, which holds it (any thread; never waits)."""
         self._cmds.append(cmd)
-        self._wake()
+        self._caller_pass()
+
+    def gave_up(self, deadline: float) -> None:
+        """A caller stopped waiting for its step at ``deadline``: expire the steps due by then now (a
+        miss for the breaker at once, as the I/O thread's own expiry would count it a little later)."""
+        self._caller_pass(deadline)
+
+    def _caller_pass(self, due: float | None = None) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._wake()  # the I/O thread holds the loop: it passes again before it sleeps
+            return
+        wake = ring = False
+        try:
+            wake, ring = self._caller_pass_locked(due)
+        finally:
+            self._lock.release()
+            self._wakeups.release()
+        if wake:
+            self._wake()
+        if ring:
+            self._ring_owner()
+        self._m.later.flush()  # the Step is out and the caller waits for its reply anyway
+
+    def await_step(self, call: StepCall) -> Outcome | None:
+        """A step's outcome, waiting at most until its deadline (None: none by then). The caller
+        watches the socket itself when nobody else does (see the module docstring), else waits on
+        the step's future."""
+        fut = call.future
+        assert fut is not None
+        if not fut.done() and call.deadline > time.monotonic() and self._own(call.deadline):
+            self._watch(fut, call.deadline)
+        try:
+            return fut.result(timeout=max(0.0, call.deadline - time.monotonic()))
+        except (FutureTimeout, FutureCancelled):
+            return None
+
+    def _own(self, deadline: float) -> bool:
+        """Make this thread the socket's owner; False when another caller watches it now (its
+        passes resolve this caller's step too) or the loop is closing. Waits for a pass that holds
+        the loop to end (never past ``deadline``): giving up here while this thread owns the
+        socket from an earlier step would leave nobody watching it until the I/O thread takes it
+        back."""
+        me = threading.get_ident()
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            if self._owner == me:  # nobody watches: the I/O thread must
+                self._owner = None
+                self._wake()
+            return False
+        try:
+            owner = self._owner
+            if self._closing or (owner not in (None, me) and self._owner_polling):
+                return False
+            self._owner = me
+            self._owner_polling = True  # under the lock: the I/O thread never takes back a socket in use
+        finally:
+            self._lock.release()
+        if owner is None:
+            self._wake()  # the I/O thread may sleep on the socket: it leaves the FD out from its next poll
+        return True
+
+    def _watch(self, fut: Future, deadline: float) -> None:
+        """The owner's wait: poll the socket (and the owner's ring) until ``fut`` is done or the
+        deadline passes, and run a pass for what arrives."""
+        try:
+            while not fut.done():
+                ms = math.ceil((deadline - time.monotonic()) * 1000.0)
+                if ms <= 0:
+                    return
+                for fd, _ in self._owner_poll.poll(0 if self._unread else ms):  # FD's edge taken: look now
+                    if fd == self._orfd:
+                        try:
+                            os.read(self._orfd, 4096)
+                        except OSError:
+                            pass
+                if self._closing or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    return
+                try:
+                    wake, _ = self._caller_pass_locked(None)
+                finally:
+                    self._lock.release()
+                    self._wakeups.release()
+                if wake:
+                    self._wake()
+        finally:
+            self._owner_seen = time.monotonic()
+            self._owner_polling = False
+            if self._cmds or any(p.kind == "step" and p.future is not fut for p in list(self.pending.values())):
+                self._owner = None  # other callers wait on their futures: the I/O thread watches for them
+                self._wake()
+
+    def _ring_owner(self) -> None:
+        """A pass that is not the owner's read replies while a caller owns the socket: wake it."""
+        if self._owner is not None and self._owner != threading.get_ident():
+            with self._wake_lock:
+                if self._owfd >= 0:
+                    try:
+                        os.write(self._owfd, b"\0")
+                    except OSError:
+                        pass  # full: it is rung already
+
+    def _caller_pass_locked(self, due: float | None) -> tuple[bool, bool]:
+        """A pass in a caller's thread (under the lock). Returns whether the I/O thread must look
+        (a reply is left unread while it watches the socket, something waits for the socket to turn
+        writable, commands are left over, a timer is due before its sleep ends, or the loop is
+        closing) and whether another thread that owns the socket must (it may have lost its reply
+        or its FD's edge to this pass; a reply left for this thread, the owner, it reads itself)."""
+        if self._closing:
+            if self._shut:  # the thread has gone: nobody else answers what was just queued
+                self._close_commands()
+            return True, True
+        try:
+            got = self._pass(bool(self._sock.get(_EVENTS) & _POLLIN), due)
+        except Exception:  # the I/O thread's own pass counts and logs it the same way
+            self._c.add("io_errors")
+            log.exception("draft client %s: a caller's pass of the I/O loop failed", self.cfg.name)
+            return True, True
+        ev = self._sock.get(_EVENTS)  # last: whoever sleeps on the FD's edge may have lost it to this read
+        unread = self._unread = bool(ev & _POLLIN)
+        owner = self._owner
+        ring = owner is not None and owner != threading.get_ident() and bool(got or unread)
+        if (unread and owner is None) or (ev & _POLLOUT and self._out_due()) or self._cmds or self._closing:
+            return True, ring
+        return self._wake_at(time.monotonic(), calls=False) < self._sleep_until, ring
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -166,7 +340,8 @@ class IoLoop:
             return
         with self._wake_lock:
             wfd, self._wfd = self._wfd, -1
-        for fd in (self._rfd, wfd):
+            owfd, self._owfd = self._owfd, -1
+        for fd in (self._rfd, wfd, self._orfd, owfd):
             try:
                 os.close(fd)
             except OSError:
@@ -195,60 +370,106 @@ class IoLoop:
         return s
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._rfd, zmq.POLLIN)
-        sock_flags = zmq.POLLIN
-        failures = 0  # consecutive iterations that raised
+        poller = select.poll()
+        poller.register(self._rfd, select.POLLIN)
+        rfd = self._rfd
+        watching = False  # the socket's FD is in the poll (not while a caller owns the socket)
+        timeout = 0  # the socket's state may have changed before the first read of ZMQ_EVENTS
+        failures = 0  # consecutive passes that raised
         try:
             while True:
+                got = 0
                 try:
-                    want = zmq.POLLIN | (zmq.POLLOUT if self._out_due() else 0)
-                    if want != sock_flags:
-                        poller.modify(self._sock, want)
-                        sock_flags = want
-                    events = dict(poller.poll(self._poll_timeout_ms(time.monotonic())))
-                    if self._rfd in events:
-                        self._drain_wake()
-                    now = time.monotonic()
-                    if events.get(self._sock, 0) & zmq.POLLIN:
-                        self._recv_all(now)  # replies first: their acks shape the next resend
-                    self._drain_commands(now)
-                    if self._closing:
-                        break
-                    now = time.monotonic()
-                    self._expire(now)
-                    self._timers(now)
-                    if self._out_due() and (self._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT):
-                        self._send_due(now)
+                    if watching != (self._owner is None):
+                        watching = not watching
+                        if watching:
+                            poller.register(self._zfd, select.POLLIN)
+                            timeout = 0  # its edge may have gone to the owner: look first
+                        else:
+                            poller.unregister(self._zfd)
+                    for fd, _ in poller.poll(timeout):
+                        if fd == rfd:
+                            self._drain_wake()
+                    with self._lock:
+                        self._reclaim()
+                        got = self._pass(True)
+                        if self._closing:
+                            break
+                        timeout = self._sleep_ms()
                     failures = 0
                 except zmq.ContextTerminated:
                     raise
-                except Exception:  # one bad iteration must not end the thread: log it and go on
+                except Exception:  # one bad pass must not end the thread: log it and go on
                     failures += 1
                     self._c.add("io_errors")
                     log.exception("draft client %s: I/O loop iteration failed (%d in a row)", self.cfg.name, failures)
                     if failures >= 100:
                         raise
                     time.sleep(min(0.001 * failures, 0.05))
+                    timeout = 0
+                finally:
+                    self._wakeups.release()  # last before the poll: the woken callers find the GIL free
+                    if got:
+                        self._ring_owner()
         except Exception:
             log.exception("draft client %s: I/O thread failed; drafting is off for this client", self.cfg.name)
         finally:
-            self._shutdown()
+            with self._lock:
+                self._shutdown()
+            self._wakeups.release()
+            self._ring_owner()  # an owner waiting on the socket: the loop is closed
+
+    def _reclaim(self) -> None:
+        """The I/O thread takes the socket back from a caller that stopped watching it a while ago."""
+        if self._owner is not None and not self._owner_polling and time.monotonic() - self._owner_seen >= _RECLAIM_S:
+            self._owner = None
+
+    def _pass(self, readable: bool, due: float | None = None) -> int:
+        """One pass over everything due (under the lock): replies (when ``readable``), expiry
+        (``due``: of every step due by then, its caller gave up), commands, timers, and the sends
+        that wait for a writable socket. Returns the replies read."""
+        if self._closing:
+            return 0
+        now = time.monotonic()
+        got = self._recv_all(now) if readable else 0  # replies first: their acks shape the next resend
+        self._expire(now, due)  # before the commands: a step sees the breaker its predecessor's miss opened
+        self._drain_commands(now)
+        if self._closing:
+            return got
+        now = time.monotonic()
+        self._timers(now)
+        if self._out_due() and (self._sock.get(_EVENTS) & _POLLOUT):
+            self._send_due(now)
+        return got
 
     def _out_due(self) -> bool:
         return self.handshake.hello_due or self.breaker.probe_due or bool(self._ping_queue)
 
-    def _poll_timeout_ms(self, now: float) -> int:
-        if self._cmds:
-            return 0  # commands left over from a bounded drain
-        t = min(now + 1.0, self._next_sweep)
+    def _sleep_ms(self) -> int:
+        """How long the I/O thread may sleep on the FD and the pipe (ZMQ_EVENTS read last)."""
+        now = time.monotonic()
+        ev = self._sock.get(_EVENTS)
+        self._unread = bool(ev & _POLLIN)
+        if self._cmds or ev & _POLLIN or (ev & _POLLOUT and self._out_due()):
+            self._sleep_until = now
+            return 0  # commands left over from a bounded drain, a reply, or a send that can go now
+        t = self._wake_at(now, calls=True)
+        if self._owner is not None:  # a caller owns the socket: look again in a while, to take it back
+            t = min(t, now + _RECLAIM_S)
+        self._sleep_until = t
+        return max(0, math.ceil((t - now) * 1000.0))
+
+    def _wake_at(self, now: float, calls: bool) -> float:
+        """The next time a pass has something to do (``calls``: a step's expiry included)."""
+        t = min(now + 1.0, self._next_sweep, self._next_flush)
         for p in self.pending.values():
-            t = min(t, p.deadline + (_EXPIRE_GRACE_S if p.kind == "step" else 0.0))
+            if p.kind not in _CALL_KINDS:
+                t = min(t, p.deadline)
+            elif calls:
+                t = min(t, p.deadline + (_EXPIRE_GRACE_S if p.kind == "step" else 0.0))
         for q in self._ping_queue:
             t = min(t, q.deadline)
-        t = min(t, self.handshake.wake_at(), self.breaker.wake_at())
-        return max(0, math.ceil((t - now) * 1000.0))
+        return min(t, self.handshake.wake_at(), self.breaker.wake_at())
 
     def _drain_wake(self) -> None:
         try:
@@ -278,13 +499,13 @@ class IoLoop:
             except Exception:
                 log.exception("draft client %s: command %s failed", self.cfg.name, type(cmd).__name__)
                 if isinstance(cmd, StepCall):
-                    resolve(cmd.future, empty_replies(len(cmd.entries)), "error")
+                    self._wakeups.resolve(cmd.future, empty_replies(len(cmd.entries)), "error")
 
     # ------------------------------------------------------------------ sending
 
     def _try_send(self, frames: list[Any]) -> bool:
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
             return True
         except zmq.ZMQError:  # EAGAIN: no live connection (IMMEDIATE) or the send queue is full
             self._c.add("send_failures")
@@ -320,10 +541,10 @@ class IoLoop:
         if not send:
             if call.phase != Phase.TAPS:
                 self.breaker.gated_step(now, hs.need_hello)  # probe now if the breaker is open
-            resolve(call.future, empty_replies(n), self.gate or "not_ready")
+            self._wakeups.resolve(call.future, empty_replies(n), self.gate or "not_ready")
             return
         if not merged.entries:  # everything held back, or catching up with nothing to ingest
-            resolve(call.future, merged.replies(n), "catching_up" if merged.behind else "overloaded")
+            self._wakeups.resolve(call.future, merged.replies(n), "catching_up" if merged.behind else "overloaded")
             return
         assert layout is not None and cid is not None and welcome is not None
         ring = hs.rows_ring
@@ -333,16 +554,17 @@ class IoLoop:
         )
         if ring is not None and merged.parts:
             in_ring = ring.generation != gen
+            m = self._m
             if hs.cuda:
-                (self._m.cuda_ipc_steps if in_ring else self._m.cuda_ipc_fallbacks.labels("buffer_full")).inc()
+                m.later.later((m.cuda_ipc_steps if in_ring else m.cuda_ipc_fallbacks.labels("buffer_full")).inc, 1)
             else:
-                (self._m.shm_steps if in_ring else self._m.shm_fallbacks.labels("ring_full")).inc()
+                m.later.later((m.shm_steps if in_ring else m.shm_fallbacks.labels("ring_full")).inc, 1)
         if not self._try_send(frames):
             if ring is not None and ring.generation != gen:
                 ring.cancel(ring.generation)  # never sent: the region is free again
             for sess in merged.sessions:
                 self.sessions[sess].unsent()
-            resolve(call.future, merged.replies(n), "error")
+            self._wakeups.resolve(call.future, merged.replies(n), "error")
             self._miss(now)
             return
         if merged.resent:
@@ -364,7 +586,7 @@ class IoLoop:
             n,
         )
         if detached and call.phase != Phase.TAPS:  # every request catching up: rows ingest-only, no wait
-            resolve(call.future, merged.replies(n), "catching_up")
+            self._wakeups.resolve(call.future, merged.replies(n), "catching_up")
 
     def _in_taps(self, call_id: int) -> bool:
         """Whether ``call_id`` is an early Taps call still awaiting its reply."""
@@ -418,19 +640,22 @@ class IoLoop:
     def _timers(self, now: float) -> None:
         self.handshake.tick(now)
         self.breaker.tick(now, self.handshake.need_hello)
+        if now >= self._next_flush:  # metric updates queued while no caller stepped
+            self._next_flush = now + _FLUSH_EVERY_S
+            self._m.later.flush()
         if now >= self._next_sweep:
             self._next_sweep = now + _SWEEP_EVERY_S
             idle = now - self.cfg.session_idle_s
             for name in [k for k, s in self.sessions.items() if s.last_used < idle]:
                 del self.sessions[name]
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float, due: float | None = None) -> None:
         if self._ping_queue:
             for cmd in self._ping_queue:
                 if cmd.deadline <= now:
                     set_future(cmd.future, None)
             self._ping_queue = [c for c in self._ping_queue if c.deadline > now]
-        late = now - _EXPIRE_GRACE_S
+        late = now - _EXPIRE_GRACE_S if due is None else max(due, now - _EXPIRE_GRACE_S)
         for cid in [c for c, p in self.pending.items() if p.deadline <= (late if p.kind == "step" else now)]:
             p = self.pending.pop(cid)
             if p.kind in ("step", "taps"):  # a late reply may still acknowledge rows
@@ -447,17 +672,23 @@ class IoLoop:
 
     # ------------------------------------------------------------------ receiving
 
-    def _recv_all(self, now: float) -> None:
+    def _recv_all(self, now: float) -> int:
+        sock = self._sock
+        n = 0
         for _ in range(1024):
+            if not sock.get(_EVENTS) & _POLLIN:
+                break
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+                frames = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:  # not expected after POLLIN (a message's parts arrive together)
+                break
+            n += 1
             try:
                 self._on_frames(frames, now)
             except Exception:
                 log.exception("draft client %s: reply handling failed", self.cfg.name)
                 self._c.bad_reply()
+        return n
 
     def _on_frames(self, frames: list[zmq.Frame], now: float) -> None:
         bufs = [f.buffer for f in frames]
@@ -495,7 +726,7 @@ class IoLoop:
         if p.kind == "taps":
             self._on_taps_result(msg, p, now)
             return
-        self._m.rtt.observe(now - p.sent_at)
+        self._m.later.later(self._m.rtt.observe, now - p.sent_at)
         self.budget.add(now - p.sent_at)
         if self.handshake.contract_differs(msg.contract_id):
             self._note_epoch(msg.epoch)
@@ -510,14 +741,13 @@ class IoLoop:
         self._ack(p, msg.results, now)
         self._note_epoch(msg.epoch)  # after the acks: this reply's own acks stand
         self.last_timing = msg.timing  # set before the future resolves, so a lone caller sees its own
-        if late or not resolve(p.future, self._replies(p, msg.results, payloads), "ok"):
+        if late or not self._wakeups.resolve(p.future, self._replies(p, msg.results, payloads), "ok"):
             self._late(p, now, late)
             return
         if self.breaker.success():  # a call in flight when the breaker opened came back in time
             self._breaker_closed()
         self.advised_k = msg.advised_k
-        for r in msg.results:
-            self._c.entries[r.status].inc()
+        self._c.entries_answered(msg.results)
 
     def _on_taps_result(self, msg: StepResult, p: Pending, now: float) -> None:
         """An early Taps call's reply: acknowledgements only (nobody waits; never a breaker miss)."""
@@ -526,8 +756,7 @@ class IoLoop:
             self._c.bad_reply()
             return
         self._ack(p, msg.results, now)
-        for r in msg.results:
-            self._c.entries[r.status].inc()
+        self._c.entries_answered(msg.results)
         self._note_epoch(msg.epoch)
 
     def _ack(self, p: Pending, results: Sequence[EntryResult], now: float) -> None:
@@ -555,7 +784,7 @@ class IoLoop:
 
     def _failed_step(self, p: Pending, now: float, late: bool) -> None:
         """A step's reply came but is unusable: the caller gets empty drafts and it is a miss."""
-        if not late and resolve(p.future, self._replies(p, None, ()), "error"):
+        if not late and self._wakeups.resolve(p.future, self._replies(p, None, ()), "error"):
             self._miss(now)
         else:
             self._late(p, now, late)
@@ -576,15 +805,17 @@ class IoLoop:
 
     def _replies(self, p: Pending, results: Sequence[EntryResult] | None, payloads: Sequence[Any]) -> list[DraftReply]:
         local = p.local or {}
-        out = [local.get(i) or DraftReply([]) for i in range(p.n)]
-        if results is None:
-            return out
-        pinned = self.handshake.pinned
-        vocab = pinned.vocab_size if pinned is not None else None
-        for idx, k, r in zip(p.index, p.ks, results, strict=True):
-            if idx not in local:  # a request catching up keeps its local reply (its entry was ingest-only)
-                out[idx] = self._reply(r, k, vocab, payloads)
-        return out
+        out: list[DraftReply | None] = [None] * p.n
+        if results is not None:
+            pinned = self.handshake.pinned
+            vocab = pinned.vocab_size if pinned is not None else None
+            for idx, k, r in zip(p.index, p.ks, results, strict=True):
+                if idx not in local:  # a request catching up keeps its local reply (its entry was ingest-only)
+                    out[idx] = self._reply(r, k, vocab, payloads)
+        for i, rep in enumerate(out):
+            if rep is None:  # requests answered locally, or not at all
+                out[i] = local.get(i) or DraftReply([])
+        return out  # type: ignore[return-value]
 
     def _reply(self, r: EntryResult, k: int, vocab: int | None, payloads: Sequence[Any]) -> DraftReply:
         if r.status != Status.OK:
@@ -722,18 +953,28 @@ class IoLoop:
         self._set_gate()
         for p in self.pending.values():
             if p.kind == "step":
-                resolve(p.future, empty_replies(p.n), "closed")
+                self._wakeups.resolve(p.future, empty_replies(p.n), "closed")
             elif p.kind == "ping" and p.future is not None:
                 set_future(p.future, None)
         self.pending.clear()
         for q in self._ping_queue:
             set_future(q.future, None)
         self._ping_queue = []
+        self._close_commands()
+        if self._gauge_on:
+            self._gauge_on = False
+            self._m.breaker_open.dec()
+        self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
+        self.handshake.drop_ring(closing=True)
+        self._shut = True
+
+    def _close_commands(self) -> None:
+        """Answer every queued command and connect() waiter: the loop is closed."""
         waiters = self.handshake.waiters
         while self._cmds:
             cmd = self._cmds.popleft()
             if isinstance(cmd, StepCall):
-                resolve(cmd.future, empty_replies(len(cmd.entries)), "closed")
+                self._wakeups.resolve(cmd.future, empty_replies(len(cmd.entries)), "closed")
             elif isinstance(cmd, PingCmd):
                 set_future(cmd.future, None)
             elif isinstance(cmd, Connect) and cmd.future is not None:
@@ -742,8 +983,3 @@ class IoLoop:
             if f.set_running_or_notify_cancel():
                 f.set_exception(DraftClientError("client closed"))
         self.handshake.waiters = []
-        if self._gauge_on:
-            self._gauge_on = False
-            self._m.breaker_open.dec()
-        self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
-        self.handshake.drop_ring(closing=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,6 +251,7 @@ def merge_rows(
     out = MergedStep()
     local = out.local
     off = 0
+    new_fit = call.taps is None or fits(call.taps, layout)  # every request's rows are a slice of these
     for i, e in enumerate(call.entries):
         new = call.taps[off : off + e.rows] if (e.rows and call.taps is not None) else None
         off += e.rows
@@ -267,7 +268,7 @@ def merge_rows(
         if prev and not fits(prev[0][1], layout):  # buffered before the row layout was known
             out.dropped += chunk_rows(prev)
             prev = []
-        if new is not None and not fits(new, layout):  # validated before the row layout was known
+        if new is not None and not new_fit:  # validated before the row layout was known
             out.dropped += len(new)
             local[i] = DraftReply([], None, message="taps do not fit the server's contract")
             out.zero_copy = False
@@ -401,8 +402,9 @@ def _step(
 
 
 class AdaptiveBudget:
-    """The p99 of recent Step round trips and the budget derived from it (I/O thread writes;
-    callers read ``ms`` and ``p99_ms``, single attribute reads)."""
+    """The p99 of recent Step round trips and the budget derived from it (I/O loop writes;
+    callers read ``ms`` and ``p99_ms``). Kept up to date every 16 samples while
+    ``adaptive_budget`` is on; else the p99 is only taken when someone reads it (``stats()``)."""
 
     def __init__(self, cfg: ClientConfig, gauge: Any) -> None:
         self._cfg = cfg
@@ -410,27 +412,41 @@ class AdaptiveBudget:
         self._rtts: collections.deque[float] = collections.deque(maxlen=cfg.adaptive_window)
         self._new = 0
         self.ms: float | None = None  # None until warmed up (32 samples)
-        self.p99_ms: float | None = None
+        self._p99_ms: float | None = None
+
+    @property
+    def p99_ms(self) -> float | None:
+        if self._cfg.adaptive_budget:
+            return self._p99_ms
+        return _p99_ms(list(self._rtts))  # a copy: the loop may append meanwhile
 
     def add(self, rtt_s: float) -> None:
         self._rtts.append(rtt_s)
+        if not self._cfg.adaptive_budget:
+            return
         self._new += 1
         if self._new >= 16:
             self._update()
 
     def _update(self) -> None:
         self._new = 0
-        if len(self._rtts) < 32:
+        p99_ms = _p99_ms(self._rtts)
+        if p99_ms is None:
             return
         cfg = self._cfg
-        # numpy's linear percentile in plain Python: np.percentile's first call imports numpy.ma
-        # (22 ms with the GIL held, measured inside a K3 soak step on the H200)
-        rtts = sorted(self._rtts)
-        pos = (len(rtts) - 1) * 0.99
-        lo = int(pos)
-        hi = min(lo + 1, len(rtts) - 1)
-        p99_ms = (rtts[lo] + (rtts[hi] - rtts[lo]) * (pos - lo)) * 1000.0
-        self.p99_ms = p99_ms
+        self._p99_ms = p99_ms
         self.ms = min(max(cfg.adaptive_multiplier * p99_ms, cfg.adaptive_min_ms), cfg.budget_ms)
-        if cfg.adaptive_budget:
-            self._gauge.set(self.ms / 1000.0)
+        self._gauge.set(self.ms / 1000.0)
+
+
+def _p99_ms(samples: Iterable[float]) -> float | None:
+    """numpy's linear 99th percentile of round trips in seconds, in ms (None below 32 samples), in
+    plain Python: np.percentile's first call imports numpy.ma (22 ms with the GIL held, measured
+    inside a K3 soak step on the H200)."""
+    rtts = sorted(samples)
+    if len(rtts) < 32:
+        return None
+    pos = (len(rtts) - 1) * 0.99
+    lo = int(pos)
+    hi = min(lo + 1, len(rtts) - 1)
+    return (rtts[lo] + (rtts[hi] - rtts[lo]) * (pos - lo)) * 1000.0

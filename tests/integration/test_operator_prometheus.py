@@ -110,19 +110,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Prometheus
     """Prometheus scraping two draft servers (one serving a client, one whose engine the second
     test hangs: every draft batch takes 3 s, over its 0.5 s watchdog) and the client."""
     tmp = tmp_path_factory.mktemp("prometheus")
-    srv = ServerProc().start()
-    hang = ServerProc("--checksum-delay-ms", "3000", "--watchdog-s", "0.5", "--watchdog-exit").start()
-    registry = CollectorRegistry()
+    srv = ServerProc()
+    hang = ServerProc("--checksum-delay-ms", "3000", "--watchdog-s", "0.5", "--watchdog-exit")
     client_port = free_port()
-    http, _ = start_http_server(client_port, addr="127.0.0.1", registry=registry)
-    client = DraftClient(ClientConfig(endpoint=srv.endpoint, budget_ms=200.0, registry=registry))
-    client.connect(wait=True)
+    # first: without a prometheus binary this skips, and nothing has been started that would outlive the test
     prom = Prometheus(tmp, [srv.metrics_port, hang.metrics_port], client_port)
+    registry = CollectorRegistry()
+    http, _ = start_http_server(client_port, addr="127.0.0.1", registry=registry)
+    client = None
     try:
+        srv.start()
+        hang.start()
+        client = DraftClient(ClientConfig(endpoint=srv.endpoint, budget_ms=200.0, registry=registry))
+        client.connect(wait=True)
         yield prom, srv, hang, client
     finally:
         prom.stop()
-        client.close()
+        if client is not None:
+            client.close()
         http.shutdown()
         srv.kill()
         hang.kill()
