@@ -4,7 +4,8 @@ Owns message structs (``messages``), the zero-copy frame codec (``codec``), Step
 (``validate``), the row layouts of the negotiated wire formats (``wire``), the shared-memory
 ring of transport "shm" (``shm``: segment layout, lifetime, refusals), the device buffer of
 transport "cuda_ipc" (``cuda_ipc``: naming, regions, host identity, refusals) and the histogram
-layouts both sides export, with the queue of metric updates both take off the hop (``telemetry``).
+layouts both sides export, with the queue of metric updates both take off the hop (``telemetry``),
+and the self-pipe both sides' threads wake each other with (``wake``).
 Imports numpy and
 msgspec only: both sides import it, and the client side lives inside the target engine's process.
 """

@@ -38,7 +38,6 @@ gap restart.
 from __future__ import annotations
 
 import logging
-import os
 import select
 import threading
 import time
@@ -53,6 +52,7 @@ from draft_server.engine.sessions import Session, SessionTable
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
 from protocol import DType, EntryResult, Phase, Status, StepResult, Timing, spec_for
+from protocol.wake import WakePipe
 
 log = logging.getLogger("draft_server.engine")
 
@@ -90,11 +90,10 @@ class Engine:
         self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
 
         self._inbox: deque[tuple[str, object]] = deque()
-        self._bell_r, self._bell_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # a byte ends the idle wait
+        self._bell = WakePipe()  # a byte ends the idle wait
         self._idle = False  # the engine waits on the bell (or is about to)
-        self._bell_lock = threading.Lock()  # held for one write, or for closing the bell at stop
         self._poll = select.poll()
-        self._poll.register(self._bell_r, select.POLLIN)
+        self._poll.register(self._bell.fd, select.POLLIN)
         # the socket an idle engine watches itself: (its FD, take it, read it, leave it); None: the bell only
         self._socket: tuple[int, Callable[[], bool], Callable[[], None], Callable[[], None]] | None = None
         self._stop = threading.Event()
@@ -111,15 +110,11 @@ class Engine:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._ring()
+        self._bell.ring()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            with self._bell_lock:  # a late wake() never writes into a closed (or reused) descriptor
-                fds, self._bell_r, self._bell_w = (self._bell_r, self._bell_w), -1, -1
-            for fd in fds:
-                if fd >= 0:
-                    os.close(fd)
+            self._bell.close()  # a late wake() never writes into a closed (or reused) descriptor
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -135,16 +130,7 @@ class Engine:
         """End the engine's idle wait if it is in one (any thread; costs nothing when it is busy)."""
         if self._idle:
             self._idle = False
-            self._ring()
-
-    def _ring(self) -> None:
-        with self._bell_lock:
-            if self._bell_w < 0:
-                return  # stopped
-            try:
-                os.write(self._bell_w, b"\0")
-            except OSError:  # full: it is rung already
-                pass
+            self._bell.ring()
 
     def attach_socket(
         self, fd: int, take: Callable[[], bool], serve: Callable[[], None], leave: Callable[[], None]
@@ -192,11 +178,8 @@ class Engine:
         try:
             if not self._inbox and not self._stop.is_set():
                 for fd, _ in self._poll.poll(50):
-                    if fd == self._bell_r:
-                        try:
-                            os.read(self._bell_r, 4096)
-                        except OSError:
-                            pass
+                    if fd == self._bell.fd:
+                        self._bell.drain()
         finally:
             if watch:
                 self._poll.unregister(sock[0])  # type: ignore[index]

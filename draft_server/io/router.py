@@ -110,6 +110,7 @@ from protocol.cuda_ipc import PREFIX as CUDA_IPC_PREFIX
 from protocol.cuda_ipc import refusal as cuda_ipc_refusal
 from protocol.messages import Request
 from protocol.shm import refusal as transport_refusal
+from protocol.wake import WakePipe
 from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
 log = logging.getLogger("draft_server.io")
@@ -213,7 +214,7 @@ class Router:
         self._engine_polling = False  # ... and is in its poll now (only the engine clears it)
         self._engine_left = 0.0  # when the engine last stopped watching
         self.fd = self._sock.get(zmq.FD)  # the socket's ZMQ_FD (edge-triggered, see the module docstring)
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake_pipe = WakePipe()
         self._running = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
         self._min_lag_ms: OrderedDict[bytes, float] = OrderedDict()  # per connection: min (recv - sent)
@@ -281,8 +282,7 @@ class Router:
         if self._auth:
             self._auth.stop()
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake_pipe.close()
 
     def queue_reply(self, ident: bytes, msg: object, payloads: list | None = None) -> None:
         """Any thread: send a reply now if the socket is free, else queue it for the I/O thread
@@ -303,10 +303,7 @@ class Router:
             self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: stopped
-            pass
+        self._wake_pipe.ring()
 
     # ------------------------------------------------------------------ the idle engine's watch
 
@@ -348,8 +345,8 @@ class Router:
 
     def _loop(self) -> None:
         poller = select.poll()
-        poller.register(self._wake_r, select.POLLIN)
-        wake_r = self._wake_r
+        poller.register(self._wake_pipe.fd, select.POLLIN)
+        wake_r = self._wake_pipe.fd
         watching = False  # the socket's FD is in the poll (not while the idle engine watches it)
         timeout = 0  # a message may have arrived before the first read of ZMQ_EVENTS
         while self._running.is_set():
@@ -364,10 +361,7 @@ class Router:
                 ready = poller.poll(timeout)
                 for fd, _ in ready:
                     if fd == wake_r:
-                        try:
-                            os.read(wake_r, 65536)
-                        except BlockingIOError:
-                            pass
+                        self._wake_pipe.drain()
                 with self._lock:
                     if self._closed:
                         return

@@ -79,6 +79,7 @@ from protocol import (
     Welcome,
 )
 from protocol.codec import ProtocolError, decode_reply, encode, tensor
+from protocol.wake import WakePipe
 from target_client.api import ClientConfig, DraftClientError, DraftReply, empty_replies
 from target_client.client.breaker import Breaker
 from target_client.client.calls import (
@@ -175,19 +176,12 @@ class IoLoop:
         # the GIL held in the first steps of a K3 soak (the caller could not return at its
         # deadline). Paid here instead, before any step.
         zmq.Frame(bytes(zmq.COPY_THRESHOLD + 1), copy=False)
-        self._rfd, self._wfd = os.pipe()
-        os.set_blocking(self._rfd, False)
-        os.set_blocking(self._wfd, False)
-        self._orfd, self._owfd = os.pipe()  # rings the owner: a pass elsewhere read replies
-        os.set_blocking(self._orfd, False)
-        os.set_blocking(self._owfd, False)
+        self._wake_pipe = WakePipe()  # wakes the I/O thread
+        self._owner_bell = WakePipe()  # rings the owner: a pass elsewhere read replies
         self._zfd = self._sock.get(zmq.FD)
         self._owner_poll = select.poll()  # the owner's: the socket and its ring
         self._owner_poll.register(self._zfd, select.POLLIN)
-        self._owner_poll.register(self._orfd, select.POLLIN)
-        # Guards the write end against stop(): a caller racing close() must never write into a
-        # closed (and possibly reused) descriptor. Held for one non-blocking write only.
-        self._wake_lock = threading.Lock()
+        self._owner_poll.register(self._owner_bell.fd, select.POLLIN)
         self.thread = threading.Thread(target=self._run, name=f"draft-client-io-{cfg.name}", daemon=True)
         self.thread.start()
 
@@ -266,11 +260,8 @@ class IoLoop:
                 if ms <= 0:
                     return
                 for fd, _ in self._owner_poll.poll(0 if self._unread else ms):  # FD's edge taken: look now
-                    if fd == self._orfd:
-                        try:
-                            os.read(self._orfd, 4096)
-                        except OSError:
-                            pass
+                    if fd == self._owner_bell.fd:
+                        self._owner_bell.drain()
                 if self._closing or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
                     return
                 try:
@@ -290,12 +281,7 @@ class IoLoop:
     def _ring_owner(self) -> None:
         """A pass that is not the owner's read replies while a caller owns the socket: wake it."""
         if self._owner is not None and self._owner != threading.get_ident():
-            with self._wake_lock:
-                if self._owfd >= 0:
-                    try:
-                        os.write(self._owfd, b"\0")
-                    except OSError:
-                        pass  # full: it is rung already
+            self._owner_bell.ring()
 
     def _caller_pass_locked(self, due: float | None) -> tuple[bool, bool]:
         """A pass in a caller's thread (under the lock). Returns whether the I/O thread must look
@@ -322,13 +308,7 @@ class IoLoop:
         return self._wake_at(time.monotonic(), calls=False) < self._sleep_until, ring
 
     def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wfd < 0:
-                return  # closed
-            try:
-                os.write(self._wfd, b"\0")
-            except OSError:
-                pass  # BlockingIOError: the pipe is full, so a wake-up is already pending
+        self._wake_pipe.ring()  # never into a closed (or reused) descriptor: WakePipe.close takes its lock
 
     def stop(self, timeout_s: float) -> None:
         """Stop the thread (it drops the socket, LINGER 0) and close the wake pipe; bounded."""
@@ -338,14 +318,8 @@ class IoLoop:
         if self.thread.is_alive():  # pragma: no cover - would need a wedged libzmq call
             log.error("draft client %s: I/O thread did not stop within %.1f s", self.cfg.name, timeout_s)
             return
-        with self._wake_lock:
-            wfd, self._wfd = self._wfd, -1
-            owfd, self._owfd = self._owfd, -1
-        for fd in (self._rfd, wfd, self._orfd, owfd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake_pipe.close()
+        self._owner_bell.close()
 
     # ------------------------------------------------------------------ the loop
 
@@ -371,8 +345,8 @@ class IoLoop:
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._rfd, select.POLLIN)
-        rfd = self._rfd
+        poller.register(self._wake_pipe.fd, select.POLLIN)
+        rfd = self._wake_pipe.fd
         watching = False  # the socket's FD is in the poll (not while a caller owns the socket)
         timeout = 0  # the socket's state may have changed before the first read of ZMQ_EVENTS
         failures = 0  # consecutive passes that raised
@@ -472,11 +446,7 @@ class IoLoop:
         return min(t, self.handshake.wake_at(), self.breaker.wake_at())
 
     def _drain_wake(self) -> None:
-        try:
-            while os.read(self._rfd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
+        self._wake_pipe.drain()
 
     def _drain_commands(self, now: float) -> None:
         # Bounded: callers may keep appending (e.g. fast breaker-open steps); timers, expiry and

@@ -125,7 +125,7 @@ def _got(peer, first_ms: int = 5000) -> list[int]:
 
 def _woken(r) -> bool:
     try:
-        return bool(os.read(r._wake_r, 4096))
+        return bool(os.read(r._wake_pipe.fd, 4096))
     except BlockingIOError:
         return False
 
@@ -194,7 +194,7 @@ def test_the_engine_is_rung_only_while_it_idles() -> None:
 
         def rings() -> bytes:
             try:
-                return os.read(eng._bell_r, 4096)
+                return os.read(eng._bell.fd, 4096)
             except BlockingIOError:
                 return b""
 
