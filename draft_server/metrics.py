@@ -164,15 +164,7 @@ class ServerMetrics:
 
     def count_entries(self, results: Sequence[EntryResult]) -> None:
         """A reply's entries by status (queued: one update per status, not per entry)."""
-        later = self.later.later
-        if len(results) == 1:
-            later(self.entry_status[results[0].status].inc, 1)
-            return
-        by: dict[Status, int] = {}
-        for r in results:
-            by[r.status] = by.get(r.status, 0) + 1
-        for status, n in by.items():
-            later(self.entry_status[status].inc, n)
+        self.later.count_statuses(self.entry_status, results)
 
     def set_weights(self, d: dict) -> None:
         """Format, bits and weight bytes of the loaded drafter (``app.describe``)."""

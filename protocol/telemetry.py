@@ -5,7 +5,7 @@ the server's step latency bucket by bucket (seconds; the RPC hop lives below a m
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 LATENCY_BUCKETS = (
@@ -58,6 +58,18 @@ class Deferred:
         q.append((fn, value))
         if len(q) > self.bound:  # nobody flushed for a while: never grow without bound
             self.flush()
+
+    def count_statuses(self, children: Mapping[Any, Any], results: Sequence[Any]) -> None:
+        """A reply's entries by status (``EntryResult``s; ``children``: status -> counter child):
+        one queued ``inc`` per status present, not one per entry."""
+        if len(results) == 1:
+            self.later(children[results[0].status].inc, 1)
+            return
+        by: dict[Any, int] = {}
+        for r in results:
+            by[r.status] = by.get(r.status, 0) + 1
+        for status, n in by.items():
+            self.later(children[status].inc, n)
 
     def flush(self) -> None:
         q = self._q

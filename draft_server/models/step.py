@@ -575,17 +575,18 @@ def greedy_chain(
     ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round differently)."""
     fused_argmax = m.cfg.logit_scale == 1.0 and m.dtype in (torch.bfloat16, torch.float16, torch.float32)
     base = gemm.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
+    w2 = m.markov_w2
+    lowrank = w2 is not None and w2.dim() == 2 and m.markov_w1 is not None and m.markov_w1.dtype == w2.dtype
     prev = anchors
     toks, embs = [], []
     for j in range(k):
         e = m.markov_embed(prev)
         embs.append(e)
         if fused_argmax:
-            lowrank = e is not None and m.markov_w2.dim() == 2 and e.dtype == m.markov_w2.dtype
             if lowrank:
-                best = fused.markov_argmax_lowrank(base[:, j], e, m.markov_w2)
+                best = fused.markov_argmax_lowrank(base[:, j], e, w2)
             else:
-                best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, m.markov_w2))
+                best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, w2))
         else:
             best = (base[:, j] if e is None else base[:, j] + m.markov_bias(e)).argmax(-1)
         prev = m.to_target_ids(best)

@@ -171,7 +171,7 @@ def anatomy_part(name: str, dev: torch.device, sizes: list[int]) -> dict[str, An
             S.step(ks)
         torch.cuda.synchronize()
         # wall time of the whole step, and its host parts
-        walls, ing, dr = [], [], []
+        walls, ing = [], []
         for _ in range(20):
             S.rewind(ks, CTX)
             t0 = time.perf_counter()
@@ -219,7 +219,6 @@ def anatomy_part(name: str, dev: torch.device, sizes: list[int]) -> dict[str, An
             "top_kernels": [{"name": k, "ms": v, "count": c} for k, v, c in top_kernels],
             "ops": op_rows[:40],
         }
-        del dr
         log(f"\n{name} B={n}: wall {statistics.median(walls):.3f} ms, host ingest {statistics.median(ing):.3f} ms, "
             f"draft graph GPU {graph_ms} ms, eager kernels {len(kernels)} busy {gpu_total:.3f} ms")  # fmt: skip
         for r in op_rows[:22]:

@@ -90,15 +90,7 @@ class Counters:
 
     def entries_answered(self, results: Sequence[Any]) -> None:
         """A reply's per-entry statuses (``protocol.EntryResult``s): one queued update per status."""
-        later = self.m.later.later
-        if len(results) == 1:
-            later(self.entries[results[0].status].inc, 1)
-            return
-        by: dict[Status, int] = {}
-        for r in results:
-            by[r.status] = by.get(r.status, 0) + 1
-        for status, n in by.items():
-            later(self.entries[status].inc, n)
+        self.m.later.count_statuses(self.entries, results)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
