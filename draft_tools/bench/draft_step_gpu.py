@@ -212,6 +212,7 @@ def profile_counts(fn: Any) -> dict[str, float]:
         torch.cuda.synchronize()
     kernels = syncs = launches = 0
     gpu_us = 0.0
+    first, last = float("inf"), 0.0  # the GPU timeline's span: busy + the gaps between kernels
     top = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60)
     for e in prof.events():
         name = e.name
@@ -219,6 +220,7 @@ def profile_counts(fn: Any) -> dict[str, float]:
             if not name.startswith(("Memcpy", "Memset")):
                 kernels += 1
             gpu_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            first, last = min(first, e.time_range.start), max(last, e.time_range.end)
         elif name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"):
             syncs += 1
         elif name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaGraphLaunch", "cuLaunchKernelEx"):
@@ -229,6 +231,7 @@ def profile_counts(fn: Any) -> dict[str, float]:
         "host_syncs": syncs - 1,
         "launch_calls": launches,
         "gpu_busy_ms": gpu_us / 1e3,
+        "gpu_span_ms": max(last - first, 0.0) / 1e3,
         "top": top.splitlines(),
     }
 

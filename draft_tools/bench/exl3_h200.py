@@ -13,7 +13,9 @@ Owns the K3-size comparison and the GPU side of ``draft-server quantize``:
    draft's own; K3 takes embedding and lm_head from the target, so they are left out on both sides),
    CUDA-graph step time at B = 1..64 (1,024 context rows, 3 new rows + a block per step, graphs
    captured after the autotuner has seen every bucket: ``prepare``), greedy agreement with BF16 on
-   8 sessions, and the step-time ratio to BF16.
+   8 sessions, and the step-time ratio to BF16. ``--tie-layers`` (default): layers 1.. hold copies of layer
+   0's random values, so a bit width quantizes one layer and copies its tensors (the step's shapes, bytes
+   and time are those of five distinct layers; quantization takes a third of the time).
 
 Writes one JSON (``--out``) as it goes and prints tables.
 
@@ -32,26 +34,31 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 
+from draft_server.drafters.base import DraftItem, IngestItem
 from draft_server.models import load_drafter
 from draft_server.models.config import parse_config
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.exl3 import Exl3Linear, set_backend
 from draft_server.models.exl3.checkpoint import attach_linears
 from draft_server.models.exl3.convert import DEFAULT_MODULES, exllamav3_encoder, quantize_main
-from draft_server.models.exl3.cuda import FUSED_MAX_ROWS, LARGE_PATHS, Exl3Backend, load_ext
+from draft_server.models.exl3.cuda import LARGE_PATHS, Exl3Backend, load_ext
 from draft_server.models.exl3.linear import DequantBackend
 from draft_server.models.loader import build_model
 from draft_server.models.presets import K3_FULL, random_weights
-from draft_tools.bench.draft_step_cuda import time_steps
+from draft_tools.bench.draft_step_cuda import taps, time_steps
+from draft_tools.bench.draft_step_gpu import profile_counts
 from draft_tools.exl3_smoke import agreement, draft_tokens
 from draft_tools.tiny_pair import pair as tp
+from protocol import GREEDY
 
 SESSIONS = (1, 2, 4, 8, 16, 32, 64)
 CTX = 1024
 KV = 2 << 30
 SHARED = ("embed_tokens.weight", "lm_head.weight")  # K3: the target's, not the draft's
+TIED = re.compile(r"^layers\.\d+\.")
 
 
 def log(*a: object) -> None:
@@ -86,46 +93,86 @@ def tiny(dev: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def draft_profile(d: DSparkDrafter, sessions: int) -> dict[str, Any]:
+    """Kernels, host syncs and GPU-busy ms of one CUDA-graph draft step of ``sessions`` x CTX rows."""
+    c = d.contract
+    chunk = taps(np.random.default_rng(1), 512, c.tap_width)
+    for s in range(sessions):
+        assert d.reserve(s, 0, CTX + c.block_size + 1)
+        for a in range(0, CTX, 512):
+            d.ingest([IngestItem(s, 0, a, chunk)])
+    items = [DraftItem(s, 0, CTX, 11, c.block_size, GREEDY) for s in range(sessions)]
+    rows = [IngestItem(s, 0, CTX - 3, chunk[:3]) for s in range(sessions)]  # rewrites the last 3 rows
+    try:
+        return {"draft": profile_counts(lambda: d.draft(items)), "ingest": profile_counts(lambda: d.ingest(rows))}
+    except Exception as e:  # the profiler is a measurement aid, not the measurement
+        return {"error": repr(e)}
+    finally:
+        for s in range(sessions):
+            d.release(s)
+
+
+def paths_by_rows(be: Exl3Backend) -> dict[str, dict[str, int]]:
+    """Tuned backend: per row count, how many linear shapes took each path."""
+    out: dict[str, dict[str, int]] = {}
+    for key, path in sorted(be.choice.items(), key=lambda kv: kv[0][4]):
+        row = out.setdefault(str(key[4]), {})
+        row[path] = row.get(path, 0) + 1
+    return out
+
+
 def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: Any) -> dict[str, Any]:
     ext = load_ext(log)
     out: dict[str, Any] = res.setdefault("k3", {"sessions": list(SESSIONS), "context_rows": CTX})
     cfg = parse_config(K3_FULL, "random")
     w = random_weights(K3_FULL, dev)
+    if args.tie_layers:  # every layer holds layer 0's values (separate copies): one layer to quantize per K
+        for n in [n for n in w if TIED.match(n) and not n.startswith("layers.0.")]:
+            w[n] = w[TIED.sub("layers.0.", n)].clone()
+    out["tie_layers"] = args.tie_layers
     own = {n: t for n, t in w.items() if n not in SHARED}
     out["bf16_weight_bytes"] = nbytes(own.values())
 
-    def run(label: str, model: Any) -> list[list[int]]:
+    def run(label: str, model: Any, keep: bool = False) -> tuple[list[list[int]], DSparkDrafter | None]:
         t0 = time.perf_counter()
         d = DSparkDrafter(model, kv_budget_bytes=KV)
-        d.prepare(64, CTX)  # every bucket eagerly (tunes exl3_gemm, sizes the recon scratch), then capture
+        # every bucket eagerly (tunes exl3_gemm and the per-shape path, sizes the recon scratch), then capture
+        prep = d.prepare(64, CTX)
         toks = draft_tokens(d, 8, 256)
         steps = [time_steps(d, n, CTX, 10, warmup=3) for n in SESSIONS]
         out[label] = {
             **out.get(label, {}),
+            "prepare": prep,
             "run_s": round(time.perf_counter() - t0, 1),
             "steps": steps,
+            "profile": {f"B{n}": draft_profile(d, n) for n in (1, 64)},
             "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
         }
         log(
-            f"k3 {label:18s} draft ms "
+            f"k3 {label:20s} draft ms "
             + " ".join(f"{s['draft_ms_median']:7.3f}" for s in steps)
             + f"  ({time.perf_counter() - t0:.0f} s)"
         )
+        if keep:
+            return toks, d
         d.close()
-        return toks
+        return toks, None
 
-    bf16 = run("bf16", build_model(cfg, dict(w), dev, torch.bfloat16))
-    save()
+    # 1. quantize every bit width (GPU-heavy minutes), so that all timing below runs back to back
     pat = re.compile(args.modules)
     names = [n for n in sorted(own) if n.endswith(".weight") and own[n].dim() == 2 and pat.search(n[: -len(".weight")])]
+    packed: dict[int, dict[str, Exl3Linear]] = {}
+    meta: dict[int, dict[str, Any]] = {}
     for bits in [int(b) for b in args.bits.split(",")]:
         encode, version = exllamav3_encoder(bits, "mul1", dev)
         t0 = time.perf_counter()
         lins: dict[str, Exl3Linear] = {}
         for i, n in enumerate(names):
-            if i % 8 == 0:
-                log(f"k3 K={bits}: quantizing {n} ({i}/{len(names)}) at {time.perf_counter() - t0:.1f} s")
-            q = encode(own[n].float(), i)
+            src = TIED.sub("layers.0.", n) if args.tie_layers else n
+            if src != n and src in lins:  # the same values as layer 0: its quantized tensors, copied
+                q = {t: getattr(lins[src], t).clone() for t in ("trellis", "suh", "svh")}
+            else:
+                q = encode(own[n].float(), i)
             o, k = own[n].shape
             lins[n] = Exl3Linear(
                 n[: -len(".weight")], k, o, q["trellis"].to(dev), q["suh"].to(dev), q["svh"].to(dev), "mul1"
@@ -133,44 +180,58 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
         quant_s = time.perf_counter() - t0
         dense = {n: t for n, t in own.items() if n not in lins}
         stored = nbytes(dense.values()) + sum(lin.stored_bytes() for lin in lins.values())
-        given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
+        packed[bits] = lins
+        meta[bits] = {
+            "bits": bits,
+            "quantize_s": round(quant_s, 1),
+            "version": version,
+            "weight_bytes": stored,
+            "weight_ratio_vs_bf16": round(stored / out["bf16_weight_bytes"], 4),
+        }
         log(
             f"k3 K={bits}: {len(lins)} linears quantized in {quant_s:.1f} s; weights {stored / 2**30:.2f} GiB"
             f" ({stored / out['bf16_weight_bytes']:.3f} x BF16)"
         )
-        for large in LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",):
-            label = f"exl3_k{bits}_{large}"
-            out[label] = {
-                "bits": bits,
-                "quantize_s": round(quant_s, 1),
-                "version": version,
-                "weight_bytes": stored,
-                "weight_ratio_vs_bf16": round(stored / out["bf16_weight_bytes"], 4),
-                "fused_max_rows": FUSED_MAX_ROWS,
-                "large": large,
-            }
-            set_backend(Exl3Backend(FUSED_MAX_ROWS, ext, large))
-            model = build_model(cfg, dict(given), dev, torch.bfloat16)
-            attach_linears(model, SimpleNamespace(linears=lins, info=SimpleNamespace(quant={"bits": bits})), given)
-            model.route_linears()
-            toks = run(label, model)
-            del model
-            for lin in lins.values():
-                lin.drop_cache()
-            r = out[label]
-            r["agreement_with_bf16"] = round(agreement(toks, bf16), 4)
-            r["ratio_vs_bf16"] = [
-                round(s["draft_ms_median"] / b["draft_ms_median"], 3)
-                for s, b in zip(r["steps"], out["bf16"]["steps"], strict=True)
-            ]
-            log(
-                f"k3 {label:18s} / bf16  "
-                + " ".join(f"{x:7.3f}" for x in r["ratio_vs_bf16"])
-                + f"  agreement {r['agreement_with_bf16']:.3f}"
-            )
-            save()
-        del lins, given
+
+    # 2. BF16, every EXL3 setting, BF16 again (the bracket shows any drift of the GPU's clocks over the run)
+    bf16, keep = run("bf16", build_model(cfg, dict(w), dev, torch.bfloat16), keep=True)
+    save()
+    for bits, lins in packed.items():
+        given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
+        for rows in args.fused_max_rows.split(","):
+            for large in LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",):
+                label = f"exl3_k{bits}_{large}" + ("" if rows == "tuned" else f"_f{rows}")
+                out[label] = {**meta[bits], "fused_max_rows": rows, "large": large}
+                be = Exl3Backend(None if rows == "tuned" else int(rows), ext, large)
+                set_backend(be)
+                model = build_model(cfg, dict(given), dev, torch.bfloat16)
+                info = SimpleNamespace(linears=lins, info=SimpleNamespace(quant={"bits": bits}))
+                attach_linears(model, info, given)
+                model.route_linears()
+                toks, _ = run(label, model)
+                del model
+                for lin in lins.values():
+                    lin.drop_cache()
+                r = out[label]
+                r["paths_by_rows"] = paths_by_rows(be)
+                r["agreement_with_bf16"] = round(agreement(toks, bf16), 4)
+                r["ratio_vs_bf16"] = [
+                    round(s["draft_ms_median"] / b["draft_ms_median"], 3)
+                    for s, b in zip(r["steps"], out["bf16"]["steps"], strict=True)
+                ]
+                log(
+                    f"k3 {label:20s} / bf16  "
+                    + " ".join(f"{x:7.3f}" for x in r["ratio_vs_bf16"])
+                    + f"  agreement {r['agreement_with_bf16']:.3f}"
+                )
+                save()
+        del given
         torch.cuda.empty_cache()
+    assert keep is not None
+    out["bf16_end"] = {"steps": [time_steps(keep, n, CTX, 10, warmup=3) for n in SESSIONS]}
+    again = " ".join(f"{s['draft_ms_median']:7.3f}" for s in out["bf16_end"]["steps"])
+    log(f"k3 {'bf16 (again, last)':20s} draft ms {again}")
+    keep.close()
     set_backend(DequantBackend())
     return out
 
@@ -181,6 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="tiny,k3")
     ap.add_argument("--bits", default="4,2,3,5")
     ap.add_argument("--both-paths", default="4", help="bit widths also timed with the cached dense large path")
+    ap.add_argument(
+        "--tie-layers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="layers 1.. copy layer 0's random values, so each bit width quantizes one layer (timing is unchanged)",
+    )
+    ap.add_argument(
+        "--fused-max-rows", default="tuned", help="settings to time: 'tuned' (per shape and rows), fixed thresholds"
+    )
     ap.add_argument("--modules", default=DEFAULT_MODULES)
     ap.add_argument("--tiny-out", default=os.path.join(os.environ.get("OUT", "/tmp"), "tiny_exl3_k4.tar.gz"))
     args = ap.parse_args(argv)

@@ -67,6 +67,19 @@ def test_silu_mul_and_swiglu_add() -> None:
     torch.testing.assert_close(ops.swiglu_add(h, x, torch.cat([wg, wu]), wd), want, rtol=1e-5, atol=1e-4)
 
 
+def test_silu_mul_parts_reads_strided_gate_and_up_and_writes_the_asked_dtype() -> None:
+    """An EXL3 model's gate and up arrive as two products (strided when their padding is trimmed)."""
+    g = torch.Generator().manual_seed(3)
+    gate = torch.randn(2, 5, 64, generator=g).to(DEV)[..., :40]  # trimmed: row stride 64
+    up = torch.randn(10, 40, generator=g).to(DEV).view(2, 5, 40)
+    got = fused.silu_mul_parts(gate, up, torch.float32)
+    assert got.shape == (2, 5, 40) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.swiglu_parts(gate, up, torch.float32), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="differ"):
+        fused.silu_mul_parts(gate, up[..., :39], torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_markov_argmax_equals_eager_argmax_of_the_float32_sum(dtype: torch.dtype) -> None:
     """Strided base rows (one Markov step of [N, k, V]), several blocks, ties, NaN."""

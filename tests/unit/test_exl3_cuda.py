@@ -73,6 +73,15 @@ class FakeExt:
         out.copy_(x * scale)
 
 
+def through(be: Exl3Backend, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin.forward(x)`` with ``be`` installed."""
+    prev = set_backend(be)
+    try:
+        return lin.forward(x)
+    finally:
+        set_backend(prev)
+
+
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
 def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
     t = random_linear(200, 300, 3, codebook, seed=5)  # in 300 -> 384, out 200 -> 256
@@ -82,10 +91,10 @@ def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
     be = Exl3Backend(fused_max_rows=8, ext=ext)
     x = torch.randn(2, 3, 300, generator=torch.Generator().manual_seed(6))
     ref = x.double() @ lin.exact_weight().t() + bias.double()
-    y = be.forward(lin, x.to(torch.bfloat16))
+    y = through(be, lin, x.to(torch.bfloat16))
     assert y.shape == (2, 3, 200) and y.dtype == torch.bfloat16 and y.is_contiguous() and ext.rows == [6]
     assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()  # fp16 A, bf16 out
-    y32 = be.forward(lin, x)
+    y32 = through(be, lin, x)
     assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
     assert be.calls == {"fused": 2, "recon": 0, "dense": 0}
 
@@ -96,8 +105,8 @@ def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
     ext = FakeExt()
     be = Exl3Backend(fused_max_rows=16, ext=ext, large="dense")
     x = torch.randn(17, 128)
-    assert torch.equal(be.forward(lin, x), F.linear(x, lin.weight(torch.float32)))
-    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "dense": 1} and be.path(16) == "fused"
+    assert torch.equal(through(be, lin, x), F.linear(x, lin.weight(torch.float32)))
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "dense": 1} and be.path(lin, 16) == "fused"
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
@@ -112,16 +121,108 @@ def test_recon_decodes_into_one_shared_scratch_and_keeps_no_dense_copy(codebook)
     ]
     ext = FakeExt()
     be = Exl3Backend(fused_max_rows=4, ext=ext)
-    assert be.large == "recon" and be.path(5) == "recon"
+    assert be.large == "recon" and be.path(lins[0], 5) == "recon"
     for lin in lins:
         x = torch.randn(3, 7, lin.in_features, generator=g)
         ref = x.double() @ lin.exact_weight().t() + (0 if lin.bias is None else lin.bias.double())
-        y = be.forward(lin, x)
+        y = through(be, lin, x)
         assert y.shape == (3, 7, lin.out_features) and y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 5e-3 * ref.abs().max()  # fp16 input, weight and output
         assert not lin._dense  # nothing cached
     assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "dense": 0}
     assert len(set(ext.recon)) == 1  # the second, smaller linear reused the first one's scratch
+
+
+def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
+    """A two-part ``FusedLinear`` (gate | up): both kernels read one fp16 copy of the input; the gate/up
+    activation and the residual add take the float32 products straight (no bf16 copy, no concatenation
+    before the activation), and equal the dense computation within the fp16 kernel's tolerance."""
+    from draft_server.models.exl3 import linear as ex
+
+    g = torch.Generator().manual_seed(11)
+    parts = []
+    for i, (n, k) in enumerate(((256, 128), (256, 128), (128, 256))):  # gate, up, down
+        t = random_linear(n, k, 4, "mul1", seed=20 + i)
+        parts.append(Exl3Linear(f"p{i}", k, n, t["trellis"], t["suh"], t["svh"], "mul1"))
+    gate_up, down = FusedLinear("gate_up", parts[:2]), parts[2]
+    seen: list[int] = []
+
+    class Recording(FakeExt):
+        def exl3_gemm(self, A, *args) -> int:
+            seen.append(A.data_ptr())
+            return super().exl3_gemm(A, *args)
+
+    halves: list[int] = []
+
+    class Counting(Exl3Backend):
+        @staticmethod
+        def _half(x2: torch.Tensor, k: int) -> torch.Tensor:
+            halves.append(x2.shape[1])
+            return Exl3Backend._half(x2, k)
+
+    be = Counting(fused_max_rows=64, ext=Recording())
+    x, h = torch.randn(2, 3, 128, generator=g), torch.randn(2, 3, 128, generator=g)
+    wg, wu, wd = (p.exact_weight() for p in parts)
+    act = F.silu(x.double() @ wg.t()) * (x.double() @ wu.t())
+    want = h.double() + act @ wd.t()
+    prev = set_backend(be)
+    try:
+        y = ex.swiglu_add(h, x, gate_up, down)
+        gu = gate_up.forward(x)
+    finally:
+        set_backend(prev)
+    assert len(seen) == 5 and seen[0] == seen[1] and seen[3] == seen[4]  # gate and up: one converted input
+    assert halves == [128, 256, 128]  # one conversion per input: x (gate, up), the activation (down), x
+    assert y.shape == h.shape and y.dtype == h.dtype
+    assert (y.double() - want).abs().max() <= 5e-3 * want.abs().max()
+    assert gu.shape == (2, 3, 512) and gu.is_contiguous()
+    torch.testing.assert_close(
+        gu.double(), torch.cat([x.double() @ wg.t(), x.double() @ wu.t()], -1), rtol=0, atol=2e-2
+    )
+
+
+def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing() -> None:
+    """Unset ``fused_max_rows``: while ``gemm.TUNER.tuning``, each (in, out, K, codebook, rows) times the
+    fused and the large path once and keeps the faster; a shape never tuned falls back to the default
+    threshold; a capture (or tuning off) never times."""
+    from draft_server.models import gemm
+    from draft_server.models.exl3 import cuda
+
+    t = random_linear(128, 128, 4, "mcg", seed=30)
+    lin = Exl3Linear("x", 128, 128, t["trellis"], t["suh"], t["svh"], "mcg")
+    timed: list[int] = []
+
+    class Timed(Exl3Backend):
+        capturing = False
+
+        def _can_time(self, lin: Exl3Linear) -> bool:
+            return not self.capturing
+
+        def _time(self, fn) -> float:  # fused fastest at <= 32 rows, the large path above
+            before = dict(self.calls)
+            fn()
+            path = next(p for p in self.calls if self.calls[p] > before[p])
+            timed.append(self.calls[path])
+            return {"fused": 1.0, "recon": 2.0}[path] * (1 if rows <= 32 else -1) + 5
+
+    be = Timed(ext=FakeExt())
+    assert be.fused_max_rows is None
+    rows = 48
+    assert be.path(lin, rows) == "recon" and not timed  # tuning off: the default threshold
+    gemm.TUNER.tuning = True
+    try:
+        be.capturing = True
+        assert be.path(lin, rows) == "recon" and not timed and not be.choice
+        be.capturing = False
+        assert be.path(lin, rows) == "recon"  # timed: large faster
+        for rows in (8, 32):
+            assert be.path(lin, rows) == "fused"
+        n = len(timed)
+        assert n == 6 and be.path(lin, 8) == "fused" and len(timed) == n  # cached
+    finally:
+        gemm.TUNER.tuning = False
+    assert set(be.choice) == {(128, 128, 4, "mcg", r) for r in (8, 32, 48)}
+    assert cuda.FUSED_MAX_ROWS == 16 and be.path(lin, 20) == "recon"  # untuned rows: the default threshold
 
 
 def test_dense_only_needs_no_exllamav3_and_the_env_knob() -> None:
@@ -131,7 +232,7 @@ def test_dense_only_needs_no_exllamav3_and_the_env_knob() -> None:
             Exl3Backend(**needs)
     with pytest.raises(ValueError):
         Exl3Backend(fused_max_rows=0, large="nope")
-    for raw, want in (("", 16), ("0", 0), ("64", 64)):
+    for raw, want in (("", None), ("0", 0), ("64", 64)):
         os.environ["DRAFT_EXL3_FUSED_MAX_ROWS"] = raw
         try:
             assert fused_max_rows_from_env() == want

@@ -11,17 +11,21 @@ nor a GPU):
   The module is registered as top-level ``exllamav3_ext``, which ``exllamav3/ext.py`` then takes as
   "precompiled". ``EXL3_INT8_GEMV`` is forced to 0 before the first kernel call: the int8-activation
   GEMV (1.6.5's default for mul1 at K <= 6 on Hopper) is not fp16 parity and not capture-safe.
-- ``Exl3Backend``: one ``Exl3Linear`` product per call. Up to ``fused_max_rows`` rows it runs
-  ``exl3_gemm`` (input Hadamard and suh, in-register trellis decode, mma, output Hadamard and svh,
-  fused): fp16 in (zero-padded to the 128-multiple), fp32 out (trimmed, bias added, cast to x's
-  dtype). On an H200 the fused kernel matches BF16 at 1-8 rows and is 1.5-3.7x slower from 28
-  rows (exl3.md §7, §8), so above ``fused_max_rows`` the backend takes its ``large`` path:
+- ``Exl3Backend``: the products of ``Exl3Linear`` parts that read one input (``outputs``: the input is
+  converted to fp16 and zero-padded to the 128-multiple once for all of them). Per call a path:
+  ``fused`` runs ``exl3_gemm`` (input Hadamard and suh, in-register trellis decode, mma, output
+  Hadamard and svh, all in one kernel; fp32 out, trimmed, bias added; the caller rounds it once, where
+  it adds the residual, concatenates or activates). On an H200 the fused kernel matches BF16 at 1-8
+  rows and is 1.5-3.7x slower from 28 rows (exl3.md §7, §8), so there is a ``large`` path:
   ``recon`` (default) decodes the weight into one shared fp16 scratch buffer per call
   (exllamav3's ``reconstruct``, rotated basis), runs a cuBLAS GEMM on the Hadamard-rotated input
   and rotates the output back (``had_r_128`` with suh / svh), so no dense copy is ever kept;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
-  BF16 speed for BF16 memory. ``fused_max_rows = 0`` with ``dense`` never calls exllamav3.
-  The choice depends on the row count alone, so each CUDA-graph bucket bakes in one path.
+  BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the faster of the two,
+  timed once while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up runs every bucket with
+  its own row counts before capturing it, so each graph bakes in the tuned path); untuned calls take
+  fused up to ``FUSED_MAX_ROWS`` rows. ``DRAFT_EXL3_FUSED_MAX_ROWS=N`` fixes the threshold instead
+  (``0`` with ``DRAFT_EXL3_LARGE=dense`` never calls exllamav3).
 
 CUDA graphs: the fused GEMM tunes its tile shape on the first call per (row bucket, k, n, K), and the
 dense path decodes on its first call; both must happen before capture. ``FastStep.capture`` runs every
@@ -34,21 +38,25 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
+import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from draft_server.models.exl3.linear import Exl3Linear, pad128
+from draft_server.models import gemm
+from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, pad128
 
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
 ENV_FUSED_MAX_ROWS = "DRAFT_EXL3_FUSED_MAX_ROWS"
 ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default) or dense
 LARGE_PATHS = ("recon", "dense")
+TuneKey = tuple[int, int, int, str, int]  # (in, out, K, codebook, rows)
 
 
 class Exl3Unavailable(RuntimeError):
@@ -129,7 +137,8 @@ def load_ext(log: Any = print) -> ModuleType:
     return mod
 
 
-def fused_max_rows_from_env(default: int = FUSED_MAX_ROWS) -> int:
+def fused_max_rows_from_env(default: int | None = None) -> int | None:
+    """The fixed fused/large threshold an operator set, or ``default`` (None: tuned per shape and rows)."""
     raw = os.environ.get(ENV_FUSED_MAX_ROWS, "").strip()
     if not raw:
         return default
@@ -150,47 +159,101 @@ def large_path_from_env(default: str = "recon") -> str:
 
 
 class Exl3Backend:
-    """exllamav3's fused GEMM up to ``fused_max_rows`` rows, the ``large`` path above (module docstring)."""
+    """exllamav3's fused GEMM or the ``large`` path, per (linear shape, K, codebook, rows) (module docstring)."""
 
-    def __init__(
-        self, fused_max_rows: int = FUSED_MAX_ROWS, ext: ModuleType | None = None, large: str = "recon"
-    ) -> None:
+    def __init__(self, fused_max_rows: int | None = None, ext: ModuleType | None = None, large: str = "recon") -> None:
         if large not in LARGE_PATHS:
             raise ValueError(f"large path {large!r}: expected one of {', '.join(LARGE_PATHS)}")
         self.fused_max_rows, self.large = fused_max_rows, large
-        needs_ext = fused_max_rows > 0 or large == "recon"
+        needs_ext = fused_max_rows is None or fused_max_rows > 0 or large == "recon"
         self.ext = ext if ext is not None or not needs_ext else load_ext()
         self.calls = {"fused": 0, "recon": 0, "dense": 0}  # per path, counted in Python (capture: once per graph)
+        self.choice: dict[TuneKey, str] = {}  # tuned: the faster path per shape and row count
+        self.timings: dict[TuneKey, dict[str, float]] = {}
         self._scratch: dict[torch.device, torch.Tensor] = {}  # recon: one fp16 weight buffer per device
 
-    def path(self, rows: int) -> str:
-        return "fused" if rows <= self.fused_max_rows else self.large
+    def path(self, lin: Exl3Linear, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
+        """``fused_max_rows`` set: fused up to it. Unset: the path timed fastest for this shape, K, codebook
+        and row count while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up, never a capture);
+        before that, fused up to ``FUSED_MAX_ROWS``."""
+        if self.fused_max_rows is not None:
+            return "fused" if rows <= self.fused_max_rows else self.large
+        key = (lin.in_features, lin.out_features, lin.K, lin.codebook, rows)
+        p = self.choice.get(key)
+        if p is not None:
+            return p
+        if gemm.TUNER.tuning and self._can_time(lin):
+            self.choice[key] = p = self._tune(key, lin, rows, dtype)
+            return p
+        return "fused" if rows <= FUSED_MAX_ROWS else self.large
 
-    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        path = self.path(rows)
+    def _can_time(self, lin: Exl3Linear) -> bool:
+        return lin.trellis.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+    def _tune(self, key: TuneKey, lin: Exl3Linear, rows: int, dtype: torch.dtype) -> str:
+        """Both paths on fresh random rows of the caller's dtype (never its values), 2 warm-up + 5 timed
+        runs each; the faster."""
+        x = torch.randn((rows, lin.in_features), dtype=dtype, device=lin.trellis.device)
+        times = {name: self._time(lambda name=name: self._exl3(lin, x, None, name)) for name in ("fused", self.large)}
+        self.timings[key] = times
+        return min(times, key=lambda n: times[n])
+
+    @staticmethod
+    def _time(fn: Callable[[], object]) -> float:
+        """Median ms of ``fn`` on the current CUDA stream."""
+        for _ in range(2):
+            fn()
+        runs = []
+        for _ in range(5):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            runs.append(a.elapsed_time(b))
+        return statistics.median(runs)
+
+    def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
+        rows = x2.shape[0]
+        a: torch.Tensor | None = None  # x2 as fp16 padded to the 128-multiple: made once for every part
+        outs = []
+        for p in parts:
+            if isinstance(p, DenseLinear):
+                outs.append(p.forward(x2))
+                continue
+            path = self.path(p, rows, x2.dtype)
+            if path != "dense" and a is None:
+                a = self._half(x2, pad128(p.in_features))
+            outs.append(self._exl3(p, x2, a, path))
+        return outs
+
+    @staticmethod
+    def _half(x2: torch.Tensor, k: int) -> torch.Tensor:
+        a = x2.to(torch.float16)
+        return F.pad(a, (0, k - x2.shape[1])) if k != x2.shape[1] else a.contiguous()
+
+    def _exl3(self, lin: Exl3Linear, x2: torch.Tensor, a: torch.Tensor | None, path: str) -> torch.Tensor:
+        """lin's product [rows, out] by ``path``: float32 (exllamav3) or x2's dtype (dense), bias added."""
         self.calls[path] += 1
         if path == "dense":
-            return F.linear(x, lin.weight(x.dtype, x.device), lin.bias_as(x))
+            return F.linear(x2, lin.weight(x2.dtype, x2.device), lin.bias_as(x2))
         assert self.ext is not None
         k, n = pad128(lin.in_features), pad128(lin.out_features)
-        a = x.reshape(rows, lin.in_features).to(torch.float16)
-        a = F.pad(a, (0, k - lin.in_features)) if k != lin.in_features else a.contiguous()
+        if a is None:
+            a = self._half(x2, k)
         mcg, mul1 = lin.codebook == "mcg", lin.codebook == "mul1"
         if path == "fused":
-            c = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+            c = torch.empty((a.shape[0], n), dtype=torch.float32, device=a.device)
             self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
         else:  # recon: x H(suh) @ Wq, then H(svh) on the output; Wq decoded into the shared scratch
-            w = self.scratch(k * n, x.device)[: k * n].view(k, n)
+            w = self.scratch(k * n, a.device)[: k * n].view(k, n)
             self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
             ah = torch.empty_like(a)
             self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
             c = torch.mm(ah, w)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         y = c if n == lin.out_features else c[:, : lin.out_features]
-        if lin.bias is not None:
-            y = y + lin.bias
-        return y.to(x.dtype).contiguous().view(*x.shape[:-1], lin.out_features)
+        return y if lin.bias is None else y + lin.bias
 
     def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """The recon path's fp16 weight buffer, grown to the largest linear seen (before any graph capture:

@@ -18,6 +18,7 @@ Padding: exllamav3 pads both dims to multiples of 128 at conversion. The input i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -43,16 +44,20 @@ class Linear(Protocol):
 
 
 class Exl3Backend(Protocol):
-    """How an ``Exl3Linear`` multiplies (CPU dequantize + GEMM; later exllamav3 kernels on CUDA)."""
+    """How EXL3 linears multiply (CPU: dequantize + GEMM; CUDA: ``cuda.Exl3Backend``, exllamav3's kernels)."""
 
-    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor: ...
+    def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's product with the same input x2 [rows, in]: [rows, out_i], bias added, padding
+        trimmed, in any float dtype (the caller rounds once, where it adds, concatenates or activates;
+        one input conversion serves every part)."""
+        ...
 
 
 class DequantBackend:
     """Decode once into x's dtype and device, cache the dense weight, run ``F.linear``."""
 
-    def forward(self, lin: Exl3Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, lin.weight(x.dtype, x.device), lin.bias_as(x))
+    def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
+        return [p.dense_forward(x2) for p in parts]
 
 
 _backend: Exl3Backend = DequantBackend()
@@ -135,8 +140,12 @@ class Exl3Linear:
         return None if self.bias is None else self.bias.to(x.dtype).to(x.device)
 
     # -- module interface ----------------------------------------------------------------------
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) on the dense weight decoded once into x's dtype and device."""
+        return F.linear(x, self.weight(x.dtype, x.device), self.bias_as(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _backend.forward(self, x)
+        return _finish(_backend.outputs([self], _rows(x, self.in_features))[0], x, self.out_features)
 
     __call__ = forward
 
@@ -166,6 +175,7 @@ class DenseLinear:
         return F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     __call__ = forward
+    dense_forward = forward
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.bias) if t is not None)
@@ -185,7 +195,11 @@ class FusedLinear:
         self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.forward(x) for p in self.parts], dim=-1)
+        """One backend call for every part (one input conversion), concatenated into x's dtype in one op."""
+        outs = _backend.outputs(self.parts, _rows(x, self.in_features))
+        y = torch.empty((outs[0].shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        torch.cat(outs, dim=-1, out=y)
+        return y.view(*x.shape[:-1], self.out_features)
 
     __call__ = forward
 
@@ -199,6 +213,25 @@ class FusedLinear:
 # -- the GEMM sites of an EXL3 model (DSparkModel.route_linears): a dense weight or a packed module ----
 
 
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[-1] != width:
+        raise ValueError(f"input has {x.shape[-1]} features, the linear reads {width}")
+    return x.reshape(-1, width)
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
+    """A backend output [rows, width] (any dtype, maybe strided) as x's dtype, shaped like x."""
+    return y.to(x.dtype).contiguous().view(*x.shape[:-1], width)
+
+
+def _product(w: Linear, x: torch.Tensor) -> torch.Tensor:
+    """The raw [rows, out] product of a packed module (any float dtype)."""
+    x2 = _rows(x, w.in_features)
+    if isinstance(w, Exl3Linear | DenseLinear):
+        return _backend.outputs([w], x2)[0]
+    return w.forward(x2)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
@@ -207,12 +240,27 @@ def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = N
 
 
 def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Linear) -> torch.Tensor:
+    """h + x @ W.T: for a packed module, the product's rounding into h's dtype and the add are one op."""
     if isinstance(w, torch.Tensor):
         return ops.linear_add(h, x, w)
-    return h + w.forward(x)
+    y = _product(w, x)
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    torch.add(h.reshape(y.shape), y, out=out.view(y.shape))
+    return out
 
 
 def swiglu_add(
     h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor | Linear, down: torch.Tensor | Linear
 ) -> torch.Tensor:
-    return linear_add(h, ops.swiglu(linear(x, gate_up)), down)
+    """h + down(silu(gate(x)) * up(x)). Separate gate and up sources (a two-part ``FusedLinear``) are
+    activated straight from their products: no concatenation, one rounding."""
+    if (
+        isinstance(gate_up, FusedLinear)
+        and len(gate_up.parts) == 2
+        and gate_up.parts[0].out_features * 2 == (gate_up.out_features)
+    ):
+        g, u = _backend.outputs(gate_up.parts, _rows(x, gate_up.in_features))
+        act = ops.swiglu_parts(g, u, x.dtype).view(*x.shape[:-1], g.shape[-1])
+    else:
+        act = ops.swiglu(linear(x, gate_up))
+    return linear_add(h, act, down)

@@ -120,28 +120,39 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, F, s_gu, s_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr):
     m = tl.program_id(0)
     f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = f < F
-    g = tl.load(GU + m * s_gu + f, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(GU + m * s_gu + F + f, mask=mask, other=0.0).to(tl.float32)
+    # gate and up rounded to the output dtype first (a no-op when they already are): what the eager
+    # op computes on the rounded products
+    g = tl.load(G + m * s_g + f, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
+    u = tl.load(U + m * s_u + f, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
     tl.store(Y + m * s_y + f, (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """gu [..., 2F] (gate | up) -> silu(gate) * up [..., F]."""
-    F2 = gu.shape[-1]
-    g2 = gu.reshape(-1, F2)
-    if g2.stride(-1) != 1:
-        g2 = g2.contiguous()
-    F = F2 // 2
-    y = torch.empty((g2.shape[0], F), dtype=gu.dtype, device=gu.device)
+    F = gu.shape[-1] // 2
+    return silu_mul_parts(gu[..., :F], gu[..., F:], gu.dtype)
+
+
+def silu_mul_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up from separate gate and up [..., F] (any float dtype, rows may be strided: an EXL3
+    model's two float32 products) -> [..., F] in ``dtype``, gate and up rounded to it first."""
+    if g.shape != u.shape:
+        raise ValueError(f"gate {list(g.shape)} and up {list(u.shape)} differ")
+    F = g.shape[-1]
+    g2, u2 = (t.reshape(-1, F) if t.dim() != 2 else t for t in (g, u))
+    g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
+    y = torch.empty((g2.shape[0], F), dtype=dtype, device=g.device)
     if g2.shape[0]:
         block = 1024
-        _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](g2, y, F, g2.stride(0), y.stride(0), BLOCK=block)
-    return y.view(*gu.shape[:-1], F)
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](
+            g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block
+        )
+    return y.view(*g.shape[:-1], F)
 
 
 # ---------------------------------------------------------------------------------------------

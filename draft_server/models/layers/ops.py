@@ -50,6 +50,15 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+def swiglu_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up in ``dtype`` from separate gate and up products (rounded to ``dtype`` first)."""
+    if _fused(g):
+        from draft_server.models.kernels.fused import silu_mul_parts
+
+        return silu_mul_parts(g, u, dtype)
+    return F.silu(g.to(dtype)) * u.to(dtype)
+
+
 def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
     return linear_add(h, swiglu(gemm.linear(x, gate_up)), down)
