@@ -101,6 +101,13 @@ class ClientConfig:
     # shm's. ``cuda_device``: the buffer's device index (-1: the current device of the thread that made
     # the client). A step whose rows find no free region sends them in a frame (one device-to-host copy).
     transport: str = "frames"
+    # Early taps (``DraftClient.send_taps``) whose span is larger than this, with rows in frames, are
+    # declined (send_taps returns False; the caller sends the single message, accepted rows only): the
+    # span carries every verified row, (k + 1) per request against the accepted ones, and over a socket
+    # those bytes cost more than the sampling they hide. H200 host, tcp, K3 taps, 7 drafts: early taps
+    # won up to 4 sessions (2.3 MB spans) and lost from 16 (9.2 MB): bench/results/early_taps_h200_v3.json
+    # and _v2. 0: never decline. Through shm or cuda_ipc the socket carries no rows: never declined.
+    early_taps_max_mib: float = 4.0
     shm_ring_mib: int = 64
     cuda_ipc_mib: int = 64
     cuda_device: int = -1
@@ -125,6 +132,8 @@ class ClientConfig:
             "close_timeout_s",
         ):
             positive(name, getattr(self, name))
+        if not (math.isfinite(self.early_taps_max_mib) and self.early_taps_max_mib >= 0):
+            raise ValueError(f"ClientConfig.early_taps_max_mib must be >= 0, got {self.early_taps_max_mib}")
         if self.resend_rows_limit < 0:
             raise ValueError(f"ClientConfig.resend_rows_limit must be >= 0, got {self.resend_rows_limit}")
         if not (math.isfinite(self.resend_ratio) and self.resend_ratio >= 0):

@@ -108,13 +108,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="--model random:k3 --device cuda --kv-budget-mib 16384")
     ap.add_argument("--out", default="bench/results/early_taps_h200.json")
     a = ap.parse_args(argv)
-    proc, endpoint, _ = start_server(a.server_args.split())
     rows: list[dict[str, Any]] = []
+    gpu = (
+        subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+        if os.path.exists("/dev/nvidia0")
+        else ""
+    )
+
+    def write() -> None:  # after every row: a run cut short keeps what it measured
+        report = {
+            "command": "python -m draft_tools.bench.early_taps_gpu "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu, "protocol": PROTOCOL_VERSION},
+            "setup": {k: v for k, v in vars(a).items() if k != "out"},
+            "rows": rows,
+        }
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+    proc, endpoint, _ = start_server(a.server_args.split())
     try:
         for b in (int(x) for x in a.batches.split(",")):
             for early in (True, False):
                 r = {"B": b, "mode": "early_taps" if early else "single_message", **measure(endpoint, b, early, a)}
                 rows.append(r)
+                write()
                 print(
                     f"B={b:3d} {r['mode']:15s} caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
                     f"wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
@@ -124,20 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     finally:
         stop_server(proc)
-    gpu = (
-        subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-        if os.path.exists("/dev/nvidia0")
-        else ""
-    )
-    report = {
-        "command": "python -m draft_tools.bench.early_taps_gpu " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "gpu": gpu, "protocol": PROTOCOL_VERSION},
-        "setup": {k: v for k, v in vars(a).items() if k != "out"},
-        "rows": rows,
-    }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write()
     return 0
 
 

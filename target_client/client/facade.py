@@ -30,8 +30,9 @@ once, right after the target's forward; ``commit`` then asks for the drafts with
 rows (``pos`` = the committed context end), a few bytes on the critical path. The rows stay in
 the resend buffer until the Taps call's reply acknowledges them; a commit never carries rows
 that Taps call is still carrying, but does once it failed, and the next step does after a
-MISSING_ROWS answer. Without the feature ``send_taps`` returns False and the caller sends the
-single message with ``step()``.
+MISSING_ROWS answer. Without the feature, or for a span over ``ClientConfig.early_taps_max_mib``
+whose rows travel in frames, ``send_taps`` returns False and the caller sends the single message
+with ``step()``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class DraftClient:
         self._closed = False
         self._connect_requested = False
         self._device_rows = cfg.transport == "cuda_ipc"  # step() takes torch CUDA tensors
+        self._taps_declined = 0  # early taps declined for their size (send_taps: the single message instead)
         device = None
         if self._device_rows:  # the buffer's device: the caller thread's, unless configured
             from target_client.cuda.ipc import current_device  # torch, only for a cuda_ipc client
@@ -216,9 +218,13 @@ class DraftClient:
         """Early taps: the rows of a verify step (requests with ``k=0``, every row of the span by
         position, rejected ones included), sent by the I/O thread without waiting; acknowledged
         within the budget or resent. False, with nothing sent or kept, when the server lacks early
-        taps (``early_taps``): send them with ``step()``. ValueError for a caller bug. ``taps`` is
+        taps (``early_taps``), or when the span is larger than ``early_taps_max_mib`` and travels in
+        frames: send the step's accepted rows with ``step()``. ValueError for a caller bug. ``taps`` is
         kept by reference, as in ``step()``."""
         if not self.early_taps:
+            return False
+        if self._span_too_large(taps):
+            self._taps_declined += 1
             return False
         budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
         hs = self._io.handshake
@@ -231,6 +237,13 @@ class DraftClient:
             call.ready = self._ready(taps)
             self._io.submit(call)
         return True
+
+    def _span_too_large(self, taps: Any) -> bool:
+        """A span over ``early_taps_max_mib`` whose rows would travel in the socket's frames."""
+        limit, hs = self.cfg.early_taps_max_mib, self._io.handshake
+        if limit <= 0 or taps is None or not hs.shm_off or hs.cuda:
+            return False
+        return int(getattr(taps, "nbytes", 0)) > limit * (1 << 20)
 
     def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:
         """Drafts after early taps: ``step()`` with entries of no rows at ``pos`` = the committed
@@ -310,6 +323,7 @@ class DraftClient:
             sessions=len(io.sessions),
             pending=len(io.pending),
             io_thread_alive=io.thread.is_alive(),
+            early_taps_declined=self._taps_declined,
         )
         return d
 

@@ -108,6 +108,39 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
         client.close()
 
 
+def test_a_span_over_the_size_limit_is_declined_and_the_single_message_drafts(server) -> None:
+    """``early_taps_max_mib``: a span larger than the limit (rows in frames) is not sent (send_taps
+    False, counted; a commit then finds no rows: MISSING_ROWS), the caller's single message of the
+    accepted rows drafts exactly; a span within the limit goes early, and 0 turns the limit off."""
+    row = CHECKSUM_CONTRACT.tap_width * 2
+    client = make_client(server.endpoint, early_taps_max_mib=4.5 * row / 2**20)  # spans of <= 4 rows go early
+    try:
+        eng = Engine(client, session="big", seed=3)
+        r = eng.step(n=4, accepted=4)  # within the limit: early
+        assert r.status == Status.OK and r.tokens == eng.want()
+        arr = random_taps(eng.rng, K + 1)
+        assert not client.send_taps([StepRequest("big", eng.end, K + 1, 0, 0)], arr)
+        assert client.stats()["early_taps_declined"] == 1 and client.stats()["taps_sent"] == 1
+        miss = client.commit([StepRequest("big", eng.end + 2, 0, 5, K)])[0]
+        assert miss.status == Status.MISSING_ROWS and not miss.tokens  # nothing went out
+        for i in range(2):  # the single message: the two accepted rows
+            eng.rows[eng.end + i] = arr[i].tobytes()
+        out = client.step([StepRequest("big", eng.end, 2, 5, K)], arr[:2])[0]
+        eng.end, eng.anchor = eng.end + 2, 5
+        assert out.status == Status.OK and out.tokens == eng.want()
+    finally:
+        client.close()
+    unlimited = make_client(server.endpoint, early_taps_max_mib=0.0)
+    try:
+        eng = Engine(unlimited, session="any", seed=4)
+        assert eng.step(n=64, accepted=64).tokens == eng.want()  # 0: no limit
+        assert unlimited.stats()["early_taps_declined"] == 0
+    finally:
+        unlimited.close()
+    with pytest.raises(ValueError, match="early_taps_max_mib"):
+        ClientConfig(endpoint=server.endpoint, early_taps_max_mib=-1.0)
+
+
 def lose_next(proxy: ChaosProxy, phase: str, eng: Engine) -> tuple[int, np.ndarray]:
     """The next early Taps (phase "taps") or Commit ("commit") never reaches the server; sends the taps."""
     dropped = proxy.stats.dropped_requests
