@@ -150,6 +150,7 @@ class DraftServer:
         self._running = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="draft-watchdog", daemon=True)
         self._overrun = False
+        self._started = False  # start() has started every thread (until then none can have died)
         self._sd_every, self._sd_last = sd_watchdog_interval(), 0.0
         self.http: MetricsHTTPServer | None = None
         if cfg.metrics_port >= 0:
@@ -165,6 +166,7 @@ class DraftServer:
         self.engine.start()
         self.router.start()
         self._watchdog.start()
+        self._started = True
         if self.http:
             self.http.start()
         log.info(
@@ -190,6 +192,12 @@ class DraftServer:
         self.drafter.close()
 
     def _healthy(self) -> bool:
+        if not self._started:
+            # start() is still starting the threads, and the first of them already answers Pings
+            # (the idle engine serves the socket; a client's probe queued there during start-up is
+            # read at once): the threads not started yet are not dead. Saying unhealthy here left a
+            # just restarted server's first Pong unhealthy, and its clients' breakers open a while.
+            return not self._overrun
         watching = self._watchdog.is_alive() or not self._running.is_set()
         return self.router.alive() and self.engine.alive() and watching and not self._overrun
 

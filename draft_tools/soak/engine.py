@@ -102,6 +102,11 @@ class EngineSpec:
     breaker_backoff_ms: float = 500.0
     connect_timeout_s: float = 60.0
     early_taps: bool = False  # taps right after the "forward", then a commit (see the module docstring)
+    # Dump every thread's stack for a call still waiting at budget + 5 ms (the ``.stacks`` file the
+    # soak reads). faulthandler's watchdog walks the other threads' frames without the GIL while
+    # they run: now and then that segfaults the engine (in traceback.c dump_frame), the more often
+    # the more calls run late, as on a loaded host. Off for runs that never read the stacks.
+    late_stacks: bool = True
 
 
 @dataclass
@@ -265,13 +270,14 @@ def _bf16_taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
     return (x.view(np.uint32) >> 16).astype(np.uint16)
 
 
-def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None) -> None:
+def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None, progress: Any = None) -> None:
     """Process entry: connect, set ``ready``, wait for ``go``, run until ``stop`` is set or
     max_steps, write the JSON (multiprocessing Events; the start barrier keeps one engine's
-    imports from competing with another's first steps)."""
+    imports from competing with another's first steps). ``progress`` (a shared multiprocessing
+    integer, optional) holds the steps done so far, for a parent that waits for enough of them."""
     out: dict[str, Any] = {"spec": asdict(spec), "error": None, "cpus": os.cpu_count()}
     try:
-        _run(spec, stop, out, ready, go)
+        _run(spec, stop, out, ready, go, progress)
     except BaseException:  # reported by the parent as a broken engine
         out["error"] = traceback.format_exc()
     tmp = spec.out_path + ".tmp"
@@ -280,7 +286,7 @@ def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None) 
     os.replace(tmp, spec.out_path)
 
 
-def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) -> None:
+def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, progress: Any) -> None:
     from prometheus_client import CollectorRegistry
 
     from draft_server.drafters.checksum import drafts_from_digests, row_digest
@@ -375,7 +381,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
             (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
             gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            faulthandler.dump_traceback_later(late_s, file=stacks)
+            if spec.late_stacks:
+                faulthandler.dump_traceback_later(late_s, file=stacks)
             early = (
                 spec.early_taps
                 and fleet is None
@@ -396,7 +403,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
                 replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
             faulthandler.cancel_dump_traceback_later()
-            if t1 - t0 > late_s:
+            if spec.late_stacks and t1 - t0 > late_s:
                 stacks.write(f"@@ call t0={t0!r} wait_ms={(t1 - t0) * 1000.0:.3f}\n".encode())
             (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
             gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -501,6 +508,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any) 
             if fleet is not None and step_no % 20 == 0:
                 loads.append((t1, fleet.loads()))
             step_no += 1
+            if progress is not None:
+                progress.value = step_no
             if spec.step_ms:
                 time.sleep(spec.step_ms / 1000.0)
         if active:  # a run cut short still frees what it holds

@@ -34,9 +34,14 @@ from tests.conftest import SLACK_MS, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
-BUDGET_MS = 25.0
+# The servers' replies wait on a loaded host's run queue too (4 servers and 2 engines on 2 cores,
+# with whatever else runs there): at 25 ms a server now and then missed two steps in a row away from
+# the kill and the pause, its sessions moved, and the checks below (bounded loads, drafts back within
+# 2 steps, no move back, 90 % drafted) counted that against the fleet.
+BUDGET_MS = 50.0
 SESSIONS = 64
 TTL_S = 3.0
+MIN_CALLS = 300  # calls per engine that the checks below rest on
 
 
 def _cols(engine: dict, table: str, columns: str) -> tuple[np.ndarray, list[str]]:
@@ -52,6 +57,7 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
     ctx = mp.get_context("spawn")
     stop, go = ctx.Event(), ctx.Event()
     specs, procs, readies = [], [], []
+    progress = [ctx.Value("i", 0) for _ in range(2)]  # steps each engine has done so far
     for i in range(2):
         spec = EngineSpec(
             index=i,
@@ -66,9 +72,10 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
             long_prefill_p=0.0,
             checksum=True,
             connect_timeout_s=30.0,
+            late_stacks=False,  # never read here; the dumps can crash an engine on a loaded host
         )
         ready = ctx.Event()
-        p = ctx.Process(target=engine_main, args=(spec, stop, ready, go), name=f"fleet-engine-{i}")
+        p = ctx.Process(target=engine_main, args=(spec, stop, ready, go, progress[i]), name=f"fleet-engine-{i}")
         p.start()
         specs.append(spec)
         procs.append(p)
@@ -91,6 +98,11 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
         paused.resume()  # SIGCONT
         t_cont = time.monotonic()
         time.sleep(4.0)
+        # a step takes about 50 ms, longer on a loaded host: the engines go on until each has made
+        # its calls (the kill and the pause came at their times all the same)
+        wait_for(
+            lambda: all(n.value > MIN_CALLS or not p.is_alive() for n, p in zip(progress, procs, strict=True)), 120.0
+        )
     finally:
         stop.set()
         for p in procs:
@@ -109,7 +121,7 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
         c = {name: calls[:, i] for i, name in enumerate(cols)}
         host = np.maximum(c["run_delay_ms"], c["proc_run_delay_ms"]) + c["steal_ms"] / float(e["cpus"] or 1)
         net = c["wait_ms"] - host
-        assert len(calls) > 300
+        assert len(calls) > MIN_CALLS
         for i in np.nonzero(net > c["budget_ms"] + SLACK_MS)[0]:
             keys = ("t0", "wait_ms", "run_delay_ms", "proc_run_delay_ms", "gc_ms", "steal_ms")
             over.append({k: round(float(c[k][i]), 2) for k in keys})

@@ -34,3 +34,25 @@ def test_the_watchdog_survives_an_exception_and_health_needs_it() -> None:
         assert not srv.health()["healthy"]
     finally:
         srv.stop()
+
+
+def test_a_pong_answered_while_the_threads_start_is_healthy() -> None:
+    """start() starts the engine, the router and the watchdog one after another, and the idle engine
+    already answers Pings (a restarted server's clients probe it meanwhile): a Pong then must not
+    call the threads not started yet dead, or a client's breaker stays open after the restart."""
+    srv = DraftServer(ServerConfig(bind="tcp://127.0.0.1:0", metrics_port=-1, drafter="checksum"), ChecksumDrafter())
+    seen: list[bool] = []
+    real = srv.router.start
+
+    def start_router() -> None:
+        seen.append(srv.router._pong(1).healthy)  # the engine runs; the router and the watchdog not yet
+        real()
+        seen.append(srv.router._pong(2).healthy)  # the watchdog not yet
+
+    srv.router.start = start_router  # type: ignore[method-assign]
+    srv.start()
+    try:
+        assert seen == [True, True] and srv.router._pong(3).healthy
+    finally:
+        srv.stop()
+    assert not srv.router._pong(4).healthy  # stopped: its threads are gone
