@@ -1,7 +1,8 @@
 """DraftClient against a scripted fake ROUTER server (tests/unit/client_fake_server.py).
 
 The only timing assertion is the client's contract with the engine: every step()/astep()
-returns within its budget plus 5 ms, measured per call (``timed_step``/``timed_astep``).
+returns within its budget plus 5 ms, measured per call (``timed_step``/``timed_astep``), less
+the time the host took from the process (run queue, garbage-collector pauses: ``host_delay_ms``).
 Everything else waits on events with generous timeouts. Calls that must succeed get a roomy
 budget (250 ms) so a loaded machine cannot turn them into timeouts; calls that are meant to
 time out (the server drops or delays them) get a short one to keep the suite fast.
@@ -37,7 +38,7 @@ from target_client import (
 from tests.unit.client_fake_server import CONTRACT, FakeServer, fake_drafts
 
 WIDTH = CONTRACT.tap_width
-from tests.conftest import SLACK_MS, assert_on_time, run_queue_ms, wait_for  # noqa: E402
+from tests.conftest import SLACK_MS, assert_on_time, host_delay_ms, wait_for  # noqa: E402
 
 OK_BUDGET = 250.0  # for calls that must be answered
 MISS_BUDGET = 25.0  # for calls the server drops on purpose
@@ -72,10 +73,12 @@ async def timed_astep(client: DraftClient, reqs, taps, budget_ms: float | None =
     budget = budget_ms if budget_ms is not None else client.budget_ms
     if budget_ms is None:
         budget = max(budget, client.cfg.budget_ms)
-    q0, t0 = run_queue_ms(), time.monotonic()
+    q0, t0 = host_delay_ms(), time.monotonic()
     out = await client.astep(reqs, taps, budget_ms)
-    took, host = (time.monotonic() - t0) * 1000.0, run_queue_ms() - q0
-    assert took - host <= budget + SLACK_MS, f"astep took {took:.2f} ms ({host:.2f} queued), budget {budget:.1f} ms"
+    took, host = (time.monotonic() - t0) * 1000.0, host_delay_ms() - q0
+    assert took - host <= budget + SLACK_MS, (
+        f"astep took {took:.2f} ms ({host:.2f} queued or in GC), budget {budget:.1f} ms"
+    )
     assert len(out) == len(reqs)
     return out
 
@@ -897,3 +900,16 @@ def test_an_exception_in_one_io_iteration_does_not_end_the_io_thread(server, cli
     assert c._io.thread.is_alive() and c.stats()["io_errors"] == 1
     r = req("s", 0, 3)
     assert timed_step(c, [r], taps_for(3, 1))[0].tokens == expected(r)
+
+
+def test_budget_checks_take_out_garbage_collector_pauses() -> None:
+    # A full collection stops every thread; in CI's pytest process (torch and vLLM loaded) one
+    # took a cold step 8 ms past its budget. The timing helper counts it as the host's time.
+    import gc
+
+    junk = [[i] for i in range(300_000)]
+    q0, t0 = host_delay_ms(), time.perf_counter()
+    gc.collect()
+    took, host = (time.perf_counter() - t0) * 1000.0, host_delay_ms() - q0
+    del junk
+    assert host >= 0.5 * took > 0.0
