@@ -385,7 +385,6 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 faulthandler.dump_traceback_later(late_s, file=stacks)
             early = (
                 spec.early_taps
-                and fleet is None
                 and bool(reqs)
                 and client.send_taps(
                     [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, spans, strict=True)],

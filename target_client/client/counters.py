@@ -39,6 +39,8 @@ STAT_KEYS = (
     "pongs",
     "frees_sent",
     "catching_up_entries",
+    "taps_sent",
+    "early_taps_declined",
 )
 # A step outcome's own stats key; the others (breaker_open, not_ready, closed) are fallbacks.
 _OUTCOME_KEYS = {"ok": "ok", "timeout": "timeouts", "error": "errors", "overloaded": "overloaded_returns"}

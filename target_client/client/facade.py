@@ -221,10 +221,7 @@ class DraftClient:
         taps (``early_taps``), or when the span is larger than ``early_taps_max_mib`` and travels in
         frames: send the step's accepted rows with ``step()``. ValueError for a caller bug. ``taps`` is
         kept by reference, as in ``step()``."""
-        if not self.early_taps:
-            return False
-        if self._span_too_large(taps):
-            self._taps_declined += 1
+        if not self.takes_taps(taps):
             return False
         budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
         hs = self._io.handshake
@@ -238,6 +235,16 @@ class DraftClient:
             self._io.submit(call)
         return True
 
+    def takes_taps(self, taps: Any) -> bool:
+        """Whether ``send_taps`` would send these rows now: the server takes early taps and the span
+        is not too large for the transport (a decline is counted in ``early_taps_declined``)."""
+        if not self.early_taps:
+            return False
+        if self._span_too_large(taps):
+            self._taps_declined += 1
+            return False
+        return True
+
     def _span_too_large(self, taps: Any) -> bool:
         """A span over ``early_taps_max_mib`` whose rows would travel in the socket's frames."""
         limit, hs = self.cfg.early_taps_max_mib, self._io.handshake
@@ -249,12 +256,20 @@ class DraftClient:
         """Drafts after early taps: ``step()`` with entries of no rows at ``pos`` = the committed
         context end (the anchor's position). The server drafts from the rows below ``pos`` it
         holds, or answers ``Status.MISSING_ROWS`` (no drafts) when it lacks some."""
-        t0 = time.monotonic()
+        return self.submit_commit(requests, budget_ms).collect()
+
+    def submit_commit(
+        self, requests: Sequence[StepRequest], budget_ms: float | None = None, t0: float | None = None
+    ) -> StepTicket:
+        """commit() in two halves, as ``submit_step`` is step()'s."""
+        t0 = time.monotonic() if t0 is None else t0
         call = self._begin(requests, None, budget_ms, t0, Phase.COMMIT)
-        if not isinstance(call, StepCall):
-            return call[0]
-        self._io.submit(call)
-        return StepTicket(self, t0, call).collect()
+        if isinstance(call, StepCall):
+            self._io.submit(call)
+            return StepTicket(self, t0, call)
+        ticket = StepTicket(self, t0, None)
+        ticket.replies, ticket.outcome = call
+        return ticket
 
     async def astep(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None

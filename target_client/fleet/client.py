@@ -4,8 +4,8 @@ Owns the fan-out of an engine step over the servers and the life of the per-serv
 one ``DraftClient`` per server (its socket, handshake, breaker, resend buffers and budget stay
 exactly what they are for one server), ``placement.Placement`` for where each session lives,
 ``endpoints`` for which servers there are. Same calls as ``DraftClient`` (``connect``, ``step``,
-``astep``, ``free``, ``ping``, ``stats``, ``close``, ``contract``, ``welcome``, ``epoch``), so an
-engine takes either (``make_client``).
+``astep``, ``send_taps``, ``commit``, ``free``, ``ping``, ``stats``, ``close``, ``contract``,
+``welcome``, ``epoch``), so an engine takes either (``make_client``).
 
 One ``step()``: the requests are grouped by their session's server (placing new sessions,
 moving those whose server cannot serve them; the server a session left gets a Free), each
@@ -16,6 +16,13 @@ connection after a kill, breaker open, closed) is rerouted to its sessions' next
 the same step while time is left. Then the answers update the placement (misses, overloaded
 fresh sessions shed). ``step()`` never raises for a draft-side fault and never blocks longer than
 its budget; ``ValueError`` only for caller bugs, checked on the whole step before anything is sent.
+
+Early taps (``send_taps`` then ``commit``): when every server that welcomed this client takes
+them (``early_taps``), the span's rows go to each session's server as a step's would, and the
+commit goes to the same servers. A commit is never rerouted: another server lacks the rows. A
+session whose server failed between its taps and its commit, or that moved, gets no drafts
+that step (MISSING_ROWS, or a miss) and its next step's rows go to its server then, which
+restarts it by positional semantics as after any move.
 
 Failover cost: a killed server's sessions usually draft again in the same step (rerouted); a
 paused one's after ``miss_limit`` (2) missed steps, when its client's breaker (opened after that
@@ -47,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol import ModelContract, Pong, ServerLimits, Status, Timing, Welcome
+from protocol import ModelContract, Phase, Pong, ServerLimits, Status, Timing, Welcome
 from protocol.wire import RowLayout, row_layout
 from target_client.api import (
     ClientConfig,
@@ -234,6 +241,13 @@ class FleetClient:
         """The default budget of a step: the largest of the servers' (fixed, or adaptive)."""
         return max((c.budget_ms for c in self._snapshot()), default=self.cfg.budget_ms)
 
+    @property
+    def early_taps(self) -> bool:
+        """Whether ``send_taps``/``commit`` may be used: every server that has welcomed this client
+        takes early taps (a fleet in a rolling upgrade falls back to the single message)."""
+        welcomed = [c for c in self._snapshot() if c.welcome is not None]
+        return bool(welcomed) and all(c.early_taps for c in welcomed)
+
     # ------------------------------------------------------------------ calls
 
     def connect(self, wait: bool = True) -> Welcome | None:
@@ -280,11 +294,45 @@ class FleetClient:
     ) -> list[DraftReply]:
         """Drafts for one engine step over the fleet: one DraftReply per request, in order, within
         the budget. ``taps`` as for ``DraftClient.step`` (kept by reference: do not mutate it)."""
+        return self._call(requests, taps, budget_ms, Phase.WHOLE)
+
+    def send_taps(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+    ) -> bool:
+        """Early taps over the fleet (``DraftClient.send_taps``): each session's rows go to its
+        server (new sessions are placed as by step()) without waiting. False, with nothing sent,
+        when ``early_taps`` is off or any server would decline its part (then send the single
+        message with step()). ValueError for a caller bug."""
+        if budget_ms is not None:
+            budget_ms = check_budget(budget_ms)
+        _entries, taps = prepare(requests, taps, self.contract, self.limits, self.row_layout, Phase.TAPS)
+        if not requests or self._closed or not self.early_taps:
+            return False
+        if not self._connect_requested:
+            self.connect(wait=False)
+        offsets = _offsets(requests)
+        by_key, _replies, members = self._route(requests, time.monotonic())
+        parts = [(members[key], [requests[i] for i in idx], _rows(taps, offsets, idx)) for key, idx in by_key.items()]
+        if not all(c.takes_taps(rows) for c, _r, rows in parts):
+            return False
+        for c, reqs, rows in parts:
+            c.send_taps(reqs, rows, budget_ms)
+        return True
+
+    def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:
+        """Drafts after early taps (``DraftClient.commit``), each session's commit to its server. A
+        commit is never rerouted within the step (another server lacks its rows); a session that
+        moved since its taps is answered MISSING_ROWS there, and its next step resends."""
+        return self._call(requests, None, budget_ms, Phase.COMMIT)
+
+    def _call(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, phase: Phase
+    ) -> list[DraftReply]:
         t0 = time.monotonic()
         if budget_ms is not None:
             budget_ms = check_budget(budget_ms)
-        limits = self.limits
-        _entries, taps = prepare(requests, taps, self.contract, limits, self.row_layout)  # caller bugs, before any send
+        # caller bugs, before any send
+        _entries, taps = prepare(requests, taps, self.contract, self.limits, self.row_layout, phase)
         n = len(requests)
         if n == 0:
             return []
@@ -292,13 +340,28 @@ class FleetClient:
             return [DraftReply([]) for _ in range(n)]
         if not self._connect_requested:
             self.connect(wait=False)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum([r.rows for r in requests], out=offsets[1:])
+        offsets = _offsets(requests)
+        by_key, replies, members = self._route(requests, t0)
+        groups = [
+            self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0, phase)
+            for key, idx in by_key.items()
+        ]
+        finished = self._wait(groups, requests, taps, offsets, budget_ms, t0, replies, members, phase)
+        self._settle(finished, requests, replies, members)
+        self._m.step_duration.observe(time.monotonic() - t0)
+        return [r if r is not None else DraftReply([]) for r in replies]
+
+    def _route(
+        self, requests: Sequence[StepRequest], t0: float
+    ) -> tuple[dict[str, list[int]], list[DraftReply | None], dict[str, DraftClient]]:
+        """Each request's server (placing new sessions, moving those whose server cannot serve
+        them; the server a session left gets a Free): request indexes by server, a reply for the
+        requests no server can take, and the members now. Servers with no request are nudged."""
         with self._lock:
             now = self._refresh_locked(t0)
             by_key: dict[str, list[int]] = {}
             frees: dict[str, list[str]] = {}
-            replies: list[DraftReply | None] = [None] * n
+            replies: list[DraftReply | None] = [None] * len(requests)
             for i, r in enumerate(requests):
                 key, left = self._placement.route(r.session, now)
                 if left is not None:
@@ -312,13 +375,7 @@ class FleetClient:
             if key not in by_key:
                 c.nudge()  # an open breaker keeps probing fast while this engine steps
         self._free_moved(frees, members)
-        groups = [
-            self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0) for key, idx in by_key.items()
-        ]
-        finished = self._wait(groups, requests, taps, offsets, budget_ms, t0, replies, members)
-        self._settle(finished, requests, replies, members)
-        self._m.step_duration.observe(time.monotonic() - t0)
-        return [r if r is not None else DraftReply([]) for r in replies]
+        return by_key, replies, members
 
     async def astep(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
@@ -423,9 +480,13 @@ class FleetClient:
         offsets: np.ndarray,
         budget_ms: float | None,
         t0: float,
+        phase: Phase,
     ) -> _Group:
         reqs = [requests[i] for i in index]
-        return _Group(key, index, members[key].submit_step(reqs, _rows(taps, offsets, index), budget_ms, t0))
+        c = members[key]
+        if phase == Phase.COMMIT:
+            return _Group(key, index, c.submit_commit(reqs, budget_ms, t0))
+        return _Group(key, index, c.submit_step(reqs, _rows(taps, offsets, index), budget_ms, t0))
 
     def _wait(
         self,
@@ -437,9 +498,11 @@ class FleetClient:
         t0: float,
         replies: list[DraftReply | None],
         members: dict[str, DraftClient],
+        phase: Phase,
     ) -> list[_Group]:
-        """Wait for every group until its deadline; reroute groups that failed at once. Fills
-        ``replies``; returns every group that ended (rerouted ones included, for the misses)."""
+        """Wait for every group until its deadline; reroute groups of rows that failed at once (not
+        commits). Fills ``replies``; returns every group that ended (rerouted ones included, for
+        the misses)."""
         finished: list[_Group] = []
         failed: set[str] = set()
         live = {g.ticket.future: g for g in groups if g.ticket.future is not None}
@@ -448,13 +511,14 @@ class FleetClient:
             for g in ready:
                 out = g.ticket.collect()
                 finished.append(g)
-                redo = self._reroute(g, failed, requests) if g.ticket.outcome in _AT_ONCE else {}
+                at_once = g.ticket.outcome in _AT_ONCE and phase != Phase.COMMIT
+                redo = self._reroute(g, failed, requests) if at_once else {}
                 moved = {i for idx in redo.values() for i in idx}
                 for i, rep in zip(g.index, out, strict=True):
                     if i not in moved:
                         replies[i] = rep
                 for key, idx in redo.items():
-                    ng = self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0)
+                    ng = self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0, phase)
                     if ng.ticket.future is None:
                         ready.append(ng)
                     else:
@@ -665,6 +729,13 @@ class FleetClient:
             self._m.moves.inc(dm)
         if ds > 0:
             self._m.sheds.inc(ds)
+
+
+def _offsets(requests: Sequence[StepRequest]) -> np.ndarray:
+    """Each request's first row in the step's taps (and the total at the end)."""
+    offsets = np.zeros(len(requests) + 1, dtype=np.int64)
+    np.cumsum([r.rows for r in requests], out=offsets[1:])
+    return offsets
 
 
 def _rows(taps: np.ndarray | None, offsets: np.ndarray, index: list[int]) -> np.ndarray | None:

@@ -99,6 +99,7 @@ class FakeServer:
         self.limits = LIMITS
         self.contract_id: str | None = None  # None: contract.fingerprint()
         self.welcome_version = PROTOCOL_VERSION
+        self.features: tuple[str, ...] = ()  # Welcome.features (e.g. FEATURE_EARLY_TAPS)
         self.epoch = epoch
         self.policy: Policy = lambda step, n: "ok"
         self.answer_pings = True
@@ -191,7 +192,13 @@ class FakeServer:
             self.received.append(Received("hello", msg, None, ident, now))
             if self.answer_hellos:
                 welcome = Welcome(
-                    self.welcome_version, msg.call_id, self.epoch, self.contract, self._cid(), self.limits
+                    self.welcome_version,
+                    msg.call_id,
+                    self.epoch,
+                    self.contract,
+                    self._cid(),
+                    self.limits,
+                    features=self.features,
                 )
                 self._send(ident, welcome)
         elif isinstance(msg, Ping):

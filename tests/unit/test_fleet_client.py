@@ -22,7 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from draft_tools.common import free_port
-from protocol import DType, Status
+from protocol import FEATURE_EARLY_TAPS, DType, Phase, Status
 from target_client import ClientConfig, ConnectTimeoutError, ContractMismatchError, DraftClient, StepRequest
 from target_client.fleet import FleetClient, FleetOptions, make_client, rank
 from tests.conftest import assert_on_time, wait_for
@@ -339,3 +339,42 @@ def test_make_client_picks_by_the_setting(servers):
     finally:
         one.close()
         many.close()
+
+
+def test_early_taps_only_when_every_welcomed_server_takes_them(servers):
+    # A fleet in a rolling upgrade: one server without early taps turns them off for the engine
+    # (send_taps False, nothing sent; the caller sends the single message). With both, each
+    # session's span goes to its own server, and the commit after it too, with no rows.
+    srvs = servers(2)
+    srvs[0].features = (FEATURE_EARLY_TAPS,)
+    names = [f"e{i}" for i in range(12)]
+    taps = np.random.default_rng(1).integers(0, 1 << 16, size=(len(names) * 3, WIDTH), dtype=np.uint16)
+    spans = [StepRequest(s, 0, 3, 0, 0) for s in names]
+    with fleet_of(srvs) as fc:
+        assert fc.connect(wait=True) is not None
+        assert wait_for(lambda: all(c.welcome is not None for c in fc._members.values()))
+        assert not fc.early_taps
+        assert not fc.send_taps(spans, taps)
+        time.sleep(0.05)
+        assert not srvs[0].steps() and not srvs[1].steps()
+    srvs[1].features = (FEATURE_EARLY_TAPS,)
+    with fleet_of(srvs) as fc:
+        assert fc.connect(wait=True) is not None
+        assert wait_for(lambda: all(c.welcome is not None for c in fc._members.values()))
+        assert fc.early_taps
+        assert fc.send_taps(spans, taps)
+        assert wait_for(lambda: sum(len(sessions_on(s)) for s in srvs) == len(names))
+        for srv in srvs:
+            got = sessions_on(srv)
+            assert got and all(fc.server_of(s) == srv.endpoint for s in got)
+            for rec in srv.steps():
+                assert all(e.phase == Phase.TAPS and e.k == 0 for e in rec.msg.entries)
+                expect = np.concatenate([taps[names.index(e.session) * 3 :][:3] for e in rec.msg.entries])
+                assert np.array_equal(rec.taps, expect)
+        before = {s.endpoint: len(s.steps()) for s in srvs}
+        fc.commit([StepRequest(s, 2, 0, 7, 4) for s in names])
+        for srv in srvs:
+            commits = srv.steps()[before[srv.endpoint] :]
+            assert commits and all(rec.taps is None for rec in commits)
+            assert {e.session for rec in commits for e in rec.msg.entries} == sessions_on(srv)
+            assert all(e.phase == Phase.COMMIT and e.rows == 0 for rec in commits for e in rec.msg.entries)
