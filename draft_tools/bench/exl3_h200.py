@@ -9,10 +9,12 @@ Owns the K3-size comparison and the GPU side of ``draft-server quantize``:
    its decoder-layer linears (``convert.DEFAULT_MODULES``, what ``quantize`` converts) quantized by
    exllamav3 (uncalibrated) and attached as the loader attaches them (``attach_linears``,
    ``route_linears``), for each large-batch path (``recon``: decode into a scratch per call;
-   ``dense``: decoded once and cached). Per setting: quantization time, weight bytes held (the
-   draft's own; K3 takes embedding and lm_head from the target, so they are left out on both sides),
-   CUDA-graph step time at B = 1..64 (1,024 context rows, 3 new rows + a block per step, graphs
-   captured after the autotuner has seen every bucket: ``prepare``), greedy agreement with BF16 on
+   ``inline``: the Triton decode-GEMM, packed bytes only; ``dense``: decoded once and cached; tuned
+   settings time fused, recon and inline per shape and rows, ``path_ms``). Per setting: quantization
+   time, weight bytes held (the draft's own; K3 takes embedding and lm_head from the target, so they
+   are left out on both sides), CUDA-graph step time at B = 1..64 (1,024 context rows, 3 new rows +
+   a block per step, graphs captured after the autotuner has seen every bucket: ``prepare``), greedy
+   agreement with BF16 on
    8 sessions, and the step-time ratio to BF16. ``--tie-layers`` (default): layers 1.. hold copies of layer
    0's random values, so a bit width quantizes one layer and copies its tensors (the step's shapes, bytes
    and time are those of five distinct layers; quantization takes a third of the time).
@@ -121,6 +123,14 @@ def paths_by_rows(be: Exl3Backend) -> dict[str, dict[str, int]]:
     return out
 
 
+def path_ms(be: Exl3Backend) -> dict[str, dict[str, float]]:
+    """Tuned backend: each (in x out, K, rows)'s timed ms per path, and the paths that failed."""
+    out: dict[str, dict[str, float]] = {
+        f"{k[0]}x{k[1]}_K{k[2]}_r{k[4]}": {p: round(v, 4) for p, v in t.items()} for k, t in sorted(be.timings.items())
+    }
+    return {**out, **({"failed": be.failed} if be.failed else {})}
+
+
 def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: Any) -> dict[str, Any]:
     ext = load_ext(log)
     out: dict[str, Any] = res.setdefault("k3", {"sessions": list(SESSIONS), "context_rows": CTX})
@@ -200,6 +210,8 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
         given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
         for rows in args.fused_max_rows.split(","):
             for large in LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",):
+                if rows == "tuned" and large == "inline":  # tuned recon already times inline
+                    continue
                 label = f"exl3_k{bits}_{large}" + ("" if rows == "tuned" else f"_f{rows}")
                 out[label] = {**meta[bits], "fused_max_rows": rows, "large": large}
                 be = Exl3Backend(None if rows == "tuned" else int(rows), ext, large)
@@ -214,6 +226,7 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
                     lin.drop_cache()
                 r = out[label]
                 r["paths_by_rows"] = paths_by_rows(be)
+                r["path_ms"] = path_ms(be)
                 r["agreement_with_bf16"] = round(agreement(toks, bf16), 4)
                 r["ratio_vs_bf16"] = [
                     round(s["draft_ms_median"] / b["draft_ms_median"], 3)

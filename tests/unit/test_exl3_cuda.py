@@ -2,7 +2,8 @@
 
 ``Exl3Backend`` calls ``exl3_gemm(A, trellis, C, suh, A_had, svh, -1, mcg, mul1, 0)`` up to
 ``fused_max_rows`` rows; above, ``reconstruct`` into a shared scratch + ``had_r_128`` on both sides of
-a GEMM (``recon``) or the cached dense weight (``dense``). The fake extension checks each call's
+a GEMM (``recon``), the same rotations around the Triton decode-GEMM (``inline``, under the
+interpreter) or the cached dense weight (``dense``). The fake extension checks each call's
 contract (fp16 contiguous A padded to 128, fp32 C, scratch shaped like A, the codebook flags, K) and
 computes the kernels' results from our decoder, so the backend's own work (reshape, pad, trim, bias, cast)
 and the model's routing (``DSparkModel.route_linears``) are what is tested. Also: the dense model
@@ -96,7 +97,7 @@ def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
     assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()  # fp16 A, bf16 out
     y32 = through(be, lin, x)
     assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
-    assert be.calls == {"fused": 2, "recon": 0, "dense": 0}
+    assert be.calls == {"fused": 2, "recon": 0, "inline": 0, "dense": 0}
 
 
 def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
@@ -106,7 +107,8 @@ def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
     be = Exl3Backend(fused_max_rows=16, ext=ext, large="dense")
     x = torch.randn(17, 128)
     assert torch.equal(through(be, lin, x), F.linear(x, lin.weight(torch.float32)))
-    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "dense": 1} and be.path(lin, 16) == "fused"
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "inline": 0, "dense": 1}
+    assert be.path(lin, 16) == "fused"
 
 
 @pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
@@ -129,8 +131,31 @@ def test_recon_decodes_into_one_shared_scratch_and_keeps_no_dense_copy(codebook)
         assert y.shape == (3, 7, lin.out_features) and y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 5e-3 * ref.abs().max()  # fp16 input, weight and output
         assert not lin._dense  # nothing cached
-    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "dense": 0}
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "inline": 0, "dense": 0}
     assert len(set(ext.recon)) == 1  # the second, smaller linear reused the first one's scratch
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
+def test_inline_decodes_inside_the_gemm_and_equals_recon(codebook) -> None:
+    """``inline``: the rotations of ``recon`` around the Triton decode-GEMM; no reconstruct call, no scratch,
+    no dense copy, and ``recon``'s product, only closer to the exact one (no fp16 rounding before the
+    output rotation)."""
+    g = torch.Generator().manual_seed(12)
+    t = random_linear(200, 300, 3, codebook, seed=13)
+    lin = Exl3Linear("x", 300, 200, t["trellis"], t["suh"], t["svh"], codebook, torch.randn(200))
+    x = torch.randn(2, 9, 300, generator=g)
+    ext = FakeExt()
+    inline = Exl3Backend(fused_max_rows=0, ext=ext, large="inline")
+    y = through(inline, lin, x)
+    assert not ext.recon and not ext.rows and not inline._scratch and not lin._dense
+    assert inline.calls == {"fused": 0, "recon": 0, "inline": 1, "dense": 0}
+    recon = through(Exl3Backend(fused_max_rows=0, ext=FakeExt(), large="recon"), lin, x)
+    assert y.shape == recon.shape == (2, 9, 200) and y.dtype == torch.float32
+    ref = x.double() @ lin.exact_weight().t() + lin.bias.double()
+    err, recon_err = ((t.double() - ref).abs().max().item() for t in (y, recon))
+    assert err <= 5e-3 * ref.abs().max().item()
+    assert err <= recon_err  # recon's cuBLAS product is rounded to fp16 before its output rotation; inline's is fp32
+    torch.testing.assert_close(y, recon, rtol=0, atol=2 * recon_err)
 
 
 def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
@@ -183,8 +208,8 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
 
 def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing() -> None:
     """Unset ``fused_max_rows``: while ``gemm.TUNER.tuning``, each (in, out, K, codebook, rows) times the
-    fused and the large path once and keeps the faster; a shape never tuned falls back to the default
-    threshold; a capture (or tuning off) never times."""
+    fused and both packed large paths once and keeps the fastest; a path that fails is left out; a
+    shape never tuned falls back to the default threshold; a capture (or tuning off) never times."""
     from draft_server.models import gemm
     from draft_server.models.exl3 import cuda
 
@@ -203,7 +228,9 @@ def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing
             fn()
             path = next(p for p in self.calls if self.calls[p] > before[p])
             timed.append(self.calls[path])
-            return {"fused": 1.0, "recon": 2.0}[path] * (1 if rows <= 32 else -1) + 5
+            if path == "inline" and rows == 32:
+                raise RuntimeError("triton: out of resources")
+            return {"fused": 1.0, "recon": 2.0, "inline": 1.5}[path] * (1 if rows <= 32 else -1) + 5
 
     be = Timed(ext=FakeExt())
     assert be.fused_max_rows is None
@@ -214,14 +241,15 @@ def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing
         be.capturing = True
         assert be.path(lin, rows) == "recon" and not timed and not be.choice
         be.capturing = False
-        assert be.path(lin, rows) == "recon"  # timed: large faster
+        assert be.path(lin, rows) == "recon"  # timed: a large path faster
         for rows in (8, 32):
             assert be.path(lin, rows) == "fused"
         n = len(timed)
-        assert n == 6 and be.path(lin, 8) == "fused" and len(timed) == n  # cached
+        assert n == 9 and be.path(lin, 8) == "fused" and len(timed) == n  # cached; inline failed at 32 rows
     finally:
         gemm.TUNER.tuning = False
     assert set(be.choice) == {(128, 128, 4, "mcg", r) for r in (8, 32, 48)}
+    assert set(be.timings[(128, 128, 4, "mcg", 32)]) == {"fused", "recon"} and "inline" in be.failed
     assert cuda.FUSED_MAX_ROWS == 16 and be.path(lin, 20) == "recon"  # untuned rows: the default threshold
 
 
@@ -268,8 +296,8 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
     rows = torch.randn(9, load_drafter(q, target, "cpu", "float32", 1 << 20).contract.tap_width)
     results = {}
     try:
-        # dense only; recon only; ingest (9 rows) recon, block (B rows) fused; fused only
-        for setting in ((0, "dense"), (0, "recon"), (8, "recon"), (1 << 20, "recon")):
+        # dense only; recon only; inline only; ingest (9 rows) recon, block (B rows) fused; fused only
+        for setting in ((0, "dense"), (0, "recon"), (0, "inline"), (8, "recon"), (1 << 20, "recon")):
             max_rows, large = setting
             d = load_drafter(q, target, "cpu", "float32", 1 << 20)
             ext = FakeExt()
@@ -284,7 +312,7 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
                 assert set(ext.rows) == {d.contract.block_size} and 9 not in ext.rows
                 assert be.calls["recon"] >= 1 and be.calls["fused"] >= 1 and be.calls["dense"] == 0
             else:
-                assert be.calls["dense"] == be.calls["recon"] == 0 and 9 in ext.rows
+                assert be.calls["dense"] == be.calls["recon"] == be.calls["inline"] == 0 and 9 in ext.rows
             assert isinstance(m.kv_a_all if variant == "k3" else m.kv_w, FusedLinear)
     finally:
         set_backend(DequantBackend())

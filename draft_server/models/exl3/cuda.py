@@ -20,8 +20,11 @@ nor a GPU):
   ``recon`` (default) decodes the weight into one shared fp16 scratch buffer per call
   (exllamav3's ``reconstruct``, rotated basis), runs a cuBLAS GEMM on the Hadamard-rotated input
   and rotates the output back (``had_r_128`` with suh / svh), so no dense copy is ever kept;
+  ``inline`` is ``recon`` without the scratch: a Triton GEMM that decodes Wq tile by tile in
+  registers from the trellis (``kernels/exl3_gemm.py``), so only the packed bytes are read;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
-  BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the faster of the two,
+  BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
+  recon and inline (of fused and dense when dense weights are kept),
   timed once while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up runs every bucket with
   its own row counts before capturing it, so each graph bakes in the tuned path); untuned calls take
   fused up to ``FUSED_MAX_ROWS`` rows. ``DRAFT_EXL3_FUSED_MAX_ROWS=N`` fixes the threshold instead
@@ -54,8 +57,8 @@ from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, pad128
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
 ENV_FUSED_MAX_ROWS = "DRAFT_EXL3_FUSED_MAX_ROWS"
-ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default) or dense
-LARGE_PATHS = ("recon", "dense")
+ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default), inline or dense
+LARGE_PATHS = ("recon", "inline", "dense")
 TuneKey = tuple[int, int, int, str, int]  # (in, out, K, codebook, rows)
 
 
@@ -165,11 +168,13 @@ class Exl3Backend:
         if large not in LARGE_PATHS:
             raise ValueError(f"large path {large!r}: expected one of {', '.join(LARGE_PATHS)}")
         self.fused_max_rows, self.large = fused_max_rows, large
-        needs_ext = fused_max_rows is None or fused_max_rows > 0 or large == "recon"
+        needs_ext = fused_max_rows is None or fused_max_rows > 0 or large != "dense"
         self.ext = ext if ext is not None or not needs_ext else load_ext()
-        self.calls = {"fused": 0, "recon": 0, "dense": 0}  # per path, counted in Python (capture: once per graph)
+        # per path, counted in Python (capture: once per graph)
+        self.calls = {"fused": 0, "recon": 0, "inline": 0, "dense": 0}
         self.choice: dict[TuneKey, str] = {}  # tuned: the faster path per shape and row count
         self.timings: dict[TuneKey, dict[str, float]] = {}
+        self.failed: dict[str, str] = {}  # path -> why it could not run while tuning
         self._scratch: dict[torch.device, torch.Tensor] = {}  # recon: one fp16 weight buffer per device
 
     def path(self, lin: Exl3Linear, rows: int, dtype: torch.dtype = torch.bfloat16) -> str:
@@ -190,11 +195,23 @@ class Exl3Backend:
     def _can_time(self, lin: Exl3Linear) -> bool:
         return lin.trellis.is_cuda and not torch.cuda.is_current_stream_capturing()
 
+    def candidates(self) -> tuple[str, ...]:
+        """The paths the tuner times: fused and dense when dense weights are kept, else fused and both
+        packed-only large paths."""
+        return ("fused", "dense") if self.large == "dense" else ("fused", "recon", "inline")
+
     def _tune(self, key: TuneKey, lin: Exl3Linear, rows: int, dtype: torch.dtype) -> str:
-        """Both paths on fresh random rows of the caller's dtype (never its values), 2 warm-up + 5 timed
-        runs each; the faster."""
+        """Each candidate on fresh random rows of the caller's dtype (never its values), 2 warm-up + 5
+        timed runs; the fastest. A path that fails here (a Triton build error) is not a candidate."""
         x = torch.randn((rows, lin.in_features), dtype=dtype, device=lin.trellis.device)
-        times = {name: self._time(lambda name=name: self._exl3(lin, x, None, name)) for name in ("fused", self.large)}
+        times: dict[str, float] = {}
+        for name in self.candidates():
+            try:
+                times[name] = self._time(lambda name=name: self._exl3(lin, x, None, name))
+            except Exception as e:
+                if name == "fused":
+                    raise
+                self.failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"
         self.timings[key] = times
         return min(times, key=lambda n: times[n])
 
@@ -245,12 +262,19 @@ class Exl3Backend:
         if path == "fused":
             c = torch.empty((a.shape[0], n), dtype=torch.float32, device=a.device)
             self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
-        else:  # recon: x H(suh) @ Wq, then H(svh) on the output; Wq decoded into the shared scratch
+        elif path == "recon":  # x H(suh) @ Wq, then H(svh) on the output; Wq decoded into the shared scratch
             w = self.scratch(k * n, a.device)[: k * n].view(k, n)
             self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
             ah = torch.empty_like(a)
             self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
             c = torch.mm(ah, w)
+            self.ext.had_r_128(c, c, None, lin.svh, 1.0)
+        if path == "inline":  # recon without the scratch: Wq decoded tile by tile inside the GEMM
+            from draft_server.models.kernels.exl3_gemm import exl3_matmul
+
+            ah = torch.empty_like(a)
+            self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
+            c = exl3_matmul(ah, lin.trellis, lin.codebook)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         return y if lin.bias is None else y + lin.bias

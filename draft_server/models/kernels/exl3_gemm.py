@@ -1,0 +1,103 @@
+"""EXL3 trellis decode inside a Triton GEMM: ``C = A @ Wq`` reading only the packed trellis.
+
+Owns ``exl3_matmul``: A [M, k] fp16 (the Hadamard-rotated input, ``had_r_128(x, suh)``) times the
+inner weight Wq [k, n] that the trellis [k/16, n/16, 16K] int16 encodes, into float32 C [M, n],
+with Wq decoded tile by tile in registers and never written to memory. This is the ``recon`` path
+(exllamav3's ``reconstruct`` into an fp16 scratch, then a cuBLAS GEMM) without its round trip of
+2 bytes per weight through HBM: the bytes read are the trellis' K bits per weight and A.
+
+Decode (the same math as ``exl3.decode``, which is bit-exact with exllamav3; see there):
+the element at row r, column c of a 16x16 tile is trellis position p = 8 lane + j with
+lane = 4 (c & 7) + ((r >> 1) & 3) and j = (r & 1) + 2 (r >> 3) + 4 (c >> 3) (the inverse of
+``tile_perm``); its 16-bit state is the window of the tile's circular MSB-first bitstream
+(little-endian uint32 words) that ends at bit (p + 1) K; the codebook turns the state into fp16
+arithmetically (3inst and mcg: a multiply(-add), mask, xor and the sum of the two fp16 halves,
+rounded once; mul1: 1024 + the byte sum of a product, times 1/147.7 plus a bias, rounded once).
+
+Each program owns a BLOCK_M x BLOCK_N block of C and walks k, so with M <= BLOCK_M every weight
+is decoded exactly once per call. Runs under Triton's interpreter on CPU (the tests check it
+against ``exl3.decode.decode_inner``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+@triton.jit
+def _exl3_matmul_kernel(
+    A, T, C, M, N, Kd, s_am, s_cm, tn_tiles,
+    BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    # per (row in the k block, column): the trellis position inside its 16x16 tile
+    r = kk[:, None] % 16
+    c = rn[None, :] % 16
+    lane = 4 * (c & 7) + ((r >> 1) & 3)
+    j = (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
+    end = (8 * lane + j + 1) * BITS  # the state's window ends at this bit of the tile
+    i1 = (end - 1) // 32  # word holding its last bit
+    i0 = (i1 + 8 * BITS - 1) % (8 * BITS)  # the word before (circular)
+    shift = ((i1 + 1) * 32 - end).to(tl.uint32)  # 0..31
+    col_tile = (rn[None, :] // 16).to(tl.int64)
+    words = 8 * BITS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Kd, BLOCK_K):
+        a = tl.load(A + rm[:, None].to(tl.int64) * s_am + (k0 + kk)[None, :], mask=rm[:, None] < M, other=0.0)
+        base = (((k0 + kk[:, None]) // 16).to(tl.int64) * tn_tiles + col_tile) * words
+        w0 = tl.load(T + base + i0).to(tl.uint32)
+        w1 = tl.load(T + base + i1).to(tl.uint32)
+        s = (((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)
+        s = s & 0xFFFF
+        if CB == 2:  # mul1
+            x = s * 0x83DCD12D
+            bsum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+            h = (1024 + bsum).to(tl.float32)
+            w = (h * 0.00676727294921875 - 10.3828125).to(tl.float16)  # fp16 0x1EEE, 0xC931: exact in fp32
+        else:
+            if CB == 1:  # mcg
+                x = s * 0xCBAC1FED
+            else:  # 3inst
+                x = s * 89226354 + 64248484
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            w = (lo + hi).to(tl.float16)
+        acc = tl.dot(a, w, acc)
+    tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def exl3_matmul(a: torch.Tensor, trellis: torch.Tensor, codebook: str, block_m: int | None = None) -> torch.Tensor:
+    """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place."""
+    if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
+        raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
+    if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
+        raise ValueError(f"trellis must be a contiguous 3-d int16 tensor, got {tuple(trellis.shape)}")
+    tk, tn, last = trellis.shape
+    if last % 16 or not 1 <= last // 16 <= 8:
+        raise ValueError(f"trellis last dim {last}: expected 16 * K for an integer K in 1..8")
+    if a.shape[1] != tk * 16:
+        raise ValueError(f"a has {a.shape[1]} columns, the trellis encodes {tk * 16} rows")
+    if codebook not in CODEBOOK_IDS:
+        raise ValueError(f"unknown EXL3 codebook '{codebook}'")
+    m, n = a.shape[0], tn * 16
+    c = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    if m == 0:
+        return c
+    words = trellis.view(torch.int32)  # [tk, tn, 8K] little-endian words
+    bm = block_m or max(16, min(64, triton.next_power_of_2(m)))
+    bn, bk = 64, 64
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _exl3_matmul_kernel[grid](
+        a, words, c, m, n, tk * 16, a.stride(0), c.stride(0), tn,
+        BITS=last // 16, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    )  # fmt: skip
+    return c
