@@ -14,8 +14,14 @@ One engine iteration:
    acknowledged once its session is admitted);
 2. expire drafting work whose budget cannot be met any more (rows are kept);
 3. decode batch: the head entry of every session whose rows fit a chunk, taken round-robin
-   across clients so no client fills the batch alone — ingest all of their rows and draft all
-   that want drafts in one ``drafter.step`` (ingest, then draft; the rows free when it returns);
+   across clients so no client fills the batch alone; then, in the rows left, each of those
+   sessions' next queued entries, one per session per pass in the same order (a run: each entry
+   fits a chunk and appends exactly to the one before it, which is ingest-only: a drafting entry
+   ends the run, its drafts after every row before it; a resend or a gap waits for a later batch,
+   and so does the rest of a run after an entry answered MISSING_ROWS or KV-full; early taps join
+   a run only in a batch without drafting or of a session with a draft waiting) — ingest all of
+   their rows (a run's host rows as one item) and draft all that want drafts in one
+   ``drafter.step`` (ingest, then draft; the rows free when it returns);
 4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
@@ -240,7 +246,7 @@ class Engine:
         held = s.known and s.start <= w.pos <= s.end and (not w.after or w.after == s.taps_call)
         if w.phase != Phase.COMMIT or w.pos == 0 or held:
             return False
-        s.pending.popleft()
+        s.pending.remove(w)
         missing = EntryResult(
             Status.MISSING_ROWS,
             end=s.end if s.known else -1,
@@ -269,7 +275,7 @@ class Engine:
                 continue
             urgent = w.phase != Phase.TAPS or any(x.k for x in s.pending)
             (ready if urgent else early).setdefault(s.owner, []).append(s)
-        decode: list[tuple[Session, Work]] = []
+        decode: list[tuple[Session, list[Work]]] = []  # each session's run, in queue order
         rows = 0
         # decode rows beside the prefill chunk; the first entry always goes (each fits max_batch_rows
         # alone, and a budget of 0 when max_batch_rows == prefill_chunk_rows must not starve decode)
@@ -285,8 +291,9 @@ class Engine:
                 w = c[turn].pending[0]
                 if decode and rows + w.rows > budget:
                     continue
-                decode.append((c[turn], w))
+                decode.append((c[turn], [w]))
                 rows += w.rows
+        self._extend_runs(decode, budget - rows, taps_ok=not ready)
         if not decode and prefill is None:
             return False
         if self._socket is not None and (prefill is not None or self.admission.iter_ewma_s > LONG_BATCH_S):
@@ -305,6 +312,26 @@ class Engine:
         m = self.metrics
         m.later.later(m.iteration.observe, dt)
         return True
+
+    def _extend_runs(self, decode: list[tuple[Session, list[Work]]], left: int, taps_ok: bool) -> None:
+        """Grow each session's run past its head entry in the ``left`` rows (point 3 of the module
+        docstring): one entry per session per pass, in the order the heads were taken."""
+        grow = decode
+        while grow and left > 0:
+            more = []
+            for s, run in grow:
+                w = run[-1]
+                if w.k or len(run) == len(s.pending):
+                    continue
+                nxt = s.pending[len(run)]
+                if nxt.pos != w.pos + w.rows or nxt.rows > min(self.chunk, left):
+                    continue
+                if nxt.phase == Phase.TAPS and not taps_ok and not any(x.k for x in s.pending):
+                    continue
+                run.append(nxt)
+                left -= nxt.rows
+                more.append((s, run))
+            grow = more
 
     def _flush_metrics(self) -> None:
         """Apply the metric updates queued so far (each iteration's replies are out by now, so
@@ -345,37 +372,43 @@ class Engine:
         return True
 
     def _kv_full(self, s: Session, w: Work) -> None:
-        """The head entry of ``s`` found no KV room: answer it overloaded, its rows dropped."""
-        s.pending.popleft()
+        """Entry ``w`` of ``s`` found no KV room: answer it overloaded, its rows dropped."""
+        s.pending.remove(w)
         self._resolve(w, self.admission.overloaded("draft KV cache full"), rows_done=True, why="kv_full")
 
-    def _drafter_failed(self, s: Session, w: Work, e: Exception) -> None:
-        s.pending.popleft()
+    def _drafter_failed(self, placed: list[tuple[Session, Work]], e: Exception) -> None:
+        """The drafter raised on these entries: each is answered INTERNAL (its rows dropped), then
+        their sessions are released (with whatever else they had queued)."""
         err = EntryResult(Status.INTERNAL, message=f"drafter error: {type(e).__name__}")
-        self._resolve(w, err, rows_done=True, why="drafter_error")
-        self._release(s, "error")
+        for _, w in placed:
+            self._resolve(w, err, rows_done=True, why="drafter_error")
+        for s in {id(s): s for s, _ in placed}.values():
+            self._release(s, "error")
 
-    def _decode_batch(self, batch: list[tuple[Session, Work]], t0: float) -> None:
+    def _decode_batch(self, batch: list[tuple[Session, list[Work]]], t0: float) -> None:
         m = self.metrics
         later, queue_wait = m.later.later, m.queue_wait.observe
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
-        for s, w in batch:
-            if self._rows_missing(s, w):
-                continue
-            if not self._place(s, w, w.rows):
-                self._kv_full(s, w)
-                continue
-            if w.rows:
-                ingest.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
-            placed.append((s, w))
-            if w.k:
-                drafts.append((s, w))
-            wait = t0 - w.call.recv_t
-            later(queue_wait, wait)
-            if wait > w.call.queue_s:
-                w.call.queue_s = wait
+        for s, run in batch:
+            items: list[IngestItem] = []
+            for w in run:  # in queue order: each is placed on the context the one before it left
+                if self._rows_missing(s, w):
+                    break
+                if not self._place(s, w, w.rows):
+                    self._kv_full(s, w)
+                    break  # the run's next entry would restart the session below rows placed here
+                if w.rows:
+                    items.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
+                placed.append((s, w))
+                if w.k:
+                    drafts.append((s, w))
+                wait = t0 - w.call.recv_t
+                later(queue_wait, wait)
+                if wait > w.call.queue_s:
+                    w.call.queue_s = wait
+            ingest += _joined(items)
         n_rows = sum(len(i.taps) for i in ingest)
         try:
             td = time.monotonic()
@@ -385,10 +418,9 @@ class Engine:
             if drafts:
                 self._draft_ewma_s = 0.8 * self._draft_ewma_s + 0.2 * (time.monotonic() - td)
         except Exception as e:
-            log.exception("drafter failed on a batch of %d sessions", len(placed))
+            log.exception("drafter failed on a batch of %d entries", len(placed))
             self.metrics.engine_errors.inc()
-            for s, w in placed:
-                self._drafter_failed(s, w, e)
+            self._drafter_failed(placed, e)
             return
         ingest.clear()  # the rows are in the KV cache: let go of them (a shm region is free once unreferenced)
         dt = time.monotonic() - t0
@@ -398,7 +430,7 @@ class Engine:
         later(m.batch_sessions.observe, len(drafts))
         for call in {id(w.call): w.call for _, w in placed}.values():
             call.compute_s += dt  # once per call: its entries shared this batch
-        for s, w in placed:
+        for s, w in placed:  # each session's placed entries are its queue's head, in order
             s.pending.popleft()
             self.admission.retire_rows(w.call.owner, w.rows)
             w.taps = None
@@ -432,7 +464,7 @@ class Engine:
         except Exception as e:
             log.exception("drafter failed on a prefill chunk")
             self.metrics.engine_errors.inc()
-            self._drafter_failed(s, w, e)
+            self._drafter_failed([(s, w)], e)
             return
         self.metrics.prefill_chunks.inc()
         self.metrics.rows_ingested.inc(n)
@@ -499,3 +531,27 @@ class Engine:
             for w in list(s.pending):
                 self._resolve(w, EntryResult(Status.INTERNAL, message=why), rows_done=True)
             s.pending.clear()
+
+
+def _joined(items: list[IngestItem]) -> list[IngestItem]:
+    """A session's run of ingest items (exact appends, in order) as few items as can be: neighbouring
+    host rows of one wire format and layout in one array (the drafter ingests an item in one pass,
+    a session repeated in one call in a pass per repeat); rows on the device stay their own items."""
+    out: list[IngestItem] = []
+    parts: list[list[np.ndarray]] = []
+    for it in items:
+        a, b = (out[-1].taps, it.taps) if out else (None, None)
+        if (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and out[-1].fmt == it.fmt
+            and (a.dtype, a.shape[1:]) == (b.dtype, b.shape[1:])
+        ):
+            parts[-1].append(b)
+        else:
+            out.append(it)
+            parts.append([it.taps])  # type: ignore[list-item]
+    for it, p in zip(out, parts, strict=True):
+        if len(p) > 1:
+            it.taps = np.concatenate(p)
+    return out
