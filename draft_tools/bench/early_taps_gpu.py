@@ -12,8 +12,8 @@ than a 50 ms budget can take in: it misses, and the sessions catch up (``target_
 resend``) until the server has it. Those steps are not measured: the run steps until one is fully
 drafted (``catch_up_steps``, ``catch_up_s`` in the JSON), then ``--warmup`` steps, then ``--steps``.
 ``--forward-ms`` (10) sleeps between steps as a target's forward would. 0 steps back to back: a
-catch-up is then many more steps for the same seconds, and one entry per session per step can
-come faster than the server ingests queued entries (one per session per engine iteration).
+catch-up is then many more steps for the same seconds (the server ingests a session's queued
+entries in runs, as many per batch as ``max_batch_rows`` holds).
 Needs the GPU host; one command:
 
     python -m draft_tools.bench.early_taps_gpu --out bench/results/early_taps_h200.json

@@ -53,6 +53,21 @@ def test_random_trellis_products(codebook: str, bits: int) -> None:
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("block_m, split_k", [(16, 2), (32, 4), (128, 1)])
+def test_k_splits_and_row_blocks_give_the_same_products(block_m: int, split_k: int) -> None:
+    """Splits of k sum their float32 partials in a fixed order: deterministic, and equal to one
+    program's walk up to the summation order; every row block decodes the same weights."""
+    g = torch.Generator().manual_seed(block_m + split_k)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (32, 8, 64), dtype=torch.int16, generator=g).to(DEV)
+    a = torch.randn(40, 512, generator=g).half().to(DEV)
+    one = exl3_matmul(a, trellis, "mcg", block_m=16, split_k=1)
+    got = exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k)
+    assert torch.equal(got, exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k))
+    torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
+    with pytest.raises(ValueError, match="split_k"):
+        exl3_matmul(a, trellis, "mcg", split_k=3)
+
+
 def test_bad_arguments_are_refused() -> None:
     t = torch.zeros(8, 8, 64, dtype=torch.int16)
     a = torch.zeros(2, 128, dtype=torch.float16)

@@ -14,9 +14,10 @@ lane = 4 (c & 7) + ((r >> 1) & 3) and j = (r & 1) + 2 (r >> 3) + 4 (c >> 3) (the
 arithmetically (3inst and mcg: a multiply(-add), mask, xor and the sum of the two fp16 halves,
 rounded once; mul1: 1024 + the byte sum of a product, times 1/147.7 plus a bias, rounded once).
 
-Each program owns a BLOCK_M x BLOCK_N block of C and walks k, so with M <= BLOCK_M every weight
-is decoded exactly once per call. Runs under Triton's interpreter on CPU (the tests check it
-against ``exl3.decode.decode_inner``).
+Each program owns a BLOCK_M x BLOCK_N block of C and walks its share of k, so with M <= BLOCK_M
+every weight is decoded exactly once per call; when those blocks are too few to fill the GPU, k
+is split among several programs whose float32 partials are summed in a fixed order. Runs under
+Triton's interpreter on CPU (the tests check it against ``exl3.decode.decode_inner``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 @triton.jit
 def _exl3_matmul_kernel(
-    A, T, C, M, N, Kd, s_am, s_cm, tn_tiles,
+    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, tn_tiles,
     BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pm = tl.program_id(0)
     pn = tl.program_id(1)
+    ps = tl.program_id(2)  # split of k: this program sums rows [ps * k_per_split, (ps + 1) * k_per_split)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
@@ -50,7 +52,7 @@ def _exl3_matmul_kernel(
     col_tile = (rn[None, :] // 16).to(tl.int64)
     words = 8 * BITS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, Kd, BLOCK_K):
+    for k0 in range(ps * k_per_split, (ps + 1) * k_per_split, BLOCK_K):
         a = tl.load(A + rm[:, None].to(tl.int64) * s_am + (k0 + kk)[None, :], mask=rm[:, None] < M, other=0.0)
         base = (((k0 + kk[:, None]) // 16).to(tl.int64) * tn_tiles + col_tile) * words
         w0 = tl.load(T + base + i0).to(tl.uint32)
@@ -72,11 +74,19 @@ def _exl3_matmul_kernel(
             hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             w = (lo + hi).to(tl.float16)
         acc = tl.dot(a, w, acc)
-    tl.store(C + rm[:, None].to(tl.int64) * s_cm + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def exl3_matmul(a: torch.Tensor, trellis: torch.Tensor, codebook: str, block_m: int | None = None) -> torch.Tensor:
-    """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place."""
+def exl3_matmul(
+    a: torch.Tensor, trellis: torch.Tensor, codebook: str, block_m: int | None = None, split_k: int | None = None
+) -> torch.Tensor:
+    """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
+
+    ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
+    many rows decode every weight once. ``split_k``: programs per output block along k (default:
+    enough to give every SM two programs), whose float32 partials are summed in a fixed order
+    (deterministic)."""
     if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
@@ -88,16 +98,32 @@ def exl3_matmul(a: torch.Tensor, trellis: torch.Tensor, codebook: str, block_m: 
         raise ValueError(f"a has {a.shape[1]} columns, the trellis encodes {tk * 16} rows")
     if codebook not in CODEBOOK_IDS:
         raise ValueError(f"unknown EXL3 codebook '{codebook}'")
-    m, n = a.shape[0], tn * 16
-    c = torch.empty((m, n), dtype=torch.float32, device=a.device)
+    m, n, kd = a.shape[0], tn * 16, tk * 16
     if m == 0:
-        return c
-    words = trellis.view(torch.int32)  # [tk, tn, 8K] little-endian words
-    bm = block_m or max(16, min(64, triton.next_power_of_2(m)))
+        return torch.empty((0, n), dtype=torch.float32, device=a.device)
+    bm = block_m or max(16, min(128, triton.next_power_of_2(m)))
     bn, bk = 64, 64
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    _exl3_matmul_kernel[grid](
-        a, words, c, m, n, tk * 16, a.stride(0), c.stride(0), tn,
+    blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    if split_k is None:
+        split_k = _split_for(blocks, kd // bk, a.device)
+    if kd % bk or (kd // bk) % split_k:
+        raise ValueError(f"split_k {split_k} does not divide the {kd // bk} k blocks of {bk} rows")
+    c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    _exl3_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
+        a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn,
         BITS=last // 16, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=8 if bm >= 128 else 4,
     )  # fmt: skip
-    return c
+    return c[0] if split_k == 1 else c.sum(0)
+
+
+def _split_for(blocks: int, k_blocks: int, device: torch.device) -> int:
+    """The largest power-of-two split of k (up to 8) that divides its blocks and keeps at most two
+    programs per SM; 1 off CUDA."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while split < 8 and blocks * (2 * split) <= 2 * sms and k_blocks % (2 * split) == 0:
+        split *= 2
+    return split
