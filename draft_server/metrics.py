@@ -120,7 +120,10 @@ class ServerMetrics:
             registry=r,
         )
         self.queue_wait = Histogram(
-            "draft_server_queue_wait_seconds", "Entry receive to batch start", buckets=LATENCY_BUCKETS, registry=r
+            "draft_server_queue_wait_seconds",
+            "Step receive to the start of the batch that took its last entry (per Step served by a batch)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.iteration = Histogram(
             "draft_server_engine_iteration_seconds",

@@ -387,7 +387,7 @@ class Engine:
 
     def _decode_batch(self, batch: list[tuple[Session, list[Work]]], t0: float) -> None:
         m = self.metrics
-        later, queue_wait = m.later.later, m.queue_wait.observe
+        later = m.later.later
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
@@ -404,8 +404,7 @@ class Engine:
                 placed.append((s, w))
                 if w.k:
                     drafts.append((s, w))
-                wait = t0 - w.call.recv_t
-                later(queue_wait, wait)
+                wait = t0 - w.call.recv_t  # observed once per call, with its reply (``_reply``)
                 if wait > w.call.queue_s:
                     w.call.queue_s = wait
             ingest += _joined(items)
@@ -512,6 +511,8 @@ class Engine:
         )
         m = self.metrics
         m.later.later(m.step_latency.observe, now - call.recv_t)
+        if call.compute_s > 0:  # a batch served it: its wait for the batch that took its last entry
+            m.later.later(m.queue_wait.observe, call.queue_s)
         self.send_reply(call.ident, res, call.payloads)
 
     def _release(self, s: Session, reason: str) -> None:

@@ -47,6 +47,8 @@ def chunk_rows(chunks: list[Chunk]) -> int:
 
 def keep_newest(chunks: list[Chunk], limit: int) -> tuple[list[Chunk], int]:
     """The newest ``limit`` rows of contiguous ``chunks``, and how many rows were dropped."""
+    if len(chunks) == 1 and len(chunks[0][1]) <= limit:  # the common case: one chunk that fits
+        return chunks, 0
     total = chunk_rows(chunks)
     drop = total - limit
     if drop <= 0:
@@ -131,6 +133,9 @@ class SessionRows:
 
     def store(self, chunks: list[Chunk], limit: int, call_id: int | None) -> int:
         """Buffer ``chunks`` (what was just sent, or held back) as unacknowledged; rows dropped."""
+        if not chunks:  # a step without rows for the session (its earlier ones acknowledged)
+            self.chunks, self.call_id = [], None
+            return 0
         self.chunks, dropped = keep_newest([c for c in chunks if len(c[1])], limit)
         self.call_id = call_id if self.chunks else None
         return dropped

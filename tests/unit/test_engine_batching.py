@@ -190,3 +190,23 @@ def test_early_taps_join_a_run_only_where_they_would_go_alone() -> None:
     assert [(rows, set(drafted)) for rows, drafted in d.steps] == [({x.handle: 7, y.handle: 2}, {x.handle, y.handle})]
     r = w.call.results[0]
     assert r is not None and list(r.drafts) == c.expected("x", 2)
+
+
+def test_queue_wait_is_observed_once_per_step_served() -> None:
+    """``draft_server_queue_wait_seconds``: one sample per Step a batch served (its reply's
+    ``Timing.queue_ms``), not one per entry: a 64-session Step was 64 histogram updates."""
+    d = Counting()
+    eng = _engine(d)
+    width = d.contract.tap_width
+    call = Call(b"c", 1, 0.0, 1e9, [None] * 3, remaining=3)
+    assert eng.admission.try_admit_rows(b"c", 6)
+    works = [
+        Work(call, i, f"s{i}", 0, np.zeros((2, width), np.uint16), 7, 4, GREEDY, 2) for i in range(3)
+    ]  # fmt: skip
+    eng.submit(works)
+    _drain(eng)
+    m = eng.metrics
+    m.later.flush()
+    count = m.registry.get_sample_value("draft_server_queue_wait_seconds_count")
+    assert all(r is not None and r.status == Status.OK and len(r.drafts) == 4 for r in call.results)
+    assert count == 1 and call.queue_s > 0
