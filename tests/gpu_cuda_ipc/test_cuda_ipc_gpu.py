@@ -1,6 +1,8 @@
-"""Transport "cuda_ipc" on a real GPU: two processes on one GPU (this test process is the target
-engine with its taps on the GPU, a ``draft-server`` subprocess serves the shipped tiny drafter on the
-same GPU). Skipped without CUDA. About a minute on an H200 (three server starts):
+"""Transport "cuda_ipc" on a real GPU: this test process is the target engine with its taps on GPU 0,
+a ``draft-server`` subprocess serves the shipped tiny drafter on the same GPU and, when two are
+visible, on GPU 1 too (every test runs once per server GPU: the deployment of issue 18, the copy
+then a peer copy). Skipped without CUDA. About a minute per server GPU on an H200 (three server
+starts):
 
 1. Drafts through cuda_ipc equal drafts through tcp exactly, at 1 and 3 sessions per step (the same
    steps, one after the other, so the batches are the same), every step through the buffer.
@@ -42,8 +44,6 @@ SERVER_ARGS = (
     os.path.join(ASSETS, "draft"),
     "--target-model",
     os.path.join(ASSETS, "target"),
-    "--device",
-    "cuda",
     "--dtype",
     "float32",
     "--max-batch-sessions",
@@ -58,13 +58,16 @@ SERVER_ARGS = (
 MIB = 1 << 20
 
 
-def tiny_server() -> ServerProc:
-    return ServerProc(*SERVER_ARGS, drafter="dspark").start(timeout=180)
+SERVER_GPUS = [0, 1] if torch.cuda.device_count() >= 2 else [0]  # the producer (this process) is on GPU 0
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProc]:
-    srv = tiny_server()
+def tiny_server(gpu: int) -> ServerProc:
+    return ServerProc(*SERVER_ARGS, "--device", f"cuda:{gpu}", drafter="dspark").start(timeout=180)
+
+
+@pytest.fixture(scope="module", params=SERVER_GPUS, ids=lambda g: f"server-gpu{g}")
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProc]:
+    srv = tiny_server(request.param)
     yield srv
     srv.kill()
 
@@ -150,7 +153,7 @@ def test_a_producer_killed_while_the_server_holds_its_import(server: ServerProc)
             step_other()
         torch.cuda.synchronize()
         met = server.metrics()
-        base_free, base_alloc = torch.cuda.mem_get_info()[0], met["draft_server_gpu_memory_allocated_bytes"]
+        base_free, base_alloc = torch.cuda.mem_get_info(0)[0], met["draft_server_gpu_memory_allocated_bytes"]
         base_buffers = met["draft_server_cuda_ipc_buffers"]
         p = subprocess.Popen(
             [sys.executable, "-c", PRODUCER, server.endpoint, "512"], cwd=ROOT, stdout=subprocess.PIPE, text=True
@@ -158,7 +161,7 @@ def test_a_producer_killed_while_the_server_holds_its_import(server: ServerProc)
         try:
             assert p.stdout is not None and p.stdout.readline().strip() == "STEPPING"
             assert server.metrics()["draft_server_cuda_ipc_buffers"] == base_buffers + 1
-            assert torch.cuda.mem_get_info()[0] < base_free - 512 * MIB  # its buffer (and context) on the GPU
+            assert torch.cuda.mem_get_info(0)[0] < base_free - 512 * MIB  # its buffer (and context) on GPU 0
             step_other()
         finally:
             os.kill(p.pid, signal.SIGKILL)
@@ -170,13 +173,13 @@ def test_a_producer_killed_while_the_server_holds_its_import(server: ServerProc)
             met = server.metrics()
             return (
                 met["draft_server_cuda_ipc_buffers"] == base_buffers
-                and torch.cuda.mem_get_info()[0] >= base_free - 64 * MIB
+                and torch.cuda.mem_get_info(0)[0] >= base_free - 64 * MIB
                 and abs(met["draft_server_gpu_memory_allocated_bytes"] - base_alloc) <= 16 * MIB
             )
 
         assert wait_for(released, 10.0), (
             f"after 10 s: {server.metrics()['draft_server_cuda_ipc_buffers']} buffers (baseline {base_buffers}), "
-            f"{(base_free - torch.cuda.mem_get_info()[0]) / MIB:.0f} MiB below the free baseline"
+            f"{(base_free - torch.cuda.mem_get_info(0)[0]) / MIB:.0f} MiB below the free baseline"
         )
         took = time.monotonic() - t0
         assert took < 5.0, f"released after {took:.1f} s"
@@ -188,8 +191,9 @@ def test_a_producer_killed_while_the_server_holds_its_import(server: ServerProc)
 
 
 @pytest.mark.timeout(300)
-def test_a_server_restart_while_the_buffer_lives() -> None:
-    srv = tiny_server()
+@pytest.mark.parametrize("gpu", SERVER_GPUS, ids=lambda g: f"server-gpu{g}")
+def test_a_server_restart_while_the_buffer_lives(gpu: int) -> None:
+    srv = tiny_server(gpu)
     reg = CollectorRegistry()
     c = client(srv.endpoint, "cuda_ipc", reg, name="restart", budget_ms=500.0)
     w = c.contract.tap_width  # type: ignore[union-attr]
