@@ -22,6 +22,7 @@ Works with both processes on one GPU (``--peer-device`` = ``--device``, the defa
 Writes JSON (machine, command, numbers) and prints a table::
 
     python3 -m draft_tools.bench.cuda_ipc --out bench/results/cuda_ipc_h200.json [--peer-device 1]
+    python -m draft_tools.bench.cuda_ipc --plot bench/results/cuda_ipc_h200.json --out cuda_ipc_h200.png
 """
 
 from __future__ import annotations
@@ -221,6 +222,37 @@ def _machine(device: int, peer: int) -> dict[str, Any]:
     return m
 
 
+def plot(report: dict[str, Any], out: str) -> None:
+    """Client-observed overhead (wait - compute, p50) against sessions per transport, beside the floor
+    (the same bytes through the same CUDA IPC primitives) and the floor + 0.05 ms (issue 18's bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    b = [r["sessions"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for t in ("tcp", "ipc", "shm", "cuda_ipc"):
+        if all(t in r for r in rows):
+            ax.plot(b, [r[t]["overhead_p50_ms"] for r in rows], "o-", label=f"{t}: wait - compute")
+    floor = [r["floor"]["p50_ms"] for r in rows]
+    ax.plot(b, floor, "k--", label="floor: CUDA IPC copy + pipe round trip")
+    ax.plot(b, [f + 0.05 for f in floor], "k:", label="floor + 0.05 ms")
+    m = report["machine"]
+    same = m.get("producer_gpu", "").split()[0] == m.get("server_gpu", "").split()[0]
+    where = "producer and server on one GPU" if same else "producer and server on two GPUs"
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"sessions per step ({report['settings']['rows_per_session']} rows of K3 taps each)")
+    ax.set_ylabel("ms, p50")
+    ax.set_title(f"{report['settings']['model']}: the hop per transport ({where})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -236,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget-mib", type=int, default=8192, help="the server's KV (leaves room on a shared GPU)")
     ap.add_argument("--server-args", default="", help="more draft-server flags")
     ap.add_argument("--floor-server", help=argparse.SUPPRESS)
+    ap.add_argument("--plot", default="", metavar="JSON", help="only plot this report into --out (a .png; matplotlib)")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.load(open(args.plot)), args.out)
+        return 0
     peer = args.device if args.peer_device is None else args.peer_device
     if args.floor_server:
         serve_floor(args.floor_server, peer)
