@@ -313,8 +313,8 @@ class FleetClient:
         offsets = _offsets(requests)
         by_key, _replies, members = self._route(requests, time.monotonic())
         parts = [(members[key], [requests[i] for i in idx], _rows(taps, offsets, idx)) for key, idx in by_key.items()]
-        if not all(c.takes_taps(rows) for c, _r, rows in parts):
-            return False
+        if not parts or not all(c.takes_taps(rows) for c, _r, rows in parts):
+            return False  # no server for any session, or one would decline its part
         for c, reqs, rows in parts:
             c.send_taps(reqs, rows, budget_ms)
         return True
