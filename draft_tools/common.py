@@ -39,11 +39,15 @@ def label_values(metrics: dict[str, float], name: str, label: str) -> dict[str, 
     return out
 
 
-def start_server(extra: list[str], module: str = "draft_server") -> tuple[subprocess.Popen, str, int]:
-    """``python -m MODULE serve`` on free loopback ports; waits for its READY line (120 s at most)."""
+def start_server(
+    extra: list[str], module: str = "draft_server", also_bind: str = ""
+) -> tuple[subprocess.Popen, str, int]:
+    """``python -m MODULE serve`` on free loopback ports (and ``also_bind``, e.g. an ``ipc://`` path);
+    waits for its READY line (120 s at most). Returns the process, the tcp endpoint, the metrics port."""
     port, mport = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", module, "serve", "--bind", endpoint, "--metrics-port", str(mport)]
+    bind = f"{endpoint},{also_bind}" if also_bind else endpoint
+    cmd = [sys.executable, "-m", module, "serve", "--bind", bind, "--metrics-port", str(mport)]
     cmd += ["--log-level", "WARNING", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None

@@ -5,7 +5,9 @@ then for each batch size B drives it with ``draft_tools.synthetic.SyntheticTarge
 early taps (each step's span sent first, ``--sample-ms`` of target sampling, then a commit) and
 with the single message, and records per step the critical-path wait (commit, or step, to
 drafts in hand) and the server's compute for that reply. The issue's goal: wait - compute at
-most 0.5 ms with early taps at every B. Writes JSON (command, machine, GPU) and prints a table.
+most 0.5 ms with early taps at every B. ``--transport shm`` runs both modes over ipc with the rows in
+a shared-memory ring (spans of any size go early: the 4 MiB rule is for rows in frames). Writes
+JSON (command, machine, GPU) and prints a table.
 
 The first step carries every session's prefill (B x 256 rows: 294 MB of K3 taps at B = 16), more
 than a 50 ms budget can take in: it misses, and the sessions catch up (``target_client.client.
@@ -27,6 +29,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -39,7 +42,14 @@ from target_client import ClientConfig, DraftClient
 
 
 def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace) -> dict[str, Any]:
-    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=args.budget_ms, name=f"early-{b}-{int(early)}"))
+    cfg = ClientConfig(
+        endpoint=endpoint,
+        budget_ms=args.budget_ms,
+        name=f"early-{b}-{int(early)}",
+        transport=args.transport,
+        shm_ring_mib=args.shm_ring_mib,
+    )
+    client = DraftClient(cfg)
     try:
         welcome = client.connect(wait=True)
         assert welcome is not None
@@ -106,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample-ms", type=float, default=1.0, help="target sampling + rejection between taps and commit")
     ap.add_argument("--budget-ms", type=float, default=50.0)
     ap.add_argument("--server-args", default="--model random:k3 --device cuda --kv-budget-mib 16384")
+    ap.add_argument(
+        "--transport",
+        default="frames",
+        choices=["frames", "shm"],
+        help="frames: rows in the Step's frame over tcp; shm: over ipc, rows in a shared-memory ring (no span limit)",
+    )
+    ap.add_argument("--shm-ring-mib", type=int, default=256, help="the shm ring (--transport shm)")
     ap.add_argument("--out", default="bench/results/early_taps_h200.json")
     a = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -127,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=1)
 
-    proc, endpoint, _ = start_server(a.server_args.split())
+    ipc = f"ipc://{tempfile.mkdtemp(prefix='early-taps-')}/srv.sock"
+    proc, endpoint, _ = start_server(a.server_args.split(), also_bind=ipc if a.transport == "shm" else "")
+    endpoint = ipc if a.transport == "shm" else endpoint
     try:
         for b in (int(x) for x in a.batches.split(",")):
             for early in (True, False):
