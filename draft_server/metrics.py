@@ -78,7 +78,8 @@ class ServerMetrics:
         )
         self.stale_steps = Counter(
             "draft_server_stale_steps_total",
-            "Steps expired unread (they waited past their budget before the server read them) or superseded",
+            "Steps expired unread (they waited past their budget before the server read them), superseded, "
+            "or early taps / commits reordered (older than their session's latest step)",
             ["why"],
             registry=r,
         )
@@ -160,7 +161,7 @@ class ServerMetrics:
             self.restarts.labels(cause)
         for reason in DROP_REASONS:
             self.rows_dropped.labels(reason)
-        for why in ("unread", "superseded"):
+        for why in ("unread", "superseded", "reordered"):
             self.stale_steps.labels(why)
         for reason in ARENA_FALLBACKS:
             self.arena_fallbacks.labels(reason)

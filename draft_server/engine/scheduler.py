@@ -38,7 +38,10 @@ drafts from [start, pos) only when the session holds every row below ``pos`` (th
 are cut, as any positional overwrite does) and, when it names the Taps call carrying them
 (``after``), that call's taps were the session's latest (else the rows it holds there may be an
 older span's rejected rows whose commit was lost); otherwise it answers MISSING_ROWS, never a
-gap restart.
+gap restart. A TAPS or COMMIT entry whose call is older than the newest call that reached its
+session (call ids grow per connection: it was overtaken on the way) is answered EXPIRED and
+applies nothing: a late span would overwrite the newer span's accepted rows with its rejected
+ones, a late commit would cut them. (WHOLE entries carry only committed rows and apply as before.)
 """
 
 from __future__ import annotations
@@ -210,6 +213,12 @@ class Engine:
         if s is None:
             self._resolve(w, self.admission.overloaded("session capacity reached"), rows_done=True)
             return
+        if w.phase != Phase.WHOLE and w.call.call_id < s.last_call:  # overtaken on the way (module docstring)
+            self.metrics.stale_steps.labels("reordered").inc()
+            stale = EntryResult(Status.EXPIRED, message="older than the session's latest step")
+            self._resolve(w, stale, rows_done=True)
+            return
+        s.last_call = max(s.last_call, w.call.call_id)
         for old in s.pending:  # a newer step for this session: the older one's drafts are moot
             if old.k:
                 old.k = 0

@@ -34,6 +34,7 @@ class Session:
     known: bool = False  # False until the first ingest sets [start, end)
     pending: deque[Work] = field(default_factory=deque)
     taps_call: int = 0  # call id of the latest early Taps that reached this session
+    last_call: int = 0  # the newest call id of any entry that reached it (its owner's ids grow)
     last_used: float = 0.0
 
     @property

@@ -35,11 +35,12 @@ go to one JSON file that the soak parent reads.
 from __future__ import annotations
 
 import array
-import faulthandler
 import gc
 import json
 import os
 import resource
+import sys
+import threading
 import time
 import traceback
 import zlib
@@ -103,9 +104,7 @@ class EngineSpec:
     connect_timeout_s: float = 60.0
     early_taps: bool = False  # taps right after the "forward", then a commit (see the module docstring)
     # Dump every thread's stack for a call still waiting at budget + 5 ms (the ``.stacks`` file the
-    # soak reads). faulthandler's watchdog walks the other threads' frames without the GIL while
-    # they run: now and then that segfaults the engine (in traceback.c dump_frame), the more often
-    # the more calls run late, as on a loaded host. Off for runs that never read the stacks.
+    # soak reads; ``LateStacks``). Off for runs that never read the stacks.
     late_stacks: bool = True
 
 
@@ -270,6 +269,68 @@ def _bf16_taps(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
     return (x.view(np.uint32) >> 16).astype(np.uint16)
 
 
+class LateStacks:
+    """Every other thread's Python stack, written to ``file`` when a call is still running
+    ``after_s`` after ``arm()`` (``disarm()`` when it returns), in faulthandler's text format.
+
+    A thread of its own reads ``sys._current_frames()`` holding the GIL, so it never walks a frame
+    that is changing under it. faulthandler's ``dump_traceback_later`` walks them without the GIL
+    while they run, and now and then that segfaulted the engine (in traceback.c), the more often
+    the more calls ran late, as on a loaded host. The price: the dump waits for the GIL (at most
+    the interpreter's switch interval while another thread holds it), which the stack then shows.
+    """
+
+    def __init__(self, file: Any, after_s: float) -> None:
+        self._file, self._after = file, after_s
+        self._cv = threading.Condition()
+        self._due: float | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="late-stacks", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        with self._cv:
+            self._due = time.monotonic() + self._after
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        """Waits for a dump being written, so that whatever the caller writes next follows it."""
+        with self._cv:
+            self._due = None
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._stop:
+                if self._due is None:
+                    self._cv.wait()
+                    continue
+                left = self._due - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                self._due = None
+                self._file.write(self.dump().encode("utf-8", "replace"))
+
+    @staticmethod
+    def dump() -> str:
+        me = threading.get_ident()
+        lines = ["Timeout (late call)!"]
+        for tid, frame in sys._current_frames().items():
+            if tid == me:
+                continue
+            lines.append(f"Thread 0x{tid:016x} (most recent call first):")
+            for fs in reversed(traceback.extract_stack(frame)):
+                lines.append(f'  File "{fs.filename}", line {fs.lineno} in {fs.name}')
+            lines.append("")
+        return "\n".join(lines) + "\n"
+
+
 def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None, progress: Any = None) -> None:
     """Process entry: connect, set ``ready``, wait for ``go``, run until ``stop`` is set or
     max_steps, write the JSON (multiprocessing Events; the start barrier keeps one engine's
@@ -307,11 +368,12 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
         )
     )
     calls = array.array("d")  # flat, len(CALL_COLUMNS) per call: no GC-tracked object per call
-    # A call still waiting at budget + 5 ms gets every thread's Python stack dumped (faulthandler's
-    # watchdog thread needs no GIL; "Current thread" is the GIL holder), followed by a marker line
-    # that names the call. The soak attaches these stacks to the calls it cannot explain.
+    # A call still waiting at budget + 5 ms gets every thread's Python stack dumped (``LateStacks``),
+    # followed by a marker line that names the call. The soak attaches these stacks to the calls it
+    # cannot explain.
     stacks = open(spec.out_path + ".stacks", "wb", buffering=0)
     late_s = (spec.budget_ms + 5.0) / 1000.0
+    watch = LateStacks(stacks, late_s) if spec.late_stacks else None
     sessions_out: list[tuple[Any, ...]] = []
     epochs: list[tuple[float, str]] = []
     fleet = client if isinstance(client, FleetClient) else None
@@ -381,8 +443,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
             (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
             gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            if spec.late_stacks:
-                faulthandler.dump_traceback_later(late_s, file=stacks)
+            if watch is not None:
+                watch.arm()
             early = (
                 spec.early_taps
                 and bool(reqs)
@@ -401,8 +463,9 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             else:
                 replies = client.step(reqs, taps_all)
             t1 = time.monotonic()
-            faulthandler.cancel_dump_traceback_later()
-            if spec.late_stacks and t1 - t0 > late_s:
+            if watch is not None:
+                watch.disarm()
+            if watch is not None and t1 - t0 > late_s:
                 stacks.write(f"@@ call t0={t0!r} wait_ms={(t1 - t0) * 1000.0:.3f}\n".encode())
             (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
             gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -521,7 +584,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             k: v for k, v in client.stats().items() if isinstance(v, int | float | str | bool) or v is None
         }
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        if watch is not None:
+            watch.close()
         stacks.close()
         client.close()
         n = len(CALL_COLUMNS)

@@ -267,6 +267,8 @@ def _overrun_forensics(
     rows: list[dict[str, Any]] = []
     off = 0
     for e, c in all_calls:
+        if not len(c):  # an engine without calls (one that died has no result file: engines_completed)
+            continue
         cols = e["call_columns"]
         n = len(c)
         d = delays[off : off + n]

@@ -72,7 +72,7 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
             long_prefill_p=0.0,
             checksum=True,
             connect_timeout_s=30.0,
-            late_stacks=False,  # never read here; the dumps can crash an engine on a loaded host
+            late_stacks=False,  # never read here
         )
         ready = ctx.Event()
         p = ctx.Process(target=engine_main, args=(spec, stop, ready, go, progress[i]), name=f"fleet-engine-{i}")

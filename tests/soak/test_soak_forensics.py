@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import faulthandler
 import threading
 import time
 
 import numpy as np
 
 from draft_tools.soak import report, run
-from draft_tools.soak.engine import CALL_COLUMNS
+from draft_tools.soak.engine import CALL_COLUMNS, LateStacks
 
 
 def _hog_the_gil(stop: threading.Event) -> None:
@@ -23,17 +22,21 @@ def test_stack_dump_at_the_bound_names_what_the_other_thread_was_doing(tmp_path)
     stop = threading.Event()
     hog = threading.Thread(target=_hog_the_gil, args=(stop,), name="hog")
     with open(path, "wb", buffering=0) as f:
+        watch = LateStacks(f, 0.05)  # the way the soak engine arms it
         hog.start()
         try:
-            faulthandler.dump_traceback_later(0.05, file=f)  # the way the soak engine arms it
+            watch.arm()
             time.sleep(0.2)
-            faulthandler.cancel_dump_traceback_later()
+            watch.disarm()
+            watch.close()
         finally:
             stop.set()
             hog.join()
         f.write(b"@@ call t0=12.5 wait_ms=200.000\n")
-        faulthandler.dump_traceback_later(10.0, file=f)  # a call that came back in time: no dump
-        faulthandler.cancel_dump_traceback_later()
+        watch = LateStacks(f, 10.0)
+        watch.arm()  # a call that came back in time: no dump
+        watch.disarm()
+        watch.close()
     stacks = run._late_stacks(str(path))
     assert [t for t, _ in stacks] == [12.5]
     text = stacks[0][1]

@@ -1,0 +1,84 @@
+"""Early taps that arrive after a newer step of their session (a Step held back on the way: the
+chaos proxy's ``delay`` reorders a connection's messages) never change what the session holds.
+
+A verify span carries the step's rejected rows after its accepted ones. Applied late, by position,
+an older span overwrote the newer span's accepted rows with its own rejected ones, and a commit
+that names no Taps call (its span was acknowledged already) then drafted from them: drafts that
+are not the checksum of the context (draft-soak ``--chaos taps,delay``: about 1,400 mismatched
+entries in 30 s, one server). An entry of a call older than the newest call that reached its
+session (call ids grow per connection) is now answered EXPIRED and applies nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from draft_server.drafters.checksum import expected_drafts
+from draft_server.engine.types import Call, Work
+from protocol import GREEDY, Phase, Status
+from tests.unit.test_engine_batching import Counting, _drain, _engine
+
+OWNER = b"engine"
+
+
+def _work(eng, call_id: int, pos: int, taps: np.ndarray | None, k: int, phase: Phase, after: int = 0) -> Work:
+    n = 0 if taps is None else len(taps)
+    if n:
+        assert eng.admission.try_admit_rows(OWNER, n)
+    call = Call(OWNER, call_id, 0.0, 1e9, [None], remaining=1)
+    return Work(call, 0, "s", pos, taps, 7, k, GREEDY, pos + n, phase=phase, after=after)
+
+
+def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
+    d = Counting()
+    eng = _engine(d)
+    width = d.contract.tap_width
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, 1 << 16, (7, width), dtype=np.uint16)
+    newer = rng.integers(0, 1 << 16, (8, width), dtype=np.uint16)  # the span at 7 (call 3)
+    older = np.concatenate([prompt[4:7], rng.integers(0, 1 << 16, (5, width), dtype=np.uint16)])  # span at 4 (call 2)
+    eng.submit([_work(eng, 1, 0, prompt, 0, Phase.WHOLE)])
+    _drain(eng)
+    eng.submit([_work(eng, 3, 7, newer, 0, Phase.TAPS)])
+    _drain(eng)
+    late = _work(eng, 2, 4, older, 0, Phase.TAPS)  # held back on the way: arrives after call 3
+    eng.submit([late])
+    _drain(eng)
+    commit = _work(eng, 4, 9, None, 4, Phase.COMMIT)  # 2 of the newer span accepted; call 3 acked: no ``after``
+    eng.submit([commit])
+    _drain(eng)
+    r = late.call.results[0]
+    assert r is not None and r.status == Status.EXPIRED
+    r = commit.call.results[0]
+    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: newer[i].tobytes() for i in range(2)}
+    assert r is not None and r.status == Status.OK and (r.start, r.end) == (0, 9)
+    assert list(r.drafts) == expected_drafts(held, 0, 9, 7, 4, d.contract.vocab_size)
+    assert eng.admission.queued_rows == 0
+    assert eng.metrics.registry.get_sample_value("draft_server_stale_steps_total", {"why": "reordered"}) == 1
+
+
+def test_an_older_commit_arriving_late_is_expired_and_cuts_nothing() -> None:
+    d = Counting()
+    eng = _engine(d)
+    width = d.contract.tap_width
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, 1 << 16, (7, width), dtype=np.uint16)
+    span = rng.integers(0, 1 << 16, (8, width), dtype=np.uint16)
+    eng.submit([_work(eng, 1, 0, prompt, 0, Phase.WHOLE)])
+    eng.submit([_work(eng, 3, 7, span, 0, Phase.TAPS)])
+    _drain(eng)
+    stale = _work(eng, 2, 5, None, 4, Phase.COMMIT)  # an older step's commit, overtaken by call 3
+    eng.submit([stale])
+    _drain(eng)
+    r = stale.call.results[0]
+    assert r is not None and r.status == Status.EXPIRED and not r.drafts
+    commit = _work(eng, 4, 10, None, 4, Phase.COMMIT, after=3)
+    eng.submit([commit])
+    _drain(eng)
+    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: span[i].tobytes() for i in range(3)}
+    r = commit.call.results[0]
+    assert (
+        r is not None
+        and r.status == Status.OK
+        and list(r.drafts) == expected_drafts(held, 0, 10, 7, 4, d.contract.vocab_size)
+    )
