@@ -29,18 +29,23 @@ def _work(eng, call_id: int, pos: int, taps: np.ndarray | None, k: int, phase: P
     return Work(call, 0, "s", pos, taps, 7, k, GREEDY, pos + n, phase=phase, after=after)
 
 
-def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
+def _primed(seed: int):
+    """An engine whose session holds a 7-row prompt (call 1) and a span of 8 rows at 7 (call 3)."""
     d = Counting()
     eng = _engine(d)
-    width = d.contract.tap_width
-    rng = np.random.default_rng(7)
-    prompt = rng.integers(0, 1 << 16, (7, width), dtype=np.uint16)
-    newer = rng.integers(0, 1 << 16, (8, width), dtype=np.uint16)  # the span at 7 (call 3)
-    older = np.concatenate([prompt[4:7], rng.integers(0, 1 << 16, (5, width), dtype=np.uint16)])  # span at 4 (call 2)
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 1 << 16, (7, d.contract.tap_width), dtype=np.uint16)
+    span = rng.integers(0, 1 << 16, (8, d.contract.tap_width), dtype=np.uint16)
     eng.submit([_work(eng, 1, 0, prompt, 0, Phase.WHOLE)])
+    eng.submit([_work(eng, 3, 7, span, 0, Phase.TAPS)])
     _drain(eng)
-    eng.submit([_work(eng, 3, 7, newer, 0, Phase.TAPS)])
-    _drain(eng)
+    return d, eng, rng, prompt, span
+
+
+def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
+    d, eng, rng, prompt, newer = _primed(7)
+    junk = rng.integers(0, 1 << 16, (5, d.contract.tap_width), dtype=np.uint16)
+    older = np.concatenate([prompt[4:7], junk])  # the span at 4 (call 2): its rejected rows over 7..11
     late = _work(eng, 2, 4, older, 0, Phase.TAPS)  # held back on the way: arrives after call 3
     eng.submit([late])
     _drain(eng)
@@ -58,15 +63,7 @@ def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
 
 
 def test_an_older_commit_arriving_late_is_expired_and_cuts_nothing() -> None:
-    d = Counting()
-    eng = _engine(d)
-    width = d.contract.tap_width
-    rng = np.random.default_rng(8)
-    prompt = rng.integers(0, 1 << 16, (7, width), dtype=np.uint16)
-    span = rng.integers(0, 1 << 16, (8, width), dtype=np.uint16)
-    eng.submit([_work(eng, 1, 0, prompt, 0, Phase.WHOLE)])
-    eng.submit([_work(eng, 3, 7, span, 0, Phase.TAPS)])
-    _drain(eng)
+    d, eng, _rng, prompt, span = _primed(8)
     stale = _work(eng, 2, 5, None, 4, Phase.COMMIT)  # an older step's commit, overtaken by call 3
     eng.submit([stale])
     _drain(eng)
