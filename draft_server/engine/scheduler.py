@@ -20,7 +20,7 @@ One engine iteration:
    ends the run, its drafts after every row before it; a resend or a gap waits for a later batch,
    and so does the rest of a run after an entry answered MISSING_ROWS or KV-full; early taps join
    a run only in a batch without drafting or of a session with a draft waiting) — ingest all of
-   their rows (a run's host rows as one item) and draft all that want drafts in one
+   their rows (a run's host rows as items of at most a chunk) and draft all that want drafts in one
    ``drafter.step`` (ingest, then draft; the rows free when it returns);
 4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
 
@@ -416,7 +416,7 @@ class Engine:
                 wait = t0 - w.call.recv_t  # observed once per call, with its reply (``_reply``)
                 if wait > w.call.queue_s:
                     w.call.queue_s = wait
-            ingest += _joined(items)
+            ingest += _joined(items, self.chunk)
         n_rows = sum(len(i.taps) for i in ingest)
         try:
             td = time.monotonic()
@@ -543,12 +543,15 @@ class Engine:
             s.pending.clear()
 
 
-def _joined(items: list[IngestItem]) -> list[IngestItem]:
+def _joined(items: list[IngestItem], most: int) -> list[IngestItem]:
     """A session's run of ingest items (exact appends, in order) as few items as can be: neighbouring
-    host rows of one wire format and layout in one array (the drafter ingests an item in one pass,
-    a session repeated in one call in a pass per repeat); rows on the device stay their own items."""
+    host rows of one wire format and layout in one array of at most ``most`` rows (the prefill chunk:
+    no item is longer than one entry could be, so the drafter's working memory stays what it was);
+    the drafter ingests an item in one pass, a session repeated in one call in a pass per repeat.
+    Rows on the device stay their own items."""
     out: list[IngestItem] = []
     parts: list[list[np.ndarray]] = []
+    rows: list[int] = []
     for it in items:
         a, b = (out[-1].taps, it.taps) if out else (None, None)
         if (
@@ -556,11 +559,14 @@ def _joined(items: list[IngestItem]) -> list[IngestItem]:
             and isinstance(b, np.ndarray)
             and out[-1].fmt == it.fmt
             and (a.dtype, a.shape[1:]) == (b.dtype, b.shape[1:])
+            and rows[-1] + len(b) <= most
         ):
             parts[-1].append(b)
+            rows[-1] += len(b)
         else:
             out.append(it)
             parts.append([it.taps])  # type: ignore[list-item]
+            rows.append(len(it.taps) if it.taps is not None else 0)
     for it, p in zip(out, parts, strict=True):
         if len(p) > 1:
             it.taps = np.concatenate(p)

@@ -26,6 +26,7 @@ class Counting(ChecksumDrafter):
         super().__init__(capacity_tokens=capacity_tokens)
         self.steps: list[tuple[dict[int, int], list[int]]] = []
         self.room: dict[int, tuple[int, int]] = {}
+        self.longest = 0  # rows of the longest ingest item
 
     def reserve(self, key: int, start: int, end: int) -> bool:
         ok = super().reserve(key, start, end)
@@ -39,6 +40,7 @@ class Counting(ChecksumDrafter):
             lo, hi = self.room[it.key]
             assert lo <= it.start <= it.pos and it.pos + len(it.taps) <= hi, "rows outside the session's KV"
             rows[it.key] = rows.get(it.key, 0) + len(it.taps)
+            self.longest = max(self.longest, len(it.taps))
         self.steps.append((rows, [it.key for it in drafts]))
         return super().step(ingest, drafts)
 
@@ -103,6 +105,7 @@ def test_a_sessions_queued_ingest_only_entries_drain_in_few_steps() -> None:
     total = 30 * 3 + 2 + 2
     assert len(d.steps) <= math.ceil(total / BATCH_ROWS), f"{len(d.steps)} drafter.step calls for {total} rows"
     assert all(sum(rows.values()) <= BATCH_ROWS for rows, _ in d.steps)
+    assert d.longest <= 16  # a run's rows go in items of at most a prefill chunk (no item longer than an entry)
     t = eng.sessions.get((b"other", "t"))
     assert t is not None and t.handle in d.steps[0][1]  # not behind the burst
     for w in acks:  # acknowledged at admission, as before
