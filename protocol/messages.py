@@ -25,9 +25,10 @@ class Status(enum.IntEnum):
     BAD_ENTRY = 3  # entry invalid (message says why); rows NOT applied
     INTERNAL = 4  # server-side failure while computing; rows state unknown (resend)
     # a commit (``Phase.COMMIT``) whose context rows below its position are not all held (a lost
-    # Taps, a restart in between): nothing drafted, its rows NOT applied; ``end``/``start`` say what
-    # the session holds (-1: nothing). Only ever sent for commit entries, which only a client that
-    # saw ``FEATURE_EARLY_TAPS`` in the Welcome sends: an older client never sees this value.
+    # Taps, a restart in between), or an entry of a session with early taps that a newer step of
+    # that session overtook on the way: nothing drafted, its rows NOT applied; ``end``/``start`` say
+    # what the session holds (-1: nothing). Only ever sent in sessions of a client that saw
+    # ``FEATURE_EARLY_TAPS`` in the Welcome and sent early taps: an older client never sees it.
     MISSING_ROWS = 5
 
 

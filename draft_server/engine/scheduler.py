@@ -38,10 +38,12 @@ drafts from [start, pos) only when the session holds every row below ``pos`` (th
 are cut, as any positional overwrite does) and, when it names the Taps call carrying them
 (``after``), that call's taps were the session's latest (else the rows it holds there may be an
 older span's rejected rows whose commit was lost); otherwise it answers MISSING_ROWS, never a
-gap restart. A TAPS or COMMIT entry whose call is older than the newest call that reached its
-session (call ids grow per connection: it was overtaken on the way) is answered EXPIRED and
-applies nothing: a late span would overwrite the newer span's accepted rows with its rejected
-ones, a late commit would cut them. (WHOLE entries carry only committed rows and apply as before.)
+gap restart. In a session that has had early taps, an entry whose call is older than the newest
+call that reached it (call ids grow per connection: it was overtaken on the way) applies nothing
+and is answered MISSING_ROWS (not applied: the client resends): a late span would overwrite the
+newer span's accepted rows with its rejected ones (also as the ingest-only WHOLE entry a
+catching-up client sends a span as), a late commit would cut them. Sessions without early taps
+(only committed rows, from any client version) apply late entries by position as before.
 """
 
 from __future__ import annotations
@@ -213,9 +215,14 @@ class Engine:
         if s is None:
             self._resolve(w, self.admission.overloaded("session capacity reached"), rows_done=True)
             return
-        if w.phase != Phase.WHOLE and w.call.call_id < s.last_call:  # overtaken on the way (module docstring)
+        if w.call.call_id < s.last_call and (w.phase != Phase.WHOLE or s.taps_call):  # overtaken (module docstring)
             self.metrics.stale_steps.labels("reordered").inc()
-            stale = EntryResult(Status.EXPIRED, message="older than the session's latest step")
+            stale = EntryResult(
+                Status.MISSING_ROWS,
+                end=s.end if s.known else -1,
+                start=s.start if s.known else -1,
+                message="overtaken by a newer step of its session: not applied",
+            )
             self._resolve(w, stale, rows_done=True)
             return
         s.last_call = max(s.last_call, w.call.call_id)

@@ -5,8 +5,9 @@ A verify span carries the step's rejected rows after its accepted ones. Applied 
 an older span overwrote the newer span's accepted rows with its own rejected ones, and a commit
 that names no Taps call (its span was acknowledged already) then drafted from them: drafts that
 are not the checksum of the context (draft-soak ``--chaos taps,delay``: about 1,400 mismatched
-entries in 30 s, one server). An entry of a call older than the newest call that reached its
-session (call ids grow per connection) is now answered EXPIRED and applies nothing.
+entries in 30 s, one server). In a session with early taps, an entry of a call older than the
+newest call that reached it (call ids grow per connection) now applies nothing and is answered
+MISSING_ROWS (not applied: the client resends the rows).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
     eng.submit([commit])
     _drain(eng)
     r = late.call.results[0]
-    assert r is not None and r.status == Status.EXPIRED
+    assert r is not None and r.status == Status.MISSING_ROWS
     r = commit.call.results[0]
     held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: newer[i].tobytes() for i in range(2)}
     assert r is not None and r.status == Status.OK and (r.start, r.end) == (0, 9)
@@ -62,13 +63,13 @@ def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
     assert eng.metrics.registry.get_sample_value("draft_server_stale_steps_total", {"why": "reordered"}) == 1
 
 
-def test_an_older_commit_arriving_late_is_expired_and_cuts_nothing() -> None:
+def test_an_older_commit_arriving_late_cuts_nothing() -> None:
     d, eng, _rng, prompt, span = _primed(8)
     stale = _work(eng, 2, 5, None, 4, Phase.COMMIT)  # an older step's commit, overtaken by call 3
     eng.submit([stale])
     _drain(eng)
     r = stale.call.results[0]
-    assert r is not None and r.status == Status.EXPIRED and not r.drafts
+    assert r is not None and r.status == Status.MISSING_ROWS and not r.drafts
     commit = _work(eng, 4, 10, None, 4, Phase.COMMIT, after=3)
     eng.submit([commit])
     _drain(eng)
@@ -79,3 +80,39 @@ def test_an_older_commit_arriving_late_is_expired_and_cuts_nothing() -> None:
         and r.status == Status.OK
         and list(r.drafts) == expected_drafts(held, 0, 10, 7, 4, d.contract.vocab_size)
     )
+
+
+def test_a_late_span_sent_as_an_ingest_only_whole_entry_applies_nothing_either() -> None:
+    # A client catching up sends its spans as plain ingest-only entries (WHOLE, k=0), rejected rows
+    # and all: overtaken, such an entry overwrote the newer span's rows as a late Taps did.
+    d, eng, rng, prompt, newer = _primed(9)
+    junk = rng.integers(0, 1 << 16, (5, d.contract.tap_width), dtype=np.uint16)
+    late = _work(eng, 2, 4, np.concatenate([prompt[4:7], junk]), 0, Phase.WHOLE)
+    eng.submit([late])
+    _drain(eng)
+    commit = _work(eng, 4, 10, None, 4, Phase.COMMIT)
+    eng.submit([commit])
+    _drain(eng)
+    assert late.call.results[0] is not None and late.call.results[0].status == Status.MISSING_ROWS
+    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: newer[i].tobytes() for i in range(3)}
+    r = commit.call.results[0]
+    assert (
+        r is not None
+        and r.status == Status.OK
+        and list(r.drafts) == expected_drafts(held, 0, 10, 7, 4, d.contract.vocab_size)
+    )
+
+
+def test_a_session_without_early_taps_applies_late_entries_by_position_as_before() -> None:
+    """Only committed rows there (any client version, which may not know MISSING_ROWS): a late
+    single message still applies by position (its rows are the truth; the newer context is cut)."""
+    d = Counting()
+    eng = _engine(d)
+    rows = np.random.default_rng(10).integers(0, 1 << 16, (10, d.contract.tap_width), dtype=np.uint16)
+    eng.submit([_work(eng, 1, 0, rows[:7], 0, Phase.WHOLE), _work(eng, 3, 7, rows[7:10], 0, Phase.WHOLE)])
+    _drain(eng)
+    late = _work(eng, 2, 4, rows[4:7], 0, Phase.WHOLE)
+    eng.submit([late])
+    _drain(eng)
+    r = late.call.results[0]
+    assert r is not None and r.status == Status.OK and r.end == 7
