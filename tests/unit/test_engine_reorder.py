@@ -43,22 +43,30 @@ def _primed(seed: int):
     return d, eng, rng, prompt, span
 
 
+def _late_then_commit(eng, late: Work, commit: Work):
+    """Submit an overtaken entry, then a commit, each drained; (late result, commit result)."""
+    for w in (late, commit):
+        eng.submit([w])
+        _drain(eng)
+    return late.call.results[0], commit.call.results[0]
+
+
+def _drafts_of(d, prompt: np.ndarray, span: np.ndarray, accepted: int) -> list[int]:
+    """The checksum drafts over the prompt and the span's first ``accepted`` rows (anchor 7, k 4)."""
+    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: span[i].tobytes() for i in range(accepted)}
+    return expected_drafts(held, 0, 7 + accepted, 7, 4, d.contract.vocab_size)
+
+
 def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
     d, eng, rng, prompt, newer = _primed(7)
     junk = rng.integers(0, 1 << 16, (5, d.contract.tap_width), dtype=np.uint16)
     older = np.concatenate([prompt[4:7], junk])  # the span at 4 (call 2): its rejected rows over 7..11
     late = _work(eng, 2, 4, older, 0, Phase.TAPS)  # held back on the way: arrives after call 3
-    eng.submit([late])
-    _drain(eng)
     commit = _work(eng, 4, 9, None, 4, Phase.COMMIT)  # 2 of the newer span accepted; call 3 acked: no ``after``
-    eng.submit([commit])
-    _drain(eng)
-    r = late.call.results[0]
-    assert r is not None and r.status == Status.MISSING_ROWS
-    r = commit.call.results[0]
-    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: newer[i].tobytes() for i in range(2)}
+    lr, r = _late_then_commit(eng, late, commit)
+    assert lr is not None and lr.status == Status.MISSING_ROWS
     assert r is not None and r.status == Status.OK and (r.start, r.end) == (0, 9)
-    assert list(r.drafts) == expected_drafts(held, 0, 9, 7, 4, d.contract.vocab_size)
+    assert list(r.drafts) == _drafts_of(d, prompt, newer, 2)
     assert eng.admission.queued_rows == 0
     assert eng.metrics.registry.get_sample_value("draft_server_stale_steps_total", {"why": "reordered"}) == 1
 
@@ -66,20 +74,9 @@ def test_an_older_span_arriving_late_never_overwrites_a_newer_one() -> None:
 def test_an_older_commit_arriving_late_cuts_nothing() -> None:
     d, eng, _rng, prompt, span = _primed(8)
     stale = _work(eng, 2, 5, None, 4, Phase.COMMIT)  # an older step's commit, overtaken by call 3
-    eng.submit([stale])
-    _drain(eng)
-    r = stale.call.results[0]
-    assert r is not None and r.status == Status.MISSING_ROWS and not r.drafts
-    commit = _work(eng, 4, 10, None, 4, Phase.COMMIT, after=3)
-    eng.submit([commit])
-    _drain(eng)
-    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: span[i].tobytes() for i in range(3)}
-    r = commit.call.results[0]
-    assert (
-        r is not None
-        and r.status == Status.OK
-        and list(r.drafts) == expected_drafts(held, 0, 10, 7, 4, d.contract.vocab_size)
-    )
+    lr, r = _late_then_commit(eng, stale, _work(eng, 4, 10, None, 4, Phase.COMMIT, after=3))
+    assert lr is not None and lr.status == Status.MISSING_ROWS and not lr.drafts
+    assert r is not None and r.status == Status.OK and list(r.drafts) == _drafts_of(d, prompt, span, 3)
 
 
 def test_a_late_span_sent_as_an_ingest_only_whole_entry_applies_nothing_either() -> None:
@@ -88,19 +85,9 @@ def test_a_late_span_sent_as_an_ingest_only_whole_entry_applies_nothing_either()
     d, eng, rng, prompt, newer = _primed(9)
     junk = rng.integers(0, 1 << 16, (5, d.contract.tap_width), dtype=np.uint16)
     late = _work(eng, 2, 4, np.concatenate([prompt[4:7], junk]), 0, Phase.WHOLE)
-    eng.submit([late])
-    _drain(eng)
-    commit = _work(eng, 4, 10, None, 4, Phase.COMMIT)
-    eng.submit([commit])
-    _drain(eng)
-    assert late.call.results[0] is not None and late.call.results[0].status == Status.MISSING_ROWS
-    held = {p: prompt[p].tobytes() for p in range(7)} | {7 + i: newer[i].tobytes() for i in range(3)}
-    r = commit.call.results[0]
-    assert (
-        r is not None
-        and r.status == Status.OK
-        and list(r.drafts) == expected_drafts(held, 0, 10, 7, 4, d.contract.vocab_size)
-    )
+    lr, r = _late_then_commit(eng, late, _work(eng, 4, 10, None, 4, Phase.COMMIT))
+    assert lr is not None and lr.status == Status.MISSING_ROWS
+    assert r is not None and r.status == Status.OK and list(r.drafts) == _drafts_of(d, prompt, newer, 3)
 
 
 def test_a_session_without_early_taps_applies_late_entries_by_position_as_before() -> None:

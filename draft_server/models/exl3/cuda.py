@@ -262,19 +262,17 @@ class Exl3Backend:
         if path == "fused":
             c = torch.empty((a.shape[0], n), dtype=torch.float32, device=a.device)
             self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
-        elif path == "recon":  # x H(suh) @ Wq, then H(svh) on the output; Wq decoded into the shared scratch
-            w = self.scratch(k * n, a.device)[: k * n].view(k, n)
-            self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
+        else:  # recon / inline: x H(suh) @ Wq, then H(svh) on the output
             ah = torch.empty_like(a)
             self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
-            c = torch.mm(ah, w)
-            self.ext.had_r_128(c, c, None, lin.svh, 1.0)
-        if path == "inline":  # recon without the scratch: Wq decoded tile by tile inside the GEMM
-            from draft_server.models.kernels.exl3_gemm import exl3_matmul
+            if path == "recon":  # Wq decoded into the shared scratch, then cuBLAS
+                w = self.scratch(k * n, a.device)[: k * n].view(k, n)
+                self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
+                c = torch.mm(ah, w)
+            else:  # Wq decoded tile by tile inside the GEMM, no scratch
+                from draft_server.models.kernels.exl3_gemm import exl3_matmul
 
-            ah = torch.empty_like(a)
-            self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
-            c = exl3_matmul(ah, lin.trellis, lin.codebook)
+                c = exl3_matmul(ah, lin.trellis, lin.codebook)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         return y if lin.bias is None else y + lin.bias

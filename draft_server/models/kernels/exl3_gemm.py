@@ -22,6 +22,8 @@ Triton's interpreter on CPU (the tests check it against ``exl3.decode.decode_inn
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -117,12 +119,17 @@ def exl3_matmul(
     return c[0] if split_k == 1 else c.sum(0)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _split_for(blocks: int, k_blocks: int, device: torch.device) -> int:
     """The largest power-of-two split of k (up to 8) that divides its blocks and keeps at most two
     programs per SM; 1 off CUDA."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split = 1
     while split < 8 and blocks * (2 * split) <= 2 * sms and k_blocks % (2 * split) == 0:
         split *= 2
