@@ -8,6 +8,8 @@
 #           graphs, a full-size random K3 EXL3 drafter's step time vs BF16 -> $OUT/exl3_smoke.json
 #   bench   draft_tools.bench.exl3_h200: BF16 vs EXL3 (exllamav3-quantized) K3 drafters, the tiny drafter
 #           through `draft-server quantize` -> $OUT/exl3_h200.json, $OUT/tiny_exl3_k4.tar.gz
+#   kernel  draft_tools.bench.exl3_kernel: the Triton decode-GEMM's launch shapes vs exllamav3 and BF16, per
+#           K3 linear and row count -> $OUT/exl3_kernel.json
 #   all     golden, then smoke in the time left (does not fit 600 s when the build is not cached)
 # Extra arguments after the task go to the task's Python module (e.g. `bench --bits 4 --large recon`).
 #
@@ -81,11 +83,18 @@ bench() {
     echo "bench rc=$rc at ${SECONDS}s"
     return $rc
 }
+kernel() {
+    timeout "$(left)" python3 -m draft_tools.bench.exl3_kernel --out "$OUT/exl3_kernel.json" "$@" 2>&1 | tee "$OUT/kernel.log"
+    local rc=$?
+    echo "kernel rc=$rc at ${SECONDS}s"
+    return $rc
+}
 case "$task" in
     golden) golden "$@" ;;
     smoke) smoke "$@" ;;
     bench) bench "$@" ;;
+    kernel) kernel "$@" ;;
     golden+bench) golden; g=$?; bench "$@"; b=$?; exit $((g || b)) ;;
     all) golden; g=$?; smoke; s=$?; exit $((g || s)) ;;
-    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|bench|golden+bench|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|bench|kernel|golden+bench|all [args]" >&2; exit 2 ;;
 esac

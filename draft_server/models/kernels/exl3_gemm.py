@@ -23,6 +23,7 @@ Triton's interpreter on CPU (the tests check it against ``exl3.decode.decode_inn
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,7 +34,7 @@ CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 @triton.jit
 def _exl3_matmul_kernel(
-    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, tn_tiles,
+    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words,
     BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pm = tl.program_id(0)
@@ -42,25 +43,29 @@ def _exl3_matmul_kernel(
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    # per (row in the k block, column): the trellis position inside its 16x16 tile
+    # Per (row in the k block, column), hoisted out of the loop: the int32 offsets, from the block's
+    # first tile row, of the two words holding the element's 16-bit state, and the shift between them.
     r = kk[:, None] % 16
     c = rn[None, :] % 16
     lane = 4 * (c & 7) + ((r >> 1) & 3)
     j = (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
     end = (8 * lane + j + 1) * BITS  # the state's window ends at this bit of the tile
     i1 = (end - 1) // 32  # word holding its last bit
-    i0 = (i1 + 8 * BITS - 1) % (8 * BITS)  # the word before (circular)
+    i0 = tl.where(i1 == 0, 8 * BITS - 1, i1 - 1)  # the word before (circular)
     shift = ((i1 + 1) * 32 - end).to(tl.uint32)  # 0..31
-    col_tile = (rn[None, :] // 16).to(tl.int64)
-    words = 8 * BITS
+    tile = (kk[:, None] // 16) * row_words + (rn[None, :] // 16) * (8 * BITS)
+    o0 = tile + i0
+    o1 = tile + i1
+    k_start = ps * k_per_split
+    a_ptrs = A + rm[:, None].to(tl.int64) * s_am + (k_start + kk)[None, :]
+    t_ptr = T + (k_start // 16).to(tl.int64) * row_words
+    a_mask = rm[:, None] < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(ps * k_per_split, (ps + 1) * k_per_split, BLOCK_K):
-        a = tl.load(A + rm[:, None].to(tl.int64) * s_am + (k0 + kk)[None, :], mask=rm[:, None] < M, other=0.0)
-        base = (((k0 + kk[:, None]) // 16).to(tl.int64) * tn_tiles + col_tile) * words
-        w0 = tl.load(T + base + i0).to(tl.uint32)
-        w1 = tl.load(T + base + i1).to(tl.uint32)
-        s = (((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)
-        s = s & 0xFFFF
+    for _ in range(0, k_per_split, BLOCK_K):
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        w0 = tl.load(t_ptr + o0).to(tl.uint32)
+        w1 = tl.load(t_ptr + o1).to(tl.uint32)
+        s = ((((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)) & 0xFFFF
         if CB == 2:  # mul1
             x = s * 0x83DCD12D
             bsum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
@@ -76,19 +81,40 @@ def _exl3_matmul_kernel(
             hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
             w = (lo + hi).to(tl.float16)
         acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        t_ptr += (BLOCK_K // 16) * row_words
     out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+class KernelConfig(NamedTuple):
+    """One launch shape: output block, k step, warps, pipeline stages, and how many programs per SM
+    the k split aims for when the output blocks alone are too few. The defaults are the one shape
+    within 1.04-1.3x of the best of 108 for every K3 linear at 7, 56, 112 and 448 rows on the H200
+    (``bench/results/exl3_kernel_h200.json``); pipelining the trellis loads (2 stages, the old
+    default) made the kernel 2-20x slower."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    per_sm: int = 8
+
+
 def exl3_matmul(
-    a: torch.Tensor, trellis: torch.Tensor, codebook: str, block_m: int | None = None, split_k: int | None = None
+    a: torch.Tensor,
+    trellis: torch.Tensor,
+    codebook: str,
+    block_m: int | None = None,
+    split_k: int | None = None,
+    config: KernelConfig | None = None,
 ) -> torch.Tensor:
     """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
 
     ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
     many rows decode every weight once. ``split_k``: programs per output block along k (default:
-    enough to give every SM two programs), whose float32 partials are summed in a fixed order
-    (deterministic)."""
+    enough to give every SM ``config.per_sm`` programs), whose float32 partials are summed in a
+    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``)."""
     if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
@@ -103,18 +129,20 @@ def exl3_matmul(
     m, n, kd = a.shape[0], tn * 16, tk * 16
     if m == 0:
         return torch.empty((0, n), dtype=torch.float32, device=a.device)
+    cfg = config or KernelConfig()
     bm = block_m or max(16, min(128, triton.next_power_of_2(m)))
-    bn, bk = 64, 64
+    bn, bk = cfg.block_n, cfg.block_k
     blocks = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     if split_k is None:
-        split_k = _split_for(blocks, kd // bk, a.device)
+        split_k = _split_for(blocks, kd // bk, cfg.per_sm, a.device)
     if kd % bk or (kd // bk) % split_k:
         raise ValueError(f"split_k {split_k} does not divide the {kd // bk} k blocks of {bk} rows")
     c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
+    bits = last // 16
     _exl3_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
-        a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn,
-        BITS=last // 16, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=8 if bm >= 128 else 4,
+        a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn * 8 * bits,
+        BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c[0] if split_k == 1 else c.sum(0)
 
@@ -124,13 +152,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _split_for(blocks: int, k_blocks: int, device: torch.device) -> int:
-    """The largest power-of-two split of k (up to 8) that divides its blocks and keeps at most two
-    programs per SM; 1 off CUDA."""
+def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) -> int:
+    """The largest power-of-two split of k (up to 16) that divides its blocks and keeps at most
+    ``per_sm`` programs per SM; 1 off CUDA."""
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     split = 1
-    while split < 8 and blocks * (2 * split) <= 2 * sms and k_blocks % (2 * split) == 0:
+    while split < 16 and blocks * (2 * split) <= per_sm * sms and k_blocks % (2 * split) == 0:
         split *= 2
     return split
