@@ -201,8 +201,9 @@ class Exl3Backend:
         return ("fused", "dense") if self.large == "dense" else ("fused", "recon", "inline")
 
     def _tune(self, key: TuneKey, lin: Exl3Linear, rows: int, dtype: torch.dtype) -> str:
-        """Each candidate on fresh random rows of the caller's dtype (never its values), 2 warm-up + 5
-        timed runs; the fastest. A path that fails here (a Triton build error) is not a candidate."""
+        """Each candidate on fresh random rows of the caller's dtype (never its values), 2 warm-up runs,
+        then 7 replays of its CUDA graph; the fastest. A path that fails here (a Triton build error) is
+        not a candidate."""
         x = torch.randn((rows, lin.in_features), dtype=dtype, device=lin.trellis.device)
         times: dict[str, float] = {}
         for name in self.candidates():
@@ -217,17 +218,24 @@ class Exl3Backend:
 
     @staticmethod
     def _time(fn: Callable[[], object]) -> float:
-        """Median ms of ``fn`` on the current CUDA stream."""
+        """Median ms of ``fn`` captured in a CUDA graph and replayed, as the step runs it: timed eagerly,
+        the Triton path paid its Python launch (tens of microseconds) and lost to fused and recon
+        at 7-56 rows where its kernel is faster. Two eager runs first (they grow recon's scratch
+        outside the capture)."""
         for _ in range(2):
             fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
         runs = []
-        for _ in range(5):
+        for _ in range(7):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            graph.replay()
             b.record()
             b.synchronize()
             runs.append(a.elapsed_time(b))
+        del graph
         return statistics.median(runs)
 
     def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
