@@ -77,9 +77,9 @@ def _exl3_matmul_kernel(
             else:  # 3inst
                 x = s * 89226354 + 64248484
             x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            w = (lo + hi).to(tl.float16)
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+            w = lo + hi  # one fp16 add: rounded once, as exllamav3's
         acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
         t_ptr += (BLOCK_K // 16) * row_words
