@@ -260,6 +260,10 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     # Unless that Taps is the session's latest, the rows below ``pos`` it holds are stale (a span's
     # rejected rows whose commit was lost): MISSING_ROWS.
     after: int = 0
+    # Early taps: the sender gave up rows below ``pos`` the server never acknowledged, so the server
+    # may hold other rows there (a span's rejected drafts): it starts the session at ``pos``, as after
+    # a gap (a commit without rows of its own is answered MISSING_ROWS).
+    restart: bool = False
 
 
 class Hello(_Message, tag="hello"):

@@ -43,7 +43,10 @@ call that reached it (call ids grow per connection: it was overtaken on the way)
 and is answered MISSING_ROWS (not applied: the client resends): a late span would overwrite the
 newer span's accepted rows with its rejected ones (also as the ingest-only WHOLE entry a
 catching-up client sends a span as), a late commit would cut them. Sessions without early taps
-(only committed rows, from any client version) apply late entries by position as before.
+(only committed rows, from any client version) apply late entries by position as before. An entry
+marked ``restart`` (a client that gave up unacknowledged rows below its position: the session may
+hold a span's rejected rows there) starts its session at its position, as a gap does, and heads
+its run; a commit so marked without rows of its own is answered MISSING_ROWS.
 """
 
 from __future__ import annotations
@@ -237,7 +240,7 @@ class Engine:
             return
         s.pending.append(w)
         if not w.k:  # ingest only: acknowledged now that its session is admitted
-            start = s.start if s.known and s.start <= w.pos <= s.end else w.pos
+            start = s.start if s.known and s.start <= w.pos <= s.end and not w.restart else w.pos
             self._resolve(w, EntryResult(Status.OK, end=w.end, start=start))
 
     def _fold_commit(self, s: Session, w: Work) -> bool:
@@ -246,7 +249,7 @@ class Engine:
         t = s.pending[-1] if s.pending else None
         if w.rows or t is None or t.phase != Phase.TAPS or t.taps is None or not t.pos < w.pos <= t.pos + t.rows:
             return False
-        if w.after and w.after != t.call.call_id:
+        if w.restart or (w.after and w.after != t.call.call_id):
             return False
         cut = t.pos + t.rows - w.pos  # rejected drafts' rows: never ingested
         if cut:
@@ -257,9 +260,13 @@ class Engine:
         return True
 
     def _rows_missing(self, s: Session, w: Work) -> bool:
-        """A commit whose session does not hold every row below its first row: answered
-        MISSING_ROWS (nothing applied, nothing drafted; the client resends), True."""
-        held = s.known and s.start <= w.pos <= s.end and (not w.after or w.after == s.taps_call)
+        """A commit whose session does not hold every row below its first row (or, marked
+        ``restart``, brings none of its own): answered MISSING_ROWS (nothing applied, nothing
+        drafted; the client resends), True."""
+        if w.restart:  # nothing below its first row counts: its own rows are the whole context
+            held = w.rows > 0
+        else:
+            held = s.known and s.start <= w.pos <= s.end and (not w.after or w.after == s.taps_call)
         if w.phase != Phase.COMMIT or w.pos == 0 or held:
             return False
         s.pending.remove(w)
@@ -340,8 +347,8 @@ class Engine:
                 if w.k or len(run) == len(s.pending):
                     continue
                 nxt = s.pending[len(run)]
-                if nxt.pos != w.pos + w.rows or nxt.rows > min(self.chunk, left):
-                    continue
+                if nxt.pos != w.pos + w.rows or nxt.rows > min(self.chunk, left) or nxt.restart:
+                    continue  # (a restart heads its own run: every item of a run has one context start)
                 if nxt.phase == Phase.TAPS and not taps_ok and not any(x.k for x in s.pending):
                     continue
                 run.append(nxt)
@@ -374,17 +381,19 @@ class Engine:
         False (session unchanged) when the KV cache has no room even after evicting idle sessions.
         """
         pos = w.pos
-        start = s.start if s.known and s.start <= pos <= s.end else pos  # append/overwrite, else restart here
+        keep = s.known and s.start <= pos <= s.end and not w.restart
+        start = s.start if keep else pos  # append/overwrite, else restart here
         end = pos + rows
         if not self.admission.reserve(s, start, end + (self.drafter.scratch_rows if w.k else 0)):
             return False
-        if s.known and pos > s.end:
+        if s.known and (pos > s.end or (w.restart and pos > s.start)):
             self.metrics.restarts.labels("gap").inc()
         elif not s.known and pos > 0:
             why = self.sessions.released_as(s.key)
             cause = {"lru": "evicted", "ttl": "ttl", "free": "freed", "error": "error"}.get(why or "", "unknown")
             self.metrics.restarts.labels(cause).inc()
         s.start, s.end, s.known = start, end, True
+        w.restart = False  # done: a prefill's next chunk appends to this one
         return True
 
     def _kv_full(self, s: Session, w: Work) -> None:

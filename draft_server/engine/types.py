@@ -53,6 +53,7 @@ class Work:
     # rows below ``pos`` (else MISSING_ROWS); WHOLE: today's single message (a gap restarts)
     phase: Phase = Phase.WHOLE
     after: int = 0  # COMMIT: the call id of the Taps that must be its session's latest (0: any)
+    restart: bool = False  # start the session at ``pos`` (the sender gave up unacknowledged rows below it)
 
     @property
     def rows(self) -> int:

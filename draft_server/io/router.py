@@ -639,7 +639,21 @@ class Router:
                 call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
             if rows is not None or k:
                 works.append(
-                    Work(call, i, e.session, e.pos, rows, e.anchor, k, e.sampling, end, step.wire, e.phase, e.after)
+                    Work(
+                        call,
+                        i,
+                        e.session,
+                        e.pos,
+                        rows,
+                        e.anchor,
+                        k,
+                        e.sampling,
+                        end,
+                        step.wire,
+                        e.phase,
+                        e.after,
+                        e.restart,
+                    )
                 )
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:

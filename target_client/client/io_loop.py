@@ -95,7 +95,7 @@ from target_client.client.calls import (
 )
 from target_client.client.counters import Counters
 from target_client.client.handshake import Handshake
-from target_client.client.resend import SessionRows, keep_newest
+from target_client.client.resend import SessionRows
 from target_client.client.step_builder import AdaptiveBudget, merge_rows, room_for_resend, step_frames
 
 log = logging.getLogger("target_client")
@@ -745,6 +745,8 @@ class IoLoop:
                         s.drafted(p.call_id, now <= p.deadline)
                 elif r.status == Status.EXPIRED and k:  # the server could not draft it in time
                     s.fell_behind(now)
+            if r.status == Status.OK:
+                s.resynced(p.call_id, r.start)
             if r.status in _APPLIED:
                 s.ack(p.call_id, r.end)
             elif r.status == Status.MISSING_ROWS:
@@ -871,8 +873,9 @@ class IoLoop:
             s.unsent()
             s.retry_at = 0.0
             s.caught_up()  # nothing of a burst is left there to wait for
-            s.chunks, d = keep_newest(s.chunks, self.cfg.restart_resend_rows)  # a small first step
-            dropped += d
+            before = s.rows
+            s.chunks = s.trimmed(s.chunks, self.cfg.restart_resend_rows, s.end)  # a small first step
+            dropped += before - s.rows
         self._c.dropped_rows(dropped)
 
     def _contract_changed(self, new_id: str) -> None:

@@ -13,6 +13,16 @@ so there are no locks. The rules (DESIGN.md §4, positions make appends idempote
   server's reported ``end``; results of older calls are ignored (a later call may have
   overwritten those positions with different rows, e.g. after a rollback).
 
+Rows given up in a session with early taps (``lost_end``). There the server also holds rows that
+are not committed: a span's rejected drafts past its commit, until a later span or resend
+overwrites them. An entry at ``pos`` tells the server that its rows below ``pos`` are right, which
+only holds while every row this buffer gave up had been acknowledged. So when the buffer gives up
+unacknowledged rows (the bound above, a step's resend room, a gap, a restarted server) at or past
+the first position a sent row was superseded (``tail_from``: below it the server never held a
+rejected row), the session's entries are marked ``restart`` (the server starts the session at
+their first row, as after a gap) until an OK names a context that starts at or past the rows given
+up (``resynced``).
+
 Catching up (a burst larger than the budget: a prefill of many rows, K3 taps of 16 sessions x
 256 rows = 294 MB in one step). An entry carrying more rows than the buffer keeps (``limit``)
 leaves rows that only the server can hold: they are *unproven* (``big_pos``, ``big_call``) until
@@ -35,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 Chunk = tuple[int, np.ndarray]  # (absolute position of row 0, rows [n, tap_width])
+_NEVER = 1 << 62  # SessionRows.tail_from before any sent row was superseded
 
 # The longest a session stays behind without the server showing that it holds its burst (see the
 # module docstring). A K3 burst of 64 sessions x 256 rows is 1.2 GB: about 0.5 s over loopback.
@@ -92,7 +103,21 @@ def cut_from(chunks: list[Chunk], pos: int) -> tuple[list[Chunk], int]:
 class SessionRows:
     """Unacknowledged rows of one session (I/O thread only)."""
 
-    __slots__ = ("behind_since", "big_call", "big_pos", "call_id", "chunks", "last_used", "retry_at")
+    __slots__ = (
+        "behind_since",
+        "big_call",
+        "big_pos",
+        "call_id",
+        "chunks",
+        "last_used",
+        "lost_end",
+        "retry_at",
+        "sent_end",
+        "tail_from",
+        "tapped",
+        "unsure_call",
+        "unsure_end",
+    )
 
     def __init__(self, now: float) -> None:
         self.chunks: list[Chunk] = []  # contiguous, ascending positions
@@ -102,6 +127,12 @@ class SessionRows:
         self.big_call: int | None = None  # the call that sent rows only the server holds (None: none unproven)
         self.big_pos = -1  # the first of those rows
         self.behind_since = -1.0  # when the session fell behind them (< 0: it is not behind)
+        self.tapped = False  # early taps were sent for the session (``lost_end`` applies)
+        self.sent_end = 0  # the end of the furthest row sent
+        self.tail_from = _NEVER  # the first position whose sent row a later entry superseded
+        self.lost_end = -1  # >= 0: entries are marked ``restart`` until a context starts here or later
+        self.unsure_call: int | None = None  # the call that alone carried rows given up below ``unsure_end``
+        self.unsure_end = -1
 
     @property
     def rows(self) -> int:
@@ -119,6 +150,10 @@ class SessionRows:
 
         Returns (chunks ending exactly at ``pos``, at most ``limit`` rows; rows dropped).
         """
+        if self.sent_end > pos:  # rows sent at pos and later are superseded: perhaps rejected drafts there
+            self.tail_from = min(self.tail_from, pos)
+        if self.lost_end > pos:  # the new rows overwrite from pos: a context from pos on is clean
+            self.lost_end = pos
         chunks, self.chunks = self.chunks, []
         self.call_id = None
         if not chunks:
@@ -128,17 +163,56 @@ class SessionRows:
         if chunks and chunks[-1][0] + len(chunks[-1][1]) != pos:  # a gap: useless for resend
             dropped += chunk_rows(chunks)
             chunks = []
-        chunks, over = keep_newest(chunks, limit)
-        return chunks, dropped + over
+            self.gave_up(pos)
+        kept = self.trimmed(chunks, limit, pos)
+        return kept, dropped + chunk_rows(chunks) - chunk_rows(kept)
 
     def store(self, chunks: list[Chunk], limit: int, call_id: int | None) -> int:
         """Buffer ``chunks`` (what was just sent, or held back) as unacknowledged; rows dropped."""
         if not chunks:  # a step without rows for the session (its earlier ones acknowledged)
             self.chunks, self.call_id = [], None
             return 0
-        self.chunks, dropped = keep_newest([c for c in chunks if len(c[1])], limit)
+        chunks = [c for c in chunks if len(c[1])]
+        end = chunks[-1][0] + len(chunks[-1][1]) if chunks else 0
+        if call_id is not None:
+            self.sent_end = max(self.sent_end, end)
+        before = chunk_rows(chunks)
+        self.chunks = self.trimmed(chunks, limit, end, call_id)
         self.call_id = call_id if self.chunks else None
-        return dropped
+        return before - self.rows
+
+    def trimmed(self, chunks: list[Chunk], limit: int, end: int, carrier: int | None = None) -> list[Chunk]:
+        """The newest ``limit`` rows of ``chunks`` (contiguous, ending at ``end``). Rows left out are
+        given up (``gave_up``), or, when call ``carrier`` has just sent them, given up only if a
+        resend goes before that call is acknowledged (``resending``)."""
+        kept, dropped = keep_newest(chunks, limit)
+        if dropped:
+            front = kept[0][0] if kept else end
+            if carrier is None:
+                self.gave_up(front)
+            else:
+                self.unsure_call, self.unsure_end = carrier, front
+        return kept
+
+    def resending(self) -> None:
+        """Rows go from the buffer's front (no Taps call in flight stands for the rows below it): rows
+        only an unacknowledged call carried are given up now."""
+        if self.unsure_call is not None:
+            self.unsure_call = None
+            self.gave_up(self.unsure_end)
+
+    def gave_up(self, end: int) -> None:
+        """Unacknowledged rows below ``end`` are no longer kept (module docstring: ``lost_end``)."""
+        if self.tapped and end > self.tail_from:
+            self.lost_end = max(self.lost_end, end)
+
+    def resynced(self, call_id: int, start: int) -> None:
+        """An OK of call ``call_id`` named the context ``[start, ...)``: its rows are held, and none of
+        the rows given up is in that context any more."""
+        if call_id == self.unsure_call:
+            self.unsure_call = None
+        if 0 <= self.lost_end <= start:
+            self.lost_end = -1
 
     def ack(self, call_id: int, end: int) -> None:
         """The server applied call ``call_id``'s rows of this session; its context ends at ``end``."""

@@ -39,7 +39,7 @@ from protocol.wire import RowLayout
 from target_client.api import ClientConfig, DraftReply, StepRequest
 from target_client.client.calls import StepCall
 from target_client.client.regions import DEVICE_DTYPES, device_dtype_ok, is_device
-from target_client.client.resend import SessionRows, chunk_rows, keep_newest
+from target_client.client.resend import SessionRows, chunk_rows
 from target_client.client.ring import ClientRing
 
 RESEND_MIN_ROWS = 16  # resent rows a step may always carry (see ClientConfig.resend_ratio)
@@ -245,7 +245,10 @@ def merge_rows(
     nobody waits on it; it resends only buffered rows that never left (the others are on their way
     in order, and the server is behind already), and an acknowledgement of its newest call covers
     them all. A request of more than ``limit`` new rows (a burst) marks them as only the server's
-    (``SessionRows.sent_big``).
+    (``SessionRows.sent_big``). In a session with early taps that gave up unacknowledged rows
+    (``SessionRows.lost_end``, the ``resend`` module docstring) every entry that goes is marked
+    ``restart``, but a commit relying on its Taps call in flight (``after``: that call's own mark
+    stands for it).
     """
     send = call_id is not None
     out = MergedStep()
@@ -259,6 +262,7 @@ def merge_rows(
         if s is None:
             s = sessions[e.session] = SessionRows(now)
         s.last_used = now
+        s.tapped = s.tapped or e.phase != Phase.WHOLE
         flying = s.call_id  # the call carrying the buffered rows (None: they never left)
         carried = flying if (send and new is None and e.phase == Phase.COMMIT) else None
         if carried is not None and not (in_taps is not None and in_taps(carried)):
@@ -291,6 +295,8 @@ def merge_rows(
             out.behind += 1
             if e.k or e.phase != Phase.WHOLE:  # plain ingest-only: urgent on the server, as early taps are not
                 e = msgspec.structs.replace(e, k=0, phase=Phase.WHOLE, after=0)
+            if s.lost_end >= 0:
+                e = msgspec.structs.replace(e, restart=True)
             if prev and flying is not None:  # on their way already, in order: not again (that
                 if new is None:  # would double the rows of a server that is behind)
                     out.dropped += s.store(prev, limit, flying)
@@ -311,11 +317,13 @@ def merge_rows(
             out.sessions.append(e.session)
             out.ks.append(e.k)
             continue
+        s.resending()  # its rows go from the buffer's front: no call in flight stands for them
         if prev:
             have = chunk_rows(prev)
             if have > room:
-                prev, cut = keep_newest(prev, room)
-                out.dropped += cut
+                end = prev[-1][0] + len(prev[-1][1])
+                prev = s.trimmed(prev, room, end)
+                out.dropped += have - room
                 have = room
             room -= have
             out.resent += have
@@ -328,7 +336,9 @@ def merge_rows(
             continue
         if e.rows > limit:  # new rows beyond what the buffer keeps (a burst): only the server will hold them
             s.sent_big(call_id, e.pos)
-        out.entries.append(e if start == e.pos else msgspec.structs.replace(e, pos=start, rows=rows))
+        if start != e.pos or s.lost_end >= 0:
+            e = msgspec.structs.replace(e, pos=start, rows=rows, restart=s.lost_end >= 0)
+        out.entries.append(e)
         out.parts.extend(a for _, a in chunks)
         out.index.append(i)
         out.sessions.append(e.session)

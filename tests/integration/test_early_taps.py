@@ -270,3 +270,35 @@ def test_lost_commit_then_lost_taps_never_drafts_from_rejected_rows(server, prox
         assert r.status == Status.OK and r.tokens == eng.want()
     finally:
         client.close()
+
+
+def test_resend_that_lost_its_oldest_rows_never_drafts_from_a_stale_span(server, proxied) -> None:
+    """The server holds a span whose commit was lost (rejected rows from pos + 1 on); the next two
+    Taps are lost too, and the resend buffer (5 rows here) cannot keep every accepted row since:
+    it gives up the oldest, never acknowledged. The next step's Taps starts after them, where the
+    server still holds the stale span's rejected rows: before, it overwrote from there and the commit
+    drafted from a context holding them (draft-soak --chaos pause,taps,drop: one session's drafts
+    wrong from a SIGCONT until it ended). Now that Taps restarts the session at its first row (said
+    by the reply's start), and drafts come from exactly the rows from there."""
+    proxy, endpoint = proxied
+    client = make_client(endpoint, resend_rows_limit=K + 1)
+    try:
+        eng = Engine(client, seed=7)
+        assert eng.step(n=5, accepted=5).tokens == eng.want()
+        pos, arr = lose_next(proxy, "commit", eng)  # the span [5, 10) arrives; its commit does not
+        assert wait_for(lambda: client._io.sessions["r1"].rows == 0, 5)  # the span acknowledged
+        assert eng.commit(pos, arr, 1, budget_ms=60.0).status is None  # the server keeps rows 6..9 (rejected)
+        proxy.cfg.phase_drop_p = 0.0
+        for _ in range(2):  # spans at 6 and 9 lost, 3 rows of each accepted: 6 rows to resend, 5 kept
+            pos, arr = lose_next(proxy, "taps", eng)
+            r = eng.commit(pos, arr, 3, budget_ms=BUDGET)
+            assert r.status == Status.MISSING_ROWS and r.tokens == []
+        r = eng.step(accepted=2)  # resends rows 9..11 (the rows 6..8 are gone) with the new span at 12
+        assert r.status == Status.OK and r.start == 9, r  # the stale rows 6..8 are not context
+        eng.start = r.start
+        assert r.tokens == eng.want()
+        for _ in range(3):  # and the session goes on from there
+            r = eng.step()
+            assert r.status == Status.OK and r.start == 9 and r.tokens == eng.want()
+    finally:
+        client.close()

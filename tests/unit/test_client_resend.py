@@ -138,3 +138,57 @@ def test_a_session_catching_up_sends_rows_ingest_only_resends_nothing_in_flight_
     call = StepCall((StepEntry("a", 108, 1, 9, 4),), rows(108, 1), 1.0, True)
     m = merge_rows(call, sessions, 0.5, 5, None, room=64, limit=64)
     assert [(e.pos, e.rows, e.k) for e in m.entries] == [(44, 65, 0)] and m.resent == 64
+
+
+def test_early_taps_rows_given_up_unacknowledged_mark_entries_restart_until_a_context_starts_past_them() -> None:
+    """Early taps: the server may hold a span's rejected rows past its commit. Rows the buffer gives
+    up unacknowledged at or past such a position mark the session's entries ``restart`` (the server
+    starts the session at their first row) until an OK names a context starting past them; rows
+    given up below every superseded position (a prompt), or only carried by a call that is then
+    acknowledged, mark nothing."""
+    from protocol import Phase, StepEntry
+    from target_client.client.calls import StepCall
+    from target_client.client.step_builder import merge_rows
+
+    sessions: dict[str, SessionRows] = {}
+    in_flight: set[int] = set()
+
+    def go(cid: int, e: StepEntry, new: np.ndarray | None, room: int = 64, limit: int = 64) -> StepEntry | None:
+        call = StepCall((e,), new, 1.0, True, phase=e.phase)
+        m = merge_rows(call, sessions, 0.0, cid, None, room, limit, in_flight.__contains__)
+        if e.phase == Phase.TAPS:
+            in_flight.add(cid)
+        return m.entries[0] if m.entries else None
+
+    def taps(cid: int, pos: int, n: int, **kw: int) -> StepEntry | None:
+        return go(cid, StepEntry("s", pos, n, 0, 0, phase=Phase.TAPS), rows(pos, n), **kw)
+
+    def commit(cid: int, pos: int, **kw: int) -> StepEntry | None:
+        return go(cid, StepEntry("s", pos, 0, 5, 4, phase=Phase.COMMIT), None, **kw)
+
+    s = sessions.setdefault("s", SessionRows(0.0))
+    e = taps(1, 0, 10, limit=4)  # a prompt longer than the buffer: rows 0..5 only in call 1
+    assert e is not None and not e.restart and s.unsure_call == 1
+    assert commit(2, 10, limit=4).after == 1  # type: ignore[union-attr]
+    s.resynced(1, 0)  # call 1's OK: its rows are held
+    in_flight.discard(1)
+    s.ack(1, 10)
+    assert s.lost_end == -1 and s.unsure_call is None
+    e = taps(3, 10, 5)  # span [10, 15), acknowledged; its commit (at 11) lost: the server keeps 11..14
+    in_flight.discard(3)
+    s.ack(3, 15)
+    assert commit(4, 11).after == 0  # type: ignore[union-attr]
+    assert s.tail_from == 11
+    taps(5, 11, 5)  # span [11, 16), never acknowledged; 3 of it accepted
+    assert commit(6, 14).after == 5  # type: ignore[union-attr]
+    in_flight.discard(5)  # it failed: the next Taps resends rows 11..13, room for 1 of them only
+    e = taps(7, 14, 5, room=1)
+    assert e is not None and e.restart and (e.pos, e.rows) == (13, 6) and s.lost_end == 13
+    e = taps(8, 15, 5)  # no OK since: still marked (the marked call 7 may be lost)
+    assert e is not None and e.restart and e.pos == 13
+    s.resynced(7, 10)  # an OK naming a context from 10: rows 11, 12 may still be in it
+    assert s.lost_end == 13
+    s.resynced(8, 13)  # the session restarted at 13
+    assert s.lost_end == -1
+    e = taps(9, 16, 5)
+    assert e is not None and not e.restart and e.pos == 13

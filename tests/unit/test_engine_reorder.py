@@ -22,12 +22,14 @@ from tests.unit.test_engine_batching import Counting, _drain, _engine
 OWNER = b"engine"
 
 
-def _work(eng, call_id: int, pos: int, taps: np.ndarray | None, k: int, phase: Phase, after: int = 0) -> Work:
+def _work(
+    eng, call_id: int, pos: int, taps: np.ndarray | None, k: int, phase: Phase, after: int = 0, restart: bool = False
+) -> Work:
     n = 0 if taps is None else len(taps)
     if n:
         assert eng.admission.try_admit_rows(OWNER, n)
     call = Call(OWNER, call_id, 0.0, 1e9, [None], remaining=1)
-    return Work(call, 0, "s", pos, taps, 7, k, GREEDY, pos + n, phase=phase, after=after)
+    return Work(call, 0, "s", pos, taps, 7, k, GREEDY, pos + n, phase=phase, after=after, restart=restart)
 
 
 def _primed(seed: int):
@@ -103,3 +105,29 @@ def test_a_session_without_early_taps_applies_late_entries_by_position_as_before
     _drain(eng)
     r = late.call.results[0]
     assert r is not None and r.status == Status.OK and r.end == 7
+
+
+def test_a_span_marked_restart_starts_its_session_at_its_first_row() -> None:
+    """A client that gave up unacknowledged rows below its resend (the session holds an older
+    span's rejected rows there: the span at 7, call 3) marks its next entries ``restart``: the
+    session starts at the marked span's first row, and the commit drafts from exactly the rows
+    from there, never from the rejected ones below it. A marked commit with no rows of its own is
+    answered MISSING_ROWS; the same span unmarked overwrites by position as before."""
+    d, eng, rng, _prompt, _span = _primed(11)
+    resent = rng.integers(0, 1 << 16, (6, d.contract.tap_width), dtype=np.uint16)  # rows 10..15
+    bare = _work(eng, 4, 12, None, 4, Phase.COMMIT, restart=True)
+    eng.submit([bare])
+    _drain(eng)
+    r = bare.call.results[0]
+    assert r is not None and r.status == Status.MISSING_ROWS and (r.start, r.end) == (0, 15)
+    taps = _work(eng, 5, 10, resent, 0, Phase.TAPS, restart=True)
+    lr, r = _late_then_commit(eng, taps, _work(eng, 6, 13, None, 4, Phase.COMMIT, after=5))
+    assert lr is not None and lr.status == Status.OK and lr.start == 10
+    assert r is not None and r.status == Status.OK and (r.start, r.end) == (10, 13)
+    held = {10 + i: resent[i].tobytes() for i in range(3)}
+    assert list(r.drafts) == expected_drafts(held, 10, 13, 7, 4, d.contract.vocab_size)
+    assert eng.metrics.registry.get_sample_value("draft_server_session_restarts_total", {"cause": "gap"}) == 1
+    unmarked = _work(eng, 7, 11, resent[1:], 0, Phase.TAPS)  # by position: overwrites from 11
+    lr, r = _late_then_commit(eng, unmarked, _work(eng, 8, 12, None, 4, Phase.COMMIT, after=7))
+    assert lr is not None and lr.start == 10 and r is not None and (r.start, r.end) == (10, 12)
+    assert eng.admission.queued_rows == 0
