@@ -245,8 +245,10 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
 
     ``rows`` committed rows at absolute positions pos..pos+rows-1 (their taps are the next
     ``rows`` rows of the Step's tap frame, in entry order), then the anchor token at position
-    pos+rows, and the wish for ``k`` drafts after it (k=0: ingest only). ``phase``: see ``Phase``
-    (omitted on the wire when WHOLE, so older peers read and write the same bytes).
+    pos+rows, and the wish for ``k`` drafts after it (k=0: ingest only). ``phase``: see ``Phase``.
+    Fields added later (``phase``, ``after``, ``restart``) are trailing: msgspec writes every field of
+    an array-like struct, and a peer that lacks one drops the extra element when decoding, while one
+    reading an older peer's shorter array fills in the default.
     """
 
     session: str

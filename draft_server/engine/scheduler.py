@@ -239,9 +239,10 @@ class Engine:
         if w.phase == Phase.COMMIT and self._fold_commit(s, w):
             return
         s.pending.append(w)
-        if not w.k:  # ingest only: acknowledged now that its session is admitted
+        if not w.k:  # ingest only: acknowledged now that its session is admitted (EXPIRED: it was read late)
             start = s.start if s.known and s.start <= w.pos <= s.end and not w.restart else w.pos
-            self._resolve(w, EntryResult(Status.OK, end=w.end, start=start))
+            status = Status.EXPIRED if w.late else Status.OK
+            self._resolve(w, EntryResult(status, end=w.end, start=start, message=w.late))
 
     def _fold_commit(self, s: Session, w: Work) -> bool:
         """Fold a commit (no rows) into its session's early taps still waiting (see the module

@@ -54,6 +54,7 @@ class Work:
     phase: Phase = Phase.WHOLE
     after: int = 0  # COMMIT: the call id of the Taps that must be its session's latest (0: any)
     restart: bool = False  # start the session at ``pos`` (the sender gave up unacknowledged rows below it)
+    late: str = ""  # read past its budget (a pause): acknowledged EXPIRED with this message, not OK
 
     @property
     def rows(self) -> int:

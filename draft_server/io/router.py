@@ -50,8 +50,10 @@ opened is refused with one TRANSPORT line, counted the same way.
 
 Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
 connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
-its budget waited unread (a pause, an outage) and is answered ``expired`` at once, its rows
-still committed.
+its budget waited unread (a pause, an outage): nothing of it is drafted, and it is answered
+``expired``: at once for an entry without rows, by the engine once an entry's rows are applied (an
+entry the engine refuses, e.g. one overtaken by a newer step of its session, is answered as refused:
+an at-once EXPIRED would have told the client rows were applied that never were).
 """
 
 from __future__ import annotations
@@ -630,11 +632,14 @@ class Router:
                 continue
             end = e.pos + e.rows
             k = e.k
-            if unread:  # answered now; its rows still commit, in order
-                self._set(call, i, EntryResult(Status.EXPIRED, end=end, message=f"read {waited:.0f} ms late"))
+            late = f"read {waited:.0f} ms late" if unread else ""
+            if unread:  # no drafting; rows still commit in order, acknowledged EXPIRED by the engine once applied
                 k = 0
+            claims = -1 if e.phase == Phase.COMMIT else end  # what an answer without rows acknowledges
+            if unread and rows is None:  # nothing to apply: answered now (a commit claims no context)
+                self._set(call, i, EntryResult(Status.EXPIRED, end=claims, message=late))
             elif e.k == 0 and rows is None:  # nothing to do (a commit of k=0 claims no context either)
-                self._set(call, i, EntryResult(Status.OK, end=-1 if e.phase == Phase.COMMIT else end))
+                self._set(call, i, EntryResult(Status.OK, end=claims))
             else:
                 call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
             if rows is not None or k:
@@ -653,6 +658,7 @@ class Router:
                         e.phase,
                         e.after,
                         e.restart,
+                        late,
                     )
                 )
         answered_here = call.remaining == 0  # read before the engine may own `call`

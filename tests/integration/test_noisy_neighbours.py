@@ -10,7 +10,7 @@ import numpy as np
 import zmq
 
 from draft_tools.synthetic import bf16_normal
-from protocol import ErrorCode, Free, Sampling, Status, Step, StepEntry, encode
+from protocol import ErrorCode, Free, Phase, Sampling, Status, Step, StepEntry, encode
 from tests.conftest import RawPeer, ServerProc, SessionMirror, random_taps, wait_for
 
 K = 4
@@ -355,6 +355,42 @@ def test_the_message_cap_follows_the_largest_valid_step_and_a_refusal_is_answere
         err = c.recv(5000)
         assert err is not None and err.call_id == 9 and err.code == ErrorCode.TOO_LARGE
         assert srv.metrics()['draft_server_bad_messages_total{code="too_large"}'] == 1
+    finally:
+        c.close()
+        srv.stop()
+
+
+def test_an_early_span_read_late_and_overtaken_is_refused_not_acknowledged() -> None:
+    """An early-taps span read past its budget (its ``sent_ms`` long before this connection's
+    fastest delivery) for a session that already took a newer call is not applied. The engine says
+    so: MISSING_ROWS. The router used to answer every entry of such a Step EXPIRED at once ("rows
+    applied"), before the engine refused the rows, so the client dropped rows the server never
+    held. The commit then drafts from the newer span."""
+    srv = ServerProc().start()
+    rng = np.random.default_rng(10)
+    c = RawPeer(srv.endpoint)
+    try:
+        mirror = SessionMirror()
+        prompt = random_taps(rng, 4)
+        for _ in range(5):  # the connection's fastest delivery is learned from the steps it sends
+            r = c.step([StepEntry("s", 0, 4, 1, K)], prompt, budget_ms=200, sent_ms=_now_ms())
+        mirror.apply(0, prompt, None)
+        assert r.results[0].status == Status.OK
+        c.call_id = 100
+        span = random_taps(rng, 3)
+        r = c.step([StepEntry("s", 4, 3, 1, 0, phase=Phase.TAPS)], span, sent_ms=_now_ms())  # call 101
+        mirror.apply(4, span, 4)
+        assert r.results[0].status == Status.OK
+        c.call_id = 50  # an older call of the connection, held back on the way and read late
+        stale = random_taps(rng, 3)
+        r = c.step([StepEntry("s", 4, 3, 1, 0, phase=Phase.TAPS)], stale, budget_ms=50, sent_ms=_now_ms() - 5000)
+        assert r.results[0].status == Status.MISSING_ROWS, r.results[0]
+        m = srv.metrics()
+        assert m['draft_server_stale_steps_total{why="unread"}'] == 1
+        assert m['draft_server_stale_steps_total{why="reordered"}'] == 1
+        c.call_id = 101
+        r = c.step([StepEntry("s", 7, 0, 3, K, phase=Phase.COMMIT, after=101)], None, sent_ms=_now_ms())
+        assert r.results[0].status == Status.OK and list(r.results[0].drafts) == mirror.expect(3, K)
     finally:
         c.close()
         srv.stop()
