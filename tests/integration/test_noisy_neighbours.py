@@ -219,17 +219,24 @@ def test_ingest_only_rows_are_not_acknowledged_when_their_session_cannot_be_made
 # 6 -------------------------------------------------------------------------------------------
 
 
+def _prompted(c: RawPeer, rng: np.random.Generator) -> SessionMirror:
+    """Session "s" holds a 4-row prompt, sent 5 times with the sender's clock so the connection's
+    fastest delivery is learned (a later Step's lateness is measured against it)."""
+    mirror = SessionMirror()
+    prompt = random_taps(rng, 4)
+    for _ in range(5):
+        r = c.step([StepEntry("s", 0, 4, 1, K)], prompt, budget_ms=200, sent_ms=_now_ms())
+        assert r is not None and r.results[0].status == Status.OK
+    mirror.apply(0, prompt, None)
+    return mirror
+
+
 def test_steps_queued_during_a_pause_expire_unread_and_their_rows_still_commit() -> None:
     srv = ServerProc().start()
     rng = np.random.default_rng(8)
     c = RawPeer(srv.endpoint)
     try:
-        mirror = SessionMirror()
-        taps = random_taps(rng, 4)
-        for _ in range(5):  # the connection's fastest delivery is learned from the steps it sends
-            r = c.step([StepEntry("s", 0, 4, 1, K)], taps, budget_ms=200, sent_ms=_now_ms())
-        mirror.apply(0, taps, None)
-        assert r.results[0].status == Status.OK
+        mirror = _prompted(c, rng)
         srv.pause()
         late = [random_taps(rng, 2) for _ in range(3)]
         for i, t in enumerate(late):  # the caller gives up on each after its 50 ms budget
@@ -370,12 +377,7 @@ def test_an_early_span_read_late_and_overtaken_is_refused_not_acknowledged() -> 
     rng = np.random.default_rng(10)
     c = RawPeer(srv.endpoint)
     try:
-        mirror = SessionMirror()
-        prompt = random_taps(rng, 4)
-        for _ in range(5):  # the connection's fastest delivery is learned from the steps it sends
-            r = c.step([StepEntry("s", 0, 4, 1, K)], prompt, budget_ms=200, sent_ms=_now_ms())
-        mirror.apply(0, prompt, None)
-        assert r.results[0].status == Status.OK
+        mirror = _prompted(c, rng)
         c.call_id = 100
         span = random_taps(rng, 3)
         r = c.step([StepEntry("s", 4, 3, 1, 0, phase=Phase.TAPS)], span, sent_ms=_now_ms())  # call 101
