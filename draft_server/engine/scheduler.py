@@ -398,8 +398,13 @@ class Engine:
         return True
 
     def _kv_full(self, s: Session, w: Work) -> None:
-        """Entry ``w`` of ``s`` found no KV room: answer it overloaded, its rows dropped."""
+        """Entry ``w`` of ``s`` found no KV room: answer it overloaded, its rows dropped. The session
+        stops claiming rows from w.pos on: what it held there is not what its client sent (with early
+        taps, an older span's rejected rows, and an ingest-only entry was acknowledged when queued),
+        so a commit past w.pos is MISSING_ROWS, never drafted from them."""
         s.pending.remove(w)
+        if s.known and s.start <= w.pos < s.end:
+            s.end = w.pos
         self._resolve(w, self.admission.overloaded("draft KV cache full"), rows_done=True, why="kv_full")
 
     def _drafter_failed(self, placed: list[tuple[Session, Work]], e: Exception) -> None:

@@ -7,7 +7,8 @@ that names no Taps call (its span was acknowledged already) then drafted from th
 are not the checksum of the context (draft-soak ``--chaos taps,delay``: about 1,400 mismatched
 entries in 30 s, one server). In a session with early taps, an entry of a call older than the
 newest call that reached it (call ids grow per connection) now applies nothing and is answered
-MISSING_ROWS (not applied: the client resends the rows).
+MISSING_ROWS (not applied: the client resends the rows). Likewise a span acknowledged when queued
+whose rows are then dropped for want of KV room leaves no stale rows to draft from.
 """
 
 from __future__ import annotations
@@ -131,3 +132,47 @@ def test_a_span_marked_restart_starts_its_session_at_its_first_row() -> None:
     lr, r = _late_then_commit(eng, unmarked, _work(eng, 8, 12, None, 4, Phase.COMMIT, after=7))
     assert lr is not None and lr.start == 10 and r is not None and (r.start, r.end) == (10, 12)
     assert eng.admission.queued_rows == 0
+
+
+class Full(Counting):
+    """The checksum drafter whose KV cache refuses every reservation while ``full``."""
+
+    full = False
+
+    def reserve(self, key: int, start: int, end: int) -> bool:
+        return not self.full and super().reserve(key, start, end)
+
+
+def test_a_span_dropped_for_kv_room_after_its_ack_leaves_no_stale_rows_to_draft_from() -> None:
+    """A span (call 5) at 9, over the older span's rejected rows 9..14, is acknowledged when queued
+    (ingest only) and then finds no KV room: its rows are dropped. Its commit (2 rows accepted,
+    naming call 5) must not draft from the rows the session held at 9 and 10 (the older span's):
+    the session no longer claims rows from 9 on, so the commit is MISSING_ROWS and the client
+    resends; once room is back, the resent rows draft as the client's context says."""
+    d = Full()
+    eng = _engine(d)
+    rng = np.random.default_rng(9)
+    prompt = rng.integers(0, 1 << 16, (7, d.contract.tap_width), dtype=np.uint16)
+    older = rng.integers(0, 1 << 16, (8, d.contract.tap_width), dtype=np.uint16)
+    eng.submit([_work(eng, 1, 0, prompt, 0, Phase.WHOLE)])
+    eng.submit([_work(eng, 3, 7, older, 0, Phase.TAPS)])
+    _drain(eng)
+    newer = rng.integers(0, 1 << 16, (6, d.contract.tap_width), dtype=np.uint16)
+    span = _work(eng, 5, 9, newer, 0, Phase.TAPS)
+    d.full = True
+    eng.submit([span])
+    _drain(eng)
+    d.full = False
+    assert span.call.results[0].status == Status.OK  # acknowledged when queued, then dropped
+    commit = _work(eng, 6, 11, None, 4, Phase.COMMIT, after=5)
+    eng.submit([commit])
+    _drain(eng)
+    assert commit.call.results[0].status == Status.MISSING_ROWS, commit.call.results[0]
+    resent = _work(eng, 7, 9, newer[:2], 4, Phase.WHOLE)  # the rows again, with the anchor
+    resent.anchor = 7
+    eng.submit([resent])
+    _drain(eng)
+    held = {p: prompt[p].tobytes() for p in range(7)} | {7: older[0].tobytes(), 8: older[1].tobytes()}
+    held |= {9: newer[0].tobytes(), 10: newer[1].tobytes()}
+    r = resent.call.results[0]
+    assert r.status == Status.OK and list(r.drafts) == expected_drafts(held, 0, 11, 7, 4, d.contract.vocab_size)
