@@ -91,8 +91,8 @@ class KernelConfig(NamedTuple):
     """One launch shape: output block, k step, warps, pipeline stages, and how many programs per SM
     the k split aims for when the output blocks alone are too few. The defaults are the one shape
     within 1.04-1.3x of the best of 108 for every K3 linear at 7, 56, 112 and 448 rows on the H200
-    (``bench/results/exl3_kernel_h200.json``); pipelining the trellis loads (2 stages, the old
-    default) made the kernel 2-20x slower."""
+    (``bench/results/exl3_kernel_h200.json``); software-pipelining the gathered trellis loads (2 or
+    3 stages; Triton's default before) made the kernel 10-20x slower."""
 
     block_n: int = 64
     block_k: int = 64
