@@ -260,7 +260,9 @@ class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True
     phase: Phase = Phase.WHOLE
     # COMMIT: the call id of the early Taps still carrying rows below ``pos`` (0: none, all acknowledged).
     # Unless that Taps is the session's latest, the rows below ``pos`` it holds are stale (a span's
-    # rejected rows whose commit was lost): MISSING_ROWS.
+    # rejected rows whose commit was lost): MISSING_ROWS. An entry with rows (a client catching up
+    # sends a span's new rows alone): the call carrying the rows below ``pos``; unless that call's rows
+    # reached the session last, MISSING_ROWS, nothing applied.
     after: int = 0
     # Early taps: the sender gave up rows below ``pos`` the server never acknowledged, so the server
     # may hold other rows there (a span's rejected drafts): it starts the session at ``pos``, as after

@@ -46,7 +46,11 @@ catching-up client sends a span as), a late commit would cut them. Sessions with
 (only committed rows, from any client version) apply late entries by position as before. An entry
 marked ``restart`` (a client that gave up unacknowledged rows below its position: the session may
 hold a span's rejected rows there) starts its session at its position, as a gap does, and heads
-its run; a commit so marked without rows of its own is answered MISSING_ROWS.
+its run; a commit so marked without rows of its own is answered MISSING_ROWS. An entry with rows
+that names a call (``after``: a client catching up sends a span's new rows alone, the rows below
+them on their way in that call) is answered MISSING_ROWS, nothing applied, unless that call's rows
+reached the session last (``Session.rows_call``): else that call was lost or refused, and the rows
+the session holds below the entry may be an older span's rejected ones.
 """
 
 from __future__ import annotations
@@ -228,7 +232,11 @@ class Engine:
             )
             self._resolve(w, stale, rows_done=True)
             return
+        if self._predecessor_lost(s, w):
+            return
         s.last_call = max(s.last_call, w.call.call_id)
+        if w.taps is not None:
+            s.rows_call = w.call.call_id
         for old in s.pending:  # a newer step for this session: the older one's drafts are moot
             if old.k:
                 old.k = 0
@@ -243,6 +251,25 @@ class Engine:
             start = s.start if s.known and s.start <= w.pos <= s.end and not w.restart else w.pos
             status = Status.EXPIRED if w.late else Status.OK
             self._resolve(w, EntryResult(status, end=w.end, start=start, message=w.late))
+
+    def _predecessor_lost(self, s: Session, w: Work) -> bool:
+        """An entry with rows that names the call carrying the rows below it (``after``: a client
+        catching up sends each span's new rows alone, the rows below on their way in that call) when
+        another call's rows reached the session last (that call was lost, or refused: the session may
+        hold an older span's rejected rows there): answered MISSING_ROWS, nothing applied (the
+        client resends from its buffer), True. A commit's ``after`` is checked when it drafts."""
+        if not w.after or w.taps is None or w.phase == Phase.COMMIT or w.restart:
+            return False
+        if not s.rows_call or w.after == s.rows_call:  # no rows ever queued here: a gap restart is safe
+            return False
+        lost = EntryResult(
+            Status.MISSING_ROWS,
+            end=s.end if s.known else -1,
+            start=s.start if s.known else -1,
+            message=f"the rows below {w.pos} (call {w.after}) did not reach the session last: not applied",
+        )
+        self._resolve(w, lost, rows_done=True, why="missing_rows")
+        return True
 
     def _fold_commit(self, s: Session, w: Work) -> bool:
         """Fold a commit (no rows) into its session's early taps still waiting (see the module

@@ -35,6 +35,7 @@ class Session:
     pending: deque[Work] = field(default_factory=deque)
     taps_call: int = 0  # call id of the latest early Taps that reached this session
     last_call: int = 0  # the newest call id of any entry that reached it (its owner's ids grow)
+    rows_call: int = 0  # the call id of the latest entry with rows queued on it (0: none yet)
     last_used: float = 0.0
 
     @property

@@ -52,7 +52,9 @@ class Work:
     # TAPS: early rows, ingested after waiting commits; COMMIT: drafts only if the session holds the
     # rows below ``pos`` (else MISSING_ROWS); WHOLE: today's single message (a gap restarts)
     phase: Phase = Phase.WHOLE
-    after: int = 0  # COMMIT: the call id of the Taps that must be its session's latest (0: any)
+    # COMMIT: the call id of the Taps that must be its session's latest; an entry with rows: of the
+    # call whose rows must have reached its session last (a client catching up). 0: any
+    after: int = 0
     restart: bool = False  # start the session at ``pos`` (the sender gave up unacknowledged rows below it)
     late: str = ""  # read past its budget (a pause): acknowledged EXPIRED with this message, not OK
 

@@ -32,10 +32,14 @@ still receiving or ingesting them and no draft for the session can come in time 
 the session is *behind* (``fell_behind``). While it is (``catching_up``), the I/O thread sends
 the session's rows ingest-only and nobody waits for its drafts (``step_builder.merge_rows``):
 one missed budget per burst instead of one per step until the server is through it, and every
-committed row still goes out. It ends when a later call is acknowledged within its budget with
-a context start at or below the burst (``acked``: the server is taking rows promptly again and
-holds the burst), and the next step is then a trial that waits as usual: drafted on time, the
-burst is proven; missed or EXPIRED, the session is behind again. A new server epoch ends it, and
+committed row still goes out. Rows on their way are not sent again, so each entry relies on the
+call before it arriving; with early taps it names that call (``after``), and unless that call's
+rows reached the session last the server answers MISSING_ROWS (nothing applied: the rows below may
+be an older span's rejected ones), which ends catching up (the next step resends from the buffer).
+Otherwise it ends when a later call is acknowledged within its budget with a context start at or
+below the burst (``acked``: the server is taking rows promptly again and holds the burst), and the
+next step is then a trial that waits as usual: drafted on time, the burst is proven; missed or
+EXPIRED, the session is behind again. A new server epoch ends it, and
 so does ``CATCH_UP_MAX_S`` (the rows were lost after all, say with a reply the network dropped:
 the session then drafts from what the server holds, as after any gap).
 """

@@ -244,11 +244,14 @@ def merge_rows(
     where early taps would wait for one without drafting; a rowless commit not at all), so that
     nobody waits on it; it resends only buffered rows that never left (the others are on their way
     in order, and the server is behind already), and an acknowledgement of its newest call covers
-    them all. A request of more than ``limit`` new rows (a burst) marks them as only the server's
-    (``SessionRows.sent_big``). In a session with early taps that gave up unacknowledged rows
-    (``SessionRows.lost_end``, the ``resend`` module docstring) every entry that goes is marked
-    ``restart``, but a commit relying on its Taps call in flight (``after``: that call's own mark
-    stands for it).
+    them all. With early taps such an entry names the call carrying the rows below it (``after``):
+    were that call lost, the server could hold an older span's rejected rows there, so unless that
+    call's rows reached the session last it applies nothing (MISSING_ROWS: catching up ends, the next
+    step resends from the buffer). A request of more than ``limit`` new rows (a burst) marks them as
+    only the server's (``SessionRows.sent_big``). In a session with early taps that gave up
+    unacknowledged rows (``SessionRows.lost_end``, the ``resend`` module docstring) every entry that
+    goes is marked ``restart``, but a commit relying on its Taps call in flight (``after``: that
+    call's own mark stands for it).
     """
     send = call_id is not None
     out = MergedStep()
@@ -301,6 +304,8 @@ def merge_rows(
                 if new is None:  # would double the rows of a server that is behind)
                     out.dropped += s.store(prev, limit, flying)
                     continue
+                if s.tapped:  # the server may hold a span's rejected rows below: only over call ``flying``'s
+                    e = msgspec.structs.replace(e, after=flying)
                 out.entries.append(e)
                 out.parts.append(new)
                 out.index.append(i)

@@ -176,3 +176,27 @@ def test_a_span_dropped_for_kv_room_after_its_ack_leaves_no_stale_rows_to_draft_
     held |= {9: newer[0].tobytes(), 10: newer[1].tobytes()}
     r = resent.call.results[0]
     assert r.status == Status.OK and list(r.drafts) == expected_drafts(held, 0, 11, 7, 4, d.contract.vocab_size)
+
+
+def test_a_span_relying_on_rows_of_a_call_that_never_reached_its_session_applies_nothing() -> None:
+    """A client catching up sends a span's new rows alone, naming the call with the rows below them
+    (``after``). Call 4 (the span at 7's accepted rows and more) never arrived: the session holds
+    the span at 7's rejected rows below 9, so the span at 9 is MISSING_ROWS, nothing applied, and so
+    is the next one, which relies on it; a span marked ``restart`` is its own context and applies."""
+    d, eng, rng, _prompt, _span = _primed(12)
+    for cid, pos, after in ((5, 9, 4), (6, 12, 5)):
+        rows = rng.integers(0, 1 << 16, (3, d.contract.tap_width), dtype=np.uint16)
+        w = _work(eng, cid, pos, rows, 0, Phase.WHOLE, after=after)
+        eng.submit([w])
+        _drain(eng)
+        r = w.call.results[0]
+        assert r is not None and r.status == Status.MISSING_ROWS and (r.start, r.end) == (0, 15), r
+    fresh = rng.integers(0, 1 << 16, (3, d.contract.tap_width), dtype=np.uint16)
+    lr, r = _late_then_commit(
+        eng, _work(eng, 7, 9, fresh, 0, Phase.WHOLE, after=6, restart=True), _work(eng, 8, 11, None, 4, Phase.COMMIT)
+    )
+    assert lr is not None and lr.status == Status.OK and lr.start == 9
+    held = {9 + i: fresh[i].tobytes() for i in range(2)}
+    assert r is not None and r.status == Status.OK and (r.start, r.end) == (9, 11)
+    assert list(r.drafts) == expected_drafts(held, 9, 11, 7, 4, d.contract.vocab_size)
+    assert eng.admission.queued_rows == 0
