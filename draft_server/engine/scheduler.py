@@ -224,13 +224,7 @@ class Engine:
             return
         if w.call.call_id < s.last_call and (w.phase != Phase.WHOLE or s.taps_call):  # overtaken (module docstring)
             self.metrics.stale_steps.labels("reordered").inc()
-            stale = EntryResult(
-                Status.MISSING_ROWS,
-                end=s.end if s.known else -1,
-                start=s.start if s.known else -1,
-                message="overtaken by a newer step of its session: not applied",
-            )
-            self._resolve(w, stale, rows_done=True)
+            self._resolve(w, _missing(s, "overtaken by a newer step of its session: not applied"), rows_done=True)
             return
         if self._predecessor_lost(s, w):
             return
@@ -262,13 +256,8 @@ class Engine:
             return False
         if not s.rows_call or w.after == s.rows_call:  # no rows ever queued here: a gap restart is safe
             return False
-        lost = EntryResult(
-            Status.MISSING_ROWS,
-            end=s.end if s.known else -1,
-            start=s.start if s.known else -1,
-            message=f"the rows below {w.pos} (call {w.after}) did not reach the session last: not applied",
-        )
-        self._resolve(w, lost, rows_done=True, why="missing_rows")
+        why = f"the rows below {w.pos} (call {w.after}) did not reach the session last: not applied"
+        self._resolve(w, _missing(s, why), rows_done=True, why="missing_rows")
         return True
 
     def _fold_commit(self, s: Session, w: Work) -> bool:
@@ -298,13 +287,7 @@ class Engine:
         if w.phase != Phase.COMMIT or w.pos == 0 or held:
             return False
         s.pending.remove(w)
-        missing = EntryResult(
-            Status.MISSING_ROWS,
-            end=s.end if s.known else -1,
-            start=s.start if s.known else -1,
-            message=f"rows below {w.pos} not held",
-        )
-        self._resolve(w, missing, rows_done=True, why="missing_rows")
+        self._resolve(w, _missing(s, f"rows below {w.pos} not held"), rows_done=True, why="missing_rows")
         return True
 
     def _has_decode_work(self) -> bool:
@@ -590,6 +573,13 @@ class Engine:
             for w in list(s.pending):
                 self._resolve(w, EntryResult(Status.INTERNAL, message=why), rows_done=True)
             s.pending.clear()
+
+
+def _missing(s: Session, message: str) -> EntryResult:
+    """MISSING_ROWS (nothing applied: the client resends), with what session ``s`` holds."""
+    return EntryResult(
+        Status.MISSING_ROWS, end=s.end if s.known else -1, start=s.start if s.known else -1, message=message
+    )
 
 
 def _joined(items: list[IngestItem], most: int) -> list[IngestItem]:
