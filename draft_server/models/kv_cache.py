@@ -76,6 +76,16 @@ class PagedKVCache:
         s = self._sessions.get(key)
         if s is not None and s.first_lp == lo and len(s.pages) == hi - lo:
             return True  # already exactly this span (the common case: a decode step within its page)
+        if s is not None and s.first_lp == lo:  # the span grows or shrinks at its end: no rebuild
+            have = len(s.pages)
+            if hi - lo > have:
+                if hi - lo - have > len(self._free):
+                    return False
+                s.pages.extend(self._free.pop() for _ in range(hi - lo - have))
+            else:
+                self._free.extend(s.pages[hi - lo :])
+                del s.pages[hi - lo :]
+            return True
         s = s or _Session(first_lp=lo)
         keep = {s.first_lp + i: p for i, p in enumerate(s.pages) if lo <= s.first_lp + i < hi}
         if (hi - lo) - len(keep) > len(self._free) + (len(s.pages) - len(keep)):

@@ -570,7 +570,8 @@ def greedy_chain(
     ``sts``: the confidence head's per-step temperatures [block]. Each step's argmax reads the base
     logits and forms the low-rank Markov bias (W2 e) tile by tile in one kernel
     (``fused.markov_argmax_lowrank``): the same float32 sums the eager sampler compares (the bias
-    rounded to the model dtype first, as ``F.linear`` writes it), never written out. The confidence
+    rounded to the model dtype first, as ``F.linear`` writes it), never written out, in vocab order
+    on even steps and reversed on odd ones so each step begins where the L2 still holds W2. The confidence
     of all k steps is one GEMV after the chain (its features, [z_j; e_j], are known by then). A
     ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round differently)."""
     fused_argmax = m.cfg.logit_scale == 1.0 and m.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -584,7 +585,7 @@ def greedy_chain(
         embs.append(e)
         if fused_argmax:
             if lowrank:
-                best = fused.markov_argmax_lowrank(base[:, j], e, w2)
+                best = fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=j % 2 == 1)
             else:
                 best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, w2))
         else:

@@ -33,8 +33,10 @@ import numpy as np
 import torch
 
 from draft_server.drafters import DraftItem, IngestItem
+from draft_server.drafters.base import DeviceRows
 from draft_server.models import gemm
 from draft_server.models.drafter import DSparkDrafter
+from draft_server.models.kernels import fused
 from draft_server.models.presets import PRESETS, random_drafter
 from protocol import GREEDY
 
@@ -84,7 +86,58 @@ def measure_floors(dev: torch.device) -> dict[str, float]:
         b.synchronize()
         ts.append(a.elapsed_time(b) / 1000)
     flops = 2 * 8192**3 / statistics.median(ts)
-    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops}
+    del m, n
+    h = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)  # taps from host memory cross PCIe
+    g = torch.empty(h.shape, dtype=torch.uint8, device=dev)
+    ts = []
+    for i in range(8):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.copy_(h, non_blocking=True)
+        b.record()
+        b.synchronize()
+        if i >= 2:
+            ts.append(a.elapsed_time(b) / 1000)
+    h2d = h.numel() / statistics.median(ts)
+    return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops, "h2d_bytes_per_s": h2d}
+
+
+def markov_order(d: DSparkDrafter, dev: torch.device) -> dict[str, float]:
+    """The k Markov argmax kernels of one chain with the vocab blocks launched in the same order every
+    step vs alternating (what ``greedy_chain`` does), each as a CUDA graph replayed after an L2 flush
+    (in the step the lm_head GEMM before the chain streams 2.35 GB through the L2)."""
+    m = d.model
+    w2 = m.markov_w2
+    if w2 is None:
+        return {}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    out: dict[str, float] = {"w2_bytes": float(w2.numel() * w2.element_size())}
+    for n in (1, 64):
+        base = torch.randn(n, K, w2.shape[0], dtype=m.dtype, device=dev)
+        e = torch.randn(n, w2.shape[1], dtype=w2.dtype, device=dev)
+        for name, alternate in (("same_order", False), ("alternating", True)):
+
+            def chain(alternate: bool = alternate, base: torch.Tensor = base, e: torch.Tensor = e) -> None:
+                for j in range(K):
+                    fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=alternate and j % 2 == 1)
+
+            chain()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            ts = []
+            for _ in range(30):
+                flush.zero_()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
+            out[f"B{n}_{name}_ms"] = statistics.median(ts[5:])
+            del g
+    return out
 
 
 def step_cost(d: DSparkDrafter, n: int, contexts: list[int], rows_in: int) -> dict[str, float]:
@@ -147,7 +200,6 @@ class Sessions:
         self.B = d.cfg.block_size
         self.pool = [bf16_rows(rng, NEW_ROWS, self.W) for _ in range(97)]  # made once, outside any timing
         self.turn = 0
-        self.host_ingest_ms: list[float] = []
 
     def open(self, n: int, ctx: int | list[int], chunk: int = 4096) -> list[int]:
         keys = [self.base + i for i in range(n)]
@@ -168,11 +220,8 @@ class Sessions:
             self.d.reserve(key, 0, self.end[key] + NEW_ROWS + self.B)
             items.append(IngestItem(key, 0, self.end[key], rows))
             self.end[key] += NEW_ROWS
-        t0 = time.perf_counter()
-        self.d.ingest(items)
-        self.host_ingest_ms.append((time.perf_counter() - t0) * 1e3)  # host time: ingest is asynchronous
-        outs = self.d.draft([DraftItem(k, 0, self.end[k], 7 + i % 11, K, GREEDY) for i, k in enumerate(keys)])
-        return [o.tokens for o in outs]
+        drafts = [DraftItem(k, 0, self.end[k], 7 + i % 11, K, GREEDY) for i, k in enumerate(keys)]
+        return [o.tokens for o in self.d.step(items, drafts)]  # one call, one wait: as the server steps
 
     def rewind(self, keys: list[int], to: int) -> None:
         for k in keys:
@@ -297,6 +346,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     fast = d.fast
     assert fast is not None
     res["gemm_tuning_ms"] = {repr(k): t for k, t in gemm.TUNER.timings.items()}
+    res["markov_order"] = markov_order(d, dev)
+    log(f"{name} markov order: {json.dumps({k: round(v, 4) for k, v in res['markov_order'].items()})}")
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)
     # The step's taps lie in registered host memory, as the server's receive arena (tcp/ipc frames)
@@ -321,11 +372,9 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
             d.fast = fast if mode == "fast" else None
             S.rewind(ks, CTX)
             iters = 8 if (mode == "dense" or quick) else 30
-            S.host_ingest_ms.clear()
             r = timed(lambda ks=ks: S.step(ks), iters)
             row[f"{mode}_ms"] = r["median_ms"]
             row[f"{mode}_p90_ms"] = r["p90_ms"]
-            row[f"{mode}_host_ingest_ms"] = statistics.median(S.host_ingest_ms)
         d.fast = fast
         row["ratio_fast_to_floor"] = row["fast_ms"] / row["floor_ms"]
         row["ratio_dense_to_floor"] = row["dense_ms"] / row["floor_ms"]
@@ -333,7 +382,7 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         log(
             f"{name:9s} B={n:3d} dense {row['dense_ms']:8.2f} ms  fast {row['fast_ms']:7.2f} ms  "
             f"floor {row['floor_ms']:6.2f} ms ({'mem' if row['memory_ms'] >= row['compute_ms'] else 'flop'})  "
-            f"fast/floor {row['ratio_fast_to_floor']:.2f}  host ingest {row['fast_host_ingest_ms']:.2f} ms"
+            f"fast/floor {row['ratio_fast_to_floor']:.2f}"
         )
     res["steps"] = rows
     res["alloc_growth_bytes_over_timed_steps"] = torch.cuda.memory_allocated(dev) - mem0
@@ -363,16 +412,10 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         res["registered_rows"] = {}
         for n in (1, 64):
             S.rewind(keys[:n], CTX)
-            S.host_ingest_ms.clear()
             reg = timed(lambda n=n: S.step(keys[:n], slab[:n]), 20)["median_ms"]
-            reg_ing = statistics.median(S.host_ingest_ms)
             S.rewind(keys[:n], CTX)
-            S.host_ingest_ms.clear()
             stage = timed(lambda n=n: S.step(keys[:n], plain[:n]), 20)["median_ms"]
-            res["registered_rows"][str(n)] = {
-                "step_ms": reg, "host_ingest_ms": reg_ing,
-                "staged_step_ms": stage, "staged_host_ingest_ms": statistics.median(S.host_ingest_ms),
-            }  # fmt: skip
+            res["registered_rows"][str(n)] = {"step_ms": reg, "staged_step_ms": stage}
         d.unregister_host(memoryview(ring))
         log(f"{name} registered rows: {json.dumps(res['registered_rows'])}")
     log(f"{name} host copy: {res['host_copy_B64']}")
@@ -439,17 +482,35 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
                 gemm_flops += 2 * 32768 * t.numel()
         kv_all = d.model.kv_a_all if d.model.layout.mla else d.model.kv_w
         gemm_flops += 2 * 32768 * kv_all.numel()
+        # Where the prompt's taps lie: ordinary host memory (tcp/ipc frames past the receive arena:
+        # one host copy into pinned staging, then H2D), registered host memory (a shm ring: H2D
+        # only) or this GPU's memory (transport cuda_ipc: a device copy).
+        reg_buf = bytearray(rows32k.nbytes)
+        reg = np.frombuffer(reg_buf, dtype=np.uint16).reshape(rows32k.shape)
+        reg[:] = rows32k
+        ready = torch.cuda.Event()
+        on_dev = torch.from_numpy(rows32k.view(np.int16)).to(dev)
+        ready.record()
+        sources: dict[str, Any] = {"staged": rows32k, "device": DeviceRows(on_dev, ready)}
+        if d.register_host(memoryview(reg_buf)):
+            sources["registered"] = reg
+        pre["h2d_floor_ms"] = rows32k.nbytes / floors["h2d_bytes_per_s"] * 1e3
         for chunk in (512, 1024, 2048, 4096):
+            for where, src in sources.items():
+                assert d.reserve(key, 0, 32768 + 8)
+
+                def run(chunk: int = chunk, src: Any = src) -> None:
+                    for a in range(0, 32768, chunk):
+                        d.ingest([IngestItem(key, 0, a, src[a : a + chunk])])
+
+                r = timed(run, 3, warm=1)
+                pre[f"{where}_chunk_{chunk}_ms"] = r["median_ms"]
+                pre[f"{where}_chunk_{chunk}_roofline"] = (
+                    gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
+                )
+                d.release(key)
             assert d.reserve(key, 0, 32768 + 8)
-
-            def run(chunk: int = chunk) -> None:
-                for a in range(0, 32768, chunk):
-                    d.ingest([IngestItem(key, 0, a, rows32k[a : a + chunk])])
-
-            r = timed(run, 3, warm=1)
-            pre[f"chunk_{chunk}_ms"] = r["median_ms"]  # host copy into pinned memory included
-            pre[f"chunk_{chunk}_roofline"] = gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
-            g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the last chunk's graph, its inputs staged
+            g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the graph, its inputs staged
             if g is not None:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -461,6 +522,9 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
                 pre[f"chunk_{chunk}_gpu_ms"] = gpu_ms
                 pre[f"chunk_{chunk}_gpu_roofline"] = gemm_flops / (gpu_ms / 1e3) / floors["bf16_flops_per_s"]
             d.release(key)
+        if "registered" in sources:
+            d.unregister_host(memoryview(reg_buf))
+        del on_dev
         pre["gemm_tflop"] = gemm_flops / 1e12
         pre["roofline_ms"] = gemm_flops / floors["bf16_flops_per_s"] * 1e3
         res["prefill_32k"] = pre

@@ -51,6 +51,24 @@ def test_reserve_holds_exactly_the_span():
         kv.slots(2, np.array([7]))
 
 
+def test_growing_and_shrinking_at_the_end_keeps_every_held_row_in_place():
+    """The decode path: a span that only moves its end keeps the slots of the positions it still
+    holds, frees exactly the pages past the new end, and takes new pages only for the new tail."""
+    P = 4
+    kv = PagedKVCache(1, (1,), num_pages=8, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    assert kv.reserve(1, 5, 13)  # logical pages 1, 2, 3
+    first = kv.slots(1, np.arange(5, 13))
+    assert kv.reserve(1, 5, 24) and kv.used_tokens() == 5 * P  # grows by pages 4, 5
+    assert np.array_equal(kv.slots(1, np.arange(5, 13)), first)
+    grown = kv.slots(1, np.arange(5, 24))
+    assert kv.reserve(1, 6, 9) and kv.used_tokens() == 2 * P  # shrinks to pages 1, 2
+    assert np.array_equal(kv.slots(1, np.arange(6, 9)), grown[1:4])
+    assert not kv.reserve(1, 6, 6 + 9 * P)  # more than the pool: refused, nothing changed
+    assert np.array_equal(kv.slots(1, np.arange(6, 9)), grown[1:4]) and kv.used_tokens() == 2 * P
+    assert kv.reserve(2, 0, 6 * P)  # the freed pages are all handed out again, none twice
+    assert len(set(kv.slots(2, np.arange(6 * P)) // P) | set(kv.slots(1, np.arange(6, 9)) // P)) == 8
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["reserve", "release"]), st.integers(0, 3), st.integers(0, 60), st.integers(0, 30)),
     max_size=40,
@@ -76,10 +94,15 @@ def test_reserve_release_invariants(seq):
         else:
             span = (start, start + length)
             others = sum(npages(s) for k, s in held.items() if k != key)
+            before = held.get(key, (0, 0))
+            kept = np.arange(max(before[0], span[0]), min(before[1], span[1]))  # positions in both spans
+            old_slots = kv.slots(key, kept) if len(kept) else None
             ok = kv.reserve(key, *span)
             assert ok == (others + npages(span) <= pages)
             if ok:
                 held[key] = span
+                if old_slots is not None:  # a position held before and after keeps its slot (its row)
+                    assert np.array_equal(kv.slots(key, kept), old_slots)
         assert kv.used_tokens() == P * sum(npages(s) for s in held.values())
         for k, (a, b) in held.items():
             assert kv.held_tokens(k) == P * npages((a, b))

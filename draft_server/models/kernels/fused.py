@@ -235,10 +235,12 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as 
 def _markov_partial_kernel(
     BASE, E, W2, PMAX, PIDX, N, V, s_base, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Vocab block b, sessions n0..n0+BLOCK_N: bias = e @ W2[block]^T (rounded to the model dtype,
-    as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index."""
-    b = tl.program_id(0)
+    as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index.
+    REVERSE: program i takes block n_blocks - 1 - i (the blocks, and what each stores, are the same)."""
+    b = n_blocks - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     v = b * BLOCK_V + tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
@@ -266,11 +268,15 @@ def _markov_partial_kernel(
     tl.store(PIDX + n * n_blocks + b, i, mask=nmask)
 
 
-def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, reverse: bool = False) -> torch.Tensor:
     """``markov_argmax(base, F.linear(e, w2))`` without the bias ever in memory: the low-rank Markov
     bias (e [N, R] times W2 [V, R]) is formed tile by tile beside the base logits [N, V], rounded to
     e's dtype as ``F.linear`` would write it, and only each block's max and index are stored. One read
-    of W2 and of base per step instead of a GEMM, its split-K reduction, and an argmax pass."""
+    of W2 and of base per step instead of a GEMM, its split-K reduction, and an argmax pass.
+
+    ``reverse``: launch the vocab blocks last first. The chain alternates, so each step starts on
+    the part of W2 (84 MB at K3 size, past the L2) that the step before read last and the L2 still
+    holds. The result is the same either way: every block stores its own max and first index."""
     N, V = base.shape
     R = e.shape[1]
     if base.stride(1) != 1 or e.stride(1) != 1 or w2.stride(1) != 1 or w2.shape != (V, R) or e.shape[0] != N:
@@ -284,6 +290,6 @@ def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor)
         base, e, w2, pmax, pidx, N, V, base.stride(0), e.stride(0), w2.stride(0), n_blocks,
         ROUND=_ROUND[e.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
         BLOCK_R=max(16, triton.next_power_of_2(R)), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=4,
+        REVERSE=reverse, num_warps=4,
     )  # fmt: skip
     return _argmax_finish(pmax, pidx, out)
