@@ -55,6 +55,10 @@ GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up t
 # 1 x 1K, 256 for 8 x 1K, 2048 for 64 x 1K and 32K + 63 x 1K, which is what 40 items gives.
 TYPICAL_CONTEXT, WORK_ITEMS = 1024, 40
 MIN_CHUNK, MAX_CHUNK = 64, 2048
+# An ingest of at least this many rows from registered host memory (a prefill chunk from the shm
+# ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
+# (decode steps) copy on the step's stream, with no extra device copy.
+PIPELINED_ROWS = 512
 
 
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
@@ -146,6 +150,12 @@ class FastStep:
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
+        # large ingests from registered rows (a prefill from the shm ring): their H2D copy runs on
+        # a copy stream into one of two landing buffers while the previous chunk's graph computes
+        self._landing = [torch.empty_like(self.rows) for _ in range(2 if self.dev.type == "cuda" else 0)]
+        self._landing_free = [torch.cuda.Event(), torch.cuda.Event()] if self.dev.type == "cuda" else []
+        self._landing_next = 0
+        self._copy_stream = torch.cuda.Stream(self.dev) if self.dev.type == "cuda" else None
         self._host_ranges: list[tuple[int, int, np.ndarray]] = []  # registered host buffers: (start, end, bytes)
         H = cfg.num_heads
         v_dim = model.layout.value_dims
@@ -326,8 +336,6 @@ class FastStep:
         The rows' copy to the device is issued first, so it runs while the host works out the slots."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
-        if self._ingest_done is not None:
-            self._ingest_done.synchronize()  # the pinned buffers are free again
         keys, firsts, counts, parts = [], [], [], []
         row = 0
         for it in items:
@@ -341,7 +349,18 @@ class FastStep:
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
         on_device = any(isinstance(p, DeviceRows) for p in parts)
         runs = None if on_device else self._registered_runs(parts)
-        if on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
+        landed = None
+        if runs is not None and r >= PIPELINED_ROWS and self._copy_stream is not None:
+            landed = self._land(fmt, runs)  # issued before waiting for the previous chunk's graph
+        if self._ingest_done is not None:
+            self._ingest_done.synchronize()  # the pinned buffers are free again
+        if landed is not None:  # this chunk's rows, copied up while the previous one computed
+            land, i = landed
+            torch.cuda.current_stream(self.dev).wait_stream(self._copy_stream)
+            dev[:r].copy_(land[:r])
+            self._landing_free[i].record()
+            dev[r:rb].zero_()
+        elif on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
             self._device_parts(parts, host, dev, r, rb)
         elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
             off = 0
@@ -374,6 +393,25 @@ class FastStep:
             self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
+
+    def _land(self, fmt: str, runs: list[np.ndarray]) -> tuple[torch.Tensor, int]:
+        """Copy registered rows to the device on the copy stream, into the landing buffer the chunk
+        before last used (once its copy into the rows buffer is done); returns (buffer, index).
+        ``rows_done`` waits for these copies: then the caller's rows are its own again."""
+        i = self._landing_next
+        self._landing_next ^= 1
+        land = self._rows(self._landing[i], fmt)
+        cs = self._copy_stream
+        assert cs is not None and self._rows_read is not None
+        cs.wait_event(self._landing_free[i])
+        with torch.cuda.stream(cs):
+            off = 0
+            for run in runs:
+                land[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
+                off += len(run)
+            self._rows_read.record(cs)
+        self._rows_pending = True
+        return land, i
 
     @staticmethod
     def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int, rb: int) -> None:

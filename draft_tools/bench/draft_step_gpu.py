@@ -35,6 +35,7 @@ import torch
 from draft_server.drafters import DraftItem, IngestItem
 from draft_server.drafters.base import DeviceRows
 from draft_server.models import gemm
+from draft_server.models import step as step_mod
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.kernels import fused
 from draft_server.models.presets import PRESETS, random_drafter
@@ -485,6 +486,7 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         # Where the prompt's taps lie: ordinary host memory (tcp/ipc frames past the receive arena:
         # one host copy into pinned staging, then H2D), registered host memory (a shm ring: H2D
         # only) or this GPU's memory (transport cuda_ipc: a device copy).
+        pipelined = step_mod.PIPELINED_ROWS
         reg_buf = bytearray(rows32k.nbytes)
         reg = np.frombuffer(reg_buf, dtype=np.uint16).reshape(rows32k.shape)
         reg[:] = rows32k
@@ -493,11 +495,16 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
         ready.record()
         sources: dict[str, Any] = {"staged": rows32k, "device": DeviceRows(on_dev, ready)}
         if d.register_host(memoryview(reg_buf)):
-            sources["registered"] = reg
+            # registered_serial: the same rows with the copy on the step's stream (no overlap), the
+            # path before PIPELINED_ROWS; registered: copied up while the previous chunk computes
+            sources["registered_serial"] = sources["registered"] = reg
         pre["h2d_floor_ms"] = rows32k.nbytes / floors["h2d_bytes_per_s"] * 1e3
+        same_kv = True
         for chunk in (512, 1024, 2048, 4096):
+            ref = None
             for where, src in sources.items():
                 assert d.reserve(key, 0, 32768 + 8)
+                step_mod.PIPELINED_ROWS = 1 << 30 if where == "registered_serial" else pipelined
 
                 def run(chunk: int = chunk, src: Any = src) -> None:
                     for a in range(0, 32768, chunk):
@@ -508,7 +515,14 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
                 pre[f"{where}_chunk_{chunk}_roofline"] = (
                     gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
                 )
+                slots = torch.from_numpy(d.cache.slots(key, np.arange(32768))).to(dev)
+                kv = d.cache._flat.index_select(1, slots)  # every layer's rows of the prompt
+                if ref is None:
+                    ref = kv
+                same_kv = same_kv and torch.equal(kv, ref)  # bitwise, whichever way the rows came
                 d.release(key)
+            step_mod.PIPELINED_ROWS = pipelined
+            del ref, kv
             assert d.reserve(key, 0, 32768 + 8)
             g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the graph, its inputs staged
             if g is not None:
@@ -522,6 +536,7 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
                 pre[f"chunk_{chunk}_gpu_ms"] = gpu_ms
                 pre[f"chunk_{chunk}_gpu_roofline"] = gemm_flops / (gpu_ms / 1e3) / floors["bf16_flops_per_s"]
             d.release(key)
+        pre["same_kv_every_source"] = same_kv
         if "registered" in sources:
             d.unregister_host(memoryview(reg_buf))
         del on_dev
