@@ -16,12 +16,14 @@ One engine iteration:
 3. decode batch: the head entry of every session whose rows fit a chunk, taken round-robin
    across clients so no client fills the batch alone; then, in the rows left, each of those
    sessions' next queued entries, one per session per pass in the same order (a run: each entry
-   fits a chunk and appends exactly to the one before it, which is ingest-only: a drafting entry
-   ends the run, its drafts after every row before it; a resend or a gap waits for a later batch,
-   and so does the rest of a run after an entry answered MISSING_ROWS or KV-full; early taps join
-   a run only in a batch without drafting or of a session with a draft waiting) — ingest all of
-   their rows (a run's host rows as items of at most a chunk) and draft all that want drafts in one
-   ``drafter.step`` (ingest, then draft; the rows free when it returns);
+   fits a chunk and starts inside or right at the end of the rows of the one before it, which is
+   ingest-only: a drafting entry ends the run, its drafts after every row before it; an entry that
+   overwrites the one before it from its first row (the next early-taps span over the last span's
+   rejected rows, a resend) cuts that one's rows there: they are never ingested; a gap waits for a
+   later batch, and so does the rest of a run after an entry answered MISSING_ROWS or KV-full; early
+   taps join a run only in a batch without drafting or of a session with a draft waiting) — ingest
+   all of their rows (a run's host rows as items of at most a chunk) and draft all that want drafts
+   in one ``drafter.step`` (ingest, then draft; the rows free when it returns);
 4. one prefill chunk of the oldest long entry (so a long prompt never delays a decode step).
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
@@ -358,8 +360,10 @@ class Engine:
                 if w.k or len(run) == len(s.pending):
                     continue
                 nxt = s.pending[len(run)]
-                if nxt.pos != w.pos + w.rows or nxt.rows > min(self.chunk, left) or nxt.restart:
-                    continue  # (a restart heads its own run: every item of a run has one context start)
+                # from inside w's rows or right after them (``_decode_batch`` cuts w's rows at nxt.pos);
+                # a restart heads its own run: every item of a run has one context start
+                if not w.pos < nxt.pos <= w.pos + w.rows or nxt.rows > min(self.chunk, left) or nxt.restart:
+                    continue
                 if nxt.phase == Phase.TAPS and not taps_ok and not any(x.k for x in s.pending):
                     continue
                 run.append(nxt)
@@ -434,14 +438,18 @@ class Engine:
         placed: list[tuple[Session, Work]] = []
         for s, run in batch:
             items: list[IngestItem] = []
-            for w in run:  # in queue order: each is placed on the context the one before it left
+            for j, w in enumerate(run):  # in queue order: each is placed on the context the one before it left
                 if self._rows_missing(s, w):
                     break
-                if not self._place(s, w, w.rows):
+                # the run's next entry overwrites from its first row on: w's rows past it never go in
+                # (an early-taps span's rejected rows under the next span, the rows a resend replaces)
+                rows = min(w.rows, run[j + 1].pos - w.pos) if j + 1 < len(run) else w.rows
+                if not self._place(s, w, rows):
                     self._kv_full(s, w)
                     break  # the run's next entry would restart the session below rows placed here
-                if w.rows:
-                    items.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
+                if rows:
+                    taps = w.taps if rows == w.rows else w.taps[:rows]  # type: ignore[index]
+                    items.append(IngestItem(s.handle, s.start, w.pos, taps, w.fmt))  # type: ignore[arg-type]
                 placed.append((s, w))
                 if w.k:
                     drafts.append((s, w))

@@ -137,9 +137,10 @@ def test_two_clients_backlogs_share_every_batch() -> None:
         assert r is not None and list(r.drafts) == c.expected("s", 3)
 
 
-def test_a_run_ends_at_a_resend_a_gap_or_a_full_kv_cache() -> None:
-    """Only exact appends join a session's run: a resend (overwrite) or a gap waits for the next
-    step, so every item of a step lies in the KV its session holds; positions work as before."""
+def test_a_run_ends_at_a_gap_or_a_full_kv_cache() -> None:
+    """A resend (an overwrite from inside the entry before it) joins the run, that entry's rows past
+    it cut, never ingested; a gap waits for the next step. Every item of a step lies in the KV its
+    session holds; positions work as before."""
     d = Counting()
     eng = _engine(d)
     c = Client(eng, b"c", 5)
@@ -150,7 +151,9 @@ def test_a_run_ends_at_a_resend_a_gap_or_a_full_kv_cache() -> None:
     c.entry("s", 20, 2)  # a gap: the session restarts at 20
     w = c.entry("s", 22, 2, k=5)
     _drain(eng)
-    assert len(d.steps) == 3
+    s = eng.sessions.get((b"c", "s"))
+    assert s is not None
+    assert d.steps == [({s.handle: 16}, []), ({s.handle: 4}, [s.handle])]  # 0-15 (9-11 cut to 9), then 20-23
     r = w.call.results[0]
     assert r is not None and (r.start, r.end) == (20, 24)
     c.rows["s"] = {p: v for p, v in c.rows["s"].items() if p >= 20}
@@ -165,6 +168,32 @@ def test_a_run_ends_at_a_resend_a_gap_or_a_full_kv_cache() -> None:
     assert [rows for rows, _ in d.steps] == [{1: 9}, {1: 3}]  # then 12-14 as a gap restart
     s = eng.sessions.get((b"c", "s"))
     assert s is not None and (s.start, s.end) == (12, 15) and not s.pending
+    assert eng.admission.queued_rows == 0
+
+
+def test_overlapping_spans_drain_in_runs_without_their_rejected_rows() -> None:
+    """A client catching up with early taps sends each step's whole verified span (k + 1 = 8 rows)
+    ingest-only, the next span from inside the last one (over its rejected drafts' rows). They join
+    one run, each cut where the next begins: 30 spans drain in ceil(30 x 8 / 64) steps, not one step
+    per span (early_taps_gpu over shm, 16 sessions on the H200: 382 catch-up steps, 5.2 s, against 61
+    for the single message), a span's rejected rows are ingested only at the end of a step, and the
+    drafts are those of the committed rows."""
+    d = Counting()
+    eng = _engine(d)
+    c = Client(eng, b"c", 9)
+    rng = np.random.default_rng(9)
+    pos = 0
+    for _ in range(30):
+        c.entry("s", pos, 8)
+        pos += int(rng.integers(1, 9))  # the anchor and the drafts it accepted
+    w = c.entry("s", pos, 2, k=4)
+    _drain(eng)
+    assert len(d.steps) <= math.ceil(30 * 8 / BATCH_ROWS) + 1, f"{len(d.steps)} drafter.step calls for 30 spans"
+    ingested = sum(sum(rows.values()) for rows, _ in d.steps)
+    assert ingested <= pos + 2 + 7 * (len(d.steps) - 1)  # a step's last span whole, the rest cut
+    r = w.call.results[0]
+    assert r is not None and r.status == Status.OK and (r.start, r.end) == (0, pos + 2)
+    assert list(r.drafts) == c.expected("s", 4)
     assert eng.admission.queued_rows == 0
 
 
