@@ -19,7 +19,8 @@ One engine iteration:
    fits a chunk and starts inside or right at the end of the rows of the one before it, which is
    ingest-only: a drafting entry ends the run, its drafts after every row before it; an entry that
    overwrites the one before it from its first row (the next early-taps span over the last span's
-   rejected rows, a resend) cuts that one's rows there: they are never ingested; a gap waits for a
+   rejected rows, a resend) cuts that one's rows there once it is placed: they are never ingested
+   (an entry refused leaves the one before it whole); a gap waits for a
    later batch, and so does the rest of a run after an entry answered MISSING_ROWS or KV-full; early
    taps join a run only in a batch without drafting or of a session with a draft waiting) — ingest
    all of their rows (a run's host rows as items of at most a chunk) and draft all that want drafts
@@ -438,18 +439,21 @@ class Engine:
         placed: list[tuple[Session, Work]] = []
         for s, run in batch:
             items: list[IngestItem] = []
-            for j, w in enumerate(run):  # in queue order: each is placed on the context the one before it left
+            for w in run:  # in queue order: each is placed on the context the one before it left
                 if self._rows_missing(s, w):
                     break
-                # the run's next entry overwrites from its first row on: w's rows past it never go in
-                # (an early-taps span's rejected rows under the next span, the rows a resend replaces)
-                rows = min(w.rows, run[j + 1].pos - w.pos) if j + 1 < len(run) else w.rows
-                if not self._place(s, w, rows):
+                if not self._place(s, w, w.rows):
                     self._kv_full(s, w)
                     break  # the run's next entry would restart the session below rows placed here
-                if rows:
-                    taps = w.taps if rows == w.rows else w.taps[:rows]  # type: ignore[index]
-                    items.append(IngestItem(s.handle, s.start, w.pos, taps, w.fmt))  # type: ignore[arg-type]
+                if items and w.pos < items[-1].pos + len(items[-1].taps):
+                    # w, placed, overwrites the entry before it from its first row on (an early-taps
+                    # span over the last span's rejected rows, a resend): that entry's rows past w.pos
+                    # never go in, so none lands outside the span w left reserved. Cut only once w is
+                    # placed: an entry refused here leaves the one before it whole, as it claimed.
+                    prev = items[-1]
+                    items[-1] = IngestItem(prev.key, prev.start, prev.pos, prev.taps[: w.pos - prev.pos], prev.fmt)
+                if w.rows:
+                    items.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
                 placed.append((s, w))
                 if w.k:
                     drafts.append((s, w))

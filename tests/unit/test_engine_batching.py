@@ -197,6 +197,30 @@ def test_overlapping_spans_drain_in_runs_without_their_rejected_rows() -> None:
     assert eng.admission.queued_rows == 0
 
 
+def test_an_overwrite_refused_inside_a_run_leaves_the_entry_before_it_whole() -> None:
+    """A commit that would overwrite the span before it from inside (its rows from 5 over the span's
+    0-7) but names the wrong call is answered MISSING_ROWS: nothing of it applies, and the span
+    keeps all 8 rows it was acknowledged for (the cut is made only once the overwrite is placed), so
+    the next entry appends at 8 to the whole context instead of restarting the session there."""
+    d = Counting()
+    eng = _engine(d)
+    c = Client(eng, b"c", 4)
+    c.entry("s", 0, 8)
+    held = dict(c.rows["s"])  # what the server must hold: the refused commit changes nothing
+    bad = c.entry("s", 5, 3, k=4, phase=Phase.COMMIT)
+    bad.after = 12345  # relies on a call whose taps the session never had
+    c.rows["s"] = held
+    _drain(eng)
+    assert len(d.steps) == 1  # the span and the commit were one run
+    r = bad.call.results[0]
+    assert r is not None and r.status == Status.MISSING_ROWS
+    w = c.entry("s", 8, 2, k=4)
+    _drain(eng)
+    r = w.call.results[0]
+    assert r is not None and r.status == Status.OK and (r.start, r.end) == (0, 10)
+    assert list(r.drafts) == c.expected("s", 4)
+
+
 def test_early_taps_join_a_run_only_where_they_would_go_alone() -> None:
     """Early taps behind a session's ingest-only entry wait for a batch without drafting, as they
     would at the head of the queue; behind them a draft of their own session takes them along."""
