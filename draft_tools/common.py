@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import urllib.request
+from typing import IO
 
 
 def free_port() -> int:
@@ -40,15 +41,16 @@ def label_values(metrics: dict[str, float], name: str, label: str) -> dict[str, 
 
 
 def start_server(
-    extra: list[str], module: str = "draft_server", also_bind: str = ""
+    extra: list[str], module: str = "draft_server", also_bind: str = "", log_file: str = ""
 ) -> tuple[subprocess.Popen, str, int]:
     """``python -m MODULE serve`` on free loopback ports (and ``also_bind``, e.g. an ``ipc://`` path);
-    waits for its READY line (120 s at most). Returns the process, the tcp endpoint, the metrics port."""
+    waits for its READY line (120 s at most). Returns the process, the tcp endpoint, the metrics port.
+    ``log_file``: the server logs at INFO, everything it prints after READY written there."""
     port, mport = free_port(), free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
     bind = f"{endpoint},{also_bind}" if also_bind else endpoint
     cmd = [sys.executable, "-m", module, "serve", "--bind", bind, "--metrics-port", str(mport)]
-    cmd += ["--log-level", "WARNING", *extra]
+    cmd += ["--log-level", "INFO" if log_file else "WARNING", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -57,11 +59,22 @@ def start_server(
         if not line:
             break
         if line.startswith("READY"):
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining
+            threading.Thread(target=_drain, args=(proc.stdout, log_file), daemon=True).start()
             return proc, endpoint, mport
         print("  server:", line.rstrip())
     proc.kill()
     raise SystemExit("draft server did not start")
+
+
+def _drain(stream: IO[str], log_file: str) -> None:
+    """Keep reading the server's output (a full pipe would block it), into ``log_file`` if named."""
+    if not log_file:
+        stream.read()
+        return
+    with open(log_file, "a") as f:
+        for line in stream:
+            f.write(line)
+            f.flush()
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:

@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         help="frames: rows in the Step's frame over tcp; shm: over ipc, rows in a shared-memory ring (no span limit)",
     )
     ap.add_argument("--shm-ring-mib", type=int, default=256, help="the shm ring (--transport shm)")
+    ap.add_argument("--server-log", default="", help="the server's log at INFO goes to this file (rings, arena)")
     ap.add_argument("--out", default="bench/results/early_taps_h200.json")
     a = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -145,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
 
     ipc = f"ipc://{tempfile.mkdtemp(prefix='early-taps-')}/srv.sock"
-    proc, endpoint, _ = start_server(a.server_args.split(), also_bind=ipc if a.transport == "shm" else "")
+    proc, endpoint, _ = start_server(
+        a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
+    )
     endpoint = ipc if a.transport == "shm" else endpoint
     try:
         for b in (int(x) for x in a.batches.split(",")):
