@@ -30,6 +30,7 @@ import torch
 class _Session:
     first_lp: int = 0  # logical page number of pages[0]
     pages: list[int] = field(default_factory=list)
+    array: np.ndarray | None = None  # ``pages`` as int64, made when asked for, dropped when they change
 
 
 class PagedKVCache:
@@ -85,6 +86,7 @@ class PagedKVCache:
             else:
                 self._free.extend(s.pages[hi - lo :])
                 del s.pages[hi - lo :]
+            s.array = None
             return True
         s = s or _Session(first_lp=lo)
         keep = {s.first_lp + i: p for i, p in enumerate(s.pages) if lo <= s.first_lp + i < hi}
@@ -94,6 +96,7 @@ class PagedKVCache:
             if not lo <= s.first_lp + i < hi:
                 self._free.append(p)
         s.pages = [keep[lp] if lp in keep else self._free.pop() for lp in range(lo, hi)]
+        s.array = None
         s.first_lp = lo
         self._sessions[key] = s
         return True
@@ -122,14 +125,19 @@ class PagedKVCache:
         """rows [R, *token_shape] of one layer -> their slots."""
         self._flat[layer].index_copy_(0, slots, rows.to(self.data.dtype))
 
-    def pages(self, key: int, start: int, end: int) -> tuple[int, list[int]]:
-        """(first logical page, physical pages) covering positions [start, end); raises if not held."""
+    def pages(self, key: int, start: int, end: int) -> tuple[int, np.ndarray]:
+        """(first logical page, physical pages: a read-only int64 view) covering positions
+        [start, end); raises if not held. A step asks for the same pages step after step: the
+        array is kept until the session's pages change."""
         P = self.page_size
         lo, hi = start // P, (end - 1) // P + 1
         s = self._sessions.get(key)
         if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
             raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
-        return lo, s.pages[lo - s.first_lp : hi - s.first_lp]
+        if s.array is None:
+            s.array = np.asarray(s.pages, dtype=np.int64)
+            s.array.flags.writeable = False
+        return lo, s.array[lo - s.first_lp : hi - s.first_lp]
 
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's pages: [num_pages + 1, page_size, *token_shape] (the last is the trash page)."""

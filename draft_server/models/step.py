@@ -501,7 +501,7 @@ class FastStep:
             lp0, pg = self.cache.pages(key, a, a + c)
             page_lists.append(pg)
             lp0s.append(lp0)
-        pages = np.fromiter((p for pg in page_lists for p in pg), dtype=np.int64)
+        pages = np.concatenate(page_lists)
         offs = np.zeros(len(page_lists), dtype=np.int64)
         np.cumsum([len(pg) for pg in page_lists[:-1]], out=offs[1:])
         row_sess = np.repeat(np.arange(len(keys)), counts)

@@ -109,6 +109,9 @@ def test_reserve_release_invariants(seq):
             if b > a:
                 slots = kv.slots(k, np.arange(a, b))
                 assert len(set(slots.tolist())) == b - a  # distinct slots, no sharing across positions
+                lo, pg = kv.pages(k, a, b)  # the array it keeps between calls follows every change
+                t = np.arange(a, b)
+                assert np.array_equal(pg[t // P - lo] * P + t % P, slots)
         all_pages = [p for k in held for p in kv._sessions[k].pages]
         assert len(all_pages) == len(set(all_pages))  # no page owned twice
 
