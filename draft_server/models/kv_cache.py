@@ -33,6 +33,14 @@ class _Session:
     array: np.ndarray | None = None  # ``pages`` as int64, made when asked for, dropped when they change
 
 
+def _array(s: _Session) -> np.ndarray:
+    """The session's pages as a read-only int64 array, made once per change of its pages."""
+    if s.array is None:
+        s.array = np.asarray(s.pages, dtype=np.int64)
+        s.array.flags.writeable = False
+    return s.array
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -115,7 +123,7 @@ class PagedKVCache:
         if s is None or (len(positions) and (lp.min() < 0 or lp.max() >= len(s.pages))):
             span = f"[{positions.min()}, {positions.max() + 1})" if len(positions) else "[]"
             raise RuntimeError(f"KV cache: session {key} has no pages reserved for positions {span}")
-        return np.asarray(s.pages, dtype=np.int64)[lp] * P + positions % P
+        return _array(s)[lp] * P + positions % P
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
@@ -134,10 +142,7 @@ class PagedKVCache:
         s = self._sessions.get(key)
         if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
             raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
-        if s.array is None:
-            s.array = np.asarray(s.pages, dtype=np.int64)
-            s.array.flags.writeable = False
-        return lo, s.array[lo - s.first_lp : hi - s.first_lp]
+        return lo, _array(s)[lo - s.first_lp : hi - s.first_lp]
 
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's pages: [num_pages + 1, page_size, *token_shape] (the last is the trash page)."""

@@ -73,6 +73,14 @@ def _storage(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.int16) if rows.dtype == np.uint16 else rows
 
 
+def _copy_runs(dst: torch.Tensor, runs: Sequence[np.ndarray]) -> None:
+    """Registered host rows, run after run, to the head of ``dst`` on the current stream (asynchronous)."""
+    off = 0
+    for run in runs:
+        dst[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
+        off += len(run)
+
+
 def _buckets(top: int) -> list[int]:
     return sorted({min(1 << i, top) for i in range(max(1, top).bit_length() + 1)})
 
@@ -367,10 +375,7 @@ class FastStep:
         elif on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
             self._device_parts(parts, host, dev, r, rb)
         elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
-            off = 0
-            for run in runs:
-                dev[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
-                off += len(run)
+            _copy_runs(dev, runs)
             if self._rows_read is not None:
                 self._rows_read.record()  # the caller may reuse its rows once these copies are done
                 self._rows_pending = True
@@ -409,10 +414,7 @@ class FastStep:
         assert cs is not None and self._rows_read is not None
         cs.wait_event(self._landing_free[i])
         with torch.cuda.stream(cs):
-            off = 0
-            for run in runs:
-                land[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
-                off += len(run)
+            _copy_runs(land, runs)
             self._rows_read.record(cs)
         self._rows_pending = True
         return land, i

@@ -57,49 +57,33 @@ def bf16_rows(rng: np.random.Generator, rows: int, width: int) -> np.ndarray:
 # ------------------------------------------------------------------------------------ floors
 
 
+def event_s(fn: Any, iters: int, warm: int, before: Any = None) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events around each call) over ``iters`` calls after
+    ``warm`` untimed ones; ``before`` runs ahead of every call, outside the timing."""
+    ts = []
+    for i in range(warm + iters):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i >= warm:
+            ts.append(a.elapsed_time(b) / 1000)
+    return statistics.median(ts)
+
+
 def measure_floors(dev: torch.device) -> dict[str, float]:
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, well past the 60 MB L2
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1000)
-    bw = 2 * x.numel() / statistics.median(ts)
-    del x, y
+    bw = 2 * x.numel() / event_s(lambda: y.copy_(x), 10, warm=3)
     m = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
     n = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    for _ in range(3):
-        m @ n
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        m @ n
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1000)
-    flops = 2 * 8192**3 / statistics.median(ts)
-    del m, n
+    flops = 2 * 8192**3 / event_s(lambda: m @ n, 10, warm=3)
     h = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)  # taps from host memory cross PCIe
     g = torch.empty(h.shape, dtype=torch.uint8, device=dev)
-    ts = []
-    for i in range(8):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.copy_(h, non_blocking=True)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            ts.append(a.elapsed_time(b) / 1000)
-    h2d = h.numel() / statistics.median(ts)
+    h2d = h.numel() / event_s(lambda: g.copy_(h, non_blocking=True), 6, warm=2)
     return {"copy_bytes_per_s": bw, "bf16_flops_per_s": flops, "h2d_bytes_per_s": h2d}
 
 
@@ -127,16 +111,7 @@ def markov_order(d: DSparkDrafter, dev: torch.device) -> dict[str, float]:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 chain()
-            ts = []
-            for _ in range(30):
-                flush.zero_()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b))
-            out[f"B{n}_{name}_ms"] = statistics.median(ts[5:])
+            out[f"B{n}_{name}_ms"] = event_s(g.replay, 25, warm=5, before=flush.zero_) * 1e3
             del g
     return out
 
