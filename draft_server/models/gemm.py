@@ -3,18 +3,23 @@
 cuBLAS's heuristic picks poorly for some of the row counts a draft step meets. Measured on one
 H200 (``bench/results/step_anatomy_h200.json``): Kimi-K3's gate/up projection at 448 rows (64
 sessions x 7 block rows) takes 0.47 ms as called and 0.28 ms with the rows padded to 512; the
-lm_head at 448 rows 1.72 ms, at 2 x 224 rows 1.46 ms. So every product goes through ``linear``
-/ ``linear_add`` here, which look its shape up in ``TUNER``:
+lm_head at 448 rows 1.72 ms, at 2 x 224 rows 1.46 ms; at 7-56 rows cuBLAS leaves bandwidth unused
+on the smaller weights (``bench/results/skinny_sweep_h200.json``: K3's down projection at 7 rows
+0.056 ms, 0.051 with the Triton kernel). So every product goes through ``linear`` /
+``linear_add`` here, which look its shape up in ``TUNER``:
 
 - ``plain``: ``F.linear`` / ``addmm`` as called;
 - ``pad``: the rows padded (zeros) to a multiple of 128, the first M output rows kept;
-- ``split``: the rows in two halves, each a GEMM into its slice of one output.
+- ``split``: the rows in two halves, each a GEMM into its slice of one output;
+- ``skinny`` (bf16 / fp16, at most 64 rows): ``kernels/skinny.py``, with the launch shape that
+  timed fastest for this shape (its own partials and counters, kept by the tuner).
 
-All three compute the same product; only cuBLAS's kernel (so the summation order) differs.
-``GemmTuner`` times them once per shape (out, in, rows, dtype, with or without the residual) on
-CUDA while tuning is on (``FastStep.capture`` turns it on for its warm-up runs, before any graph is
-captured; never while a stream captures) and keeps the fastest if it beats plain by 3%. On the CPU,
-and for a shape never tuned, the plain op: the tests' reference paths are untouched.
+All compute the same product; only the kernel (so the summation order) differs. ``GemmTuner``
+times them once per shape (out, in, rows, dtype, with or without the residual) on CUDA while
+tuning is on (``FastStep.capture`` turns it on for its warm-up runs, before any graph is captured;
+never while a stream captures), each as replays of its own CUDA graph after the L2 is flushed (as
+the step runs it: from HBM, no Python launch), and keeps the fastest if it beats plain by 3%. On
+the CPU, and for a shape never tuned, the plain op: the tests' reference paths are untouched.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import torch.nn.functional as F
 
 PAD = 128
 MIN_GAIN = 0.03  # a strategy other than plain must be this much faster
-STRATEGIES = ("plain", "pad", "split")
+STRATEGIES = ("plain", "pad", "split")  # shape-free ways (``_RUN``); ``skinny`` is made per shape
+SKINNY_ROWS = 64
+# launch shapes tried for ``skinny``: the winners of the H200 sweep (skinny_sweep_h200.json)
+SKINNY_SHAPES = [(bn, bk, s) for bn, bk in ((32, 128), (64, 256), (128, 128), (128, 256)) for s in (1, 2, 4)]
+FLUSH_BYTES = 256 << 20  # written before each timed replay: the L2 (50 MB on an H200) holds no weight
 
 Key = tuple[int, int, int, torch.dtype, bool]  # (out, in, rows, dtype, residual)
 
@@ -63,12 +72,38 @@ _RUN: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torc
 }
 
 
+def graph_ms(fn: Callable[[], object], flush_l2: bool = True, runs: int = 7) -> float:
+    """Median ms of ``fn`` captured in a CUDA graph and replayed, as the step runs it (no Python
+    launch in the time). ``flush_l2``: a 256 MB write before each replay, so operands come from HBM
+    (it also keeps the GPU busy while the timing events and the replay are enqueued). Two eager
+    runs first (Triton compiles; scratch grows outside the capture)."""
+    for _ in range(2):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(FLUSH_BYTES if flush_l2 else 0, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(runs):
+        if flush_l2:
+            flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
 class GemmTuner:
     """Per-shape strategy table (see the module docstring)."""
 
     def __init__(self) -> None:
         self.choice: dict[Key, str] = {}
         self.timings: dict[Key, dict[str, float]] = {}
+        self.skinny: dict[tuple[Key, torch.device], Callable[..., torch.Tensor]] = {}  # chosen kernels
         self.tuning = False
 
     def strategy(self, key: Key, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> str:
@@ -91,24 +126,40 @@ class GemmTuner:
             if (name == "pad" and M % PAD == 0) or (name == "split" and M < 64):
                 continue
             fn = _RUN[name]
-            for _ in range(3):
-                fn(x, w, h)
-            runs = []
-            for _ in range(7):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn(x, w, h)
-                b.record()
-                b.synchronize()
-                runs.append(a.elapsed_time(b))
-            times[name] = statistics.median(runs)
+            times[name] = graph_ms(lambda fn=fn: fn(x, w, h))
+        kernels = self._skinny_kernels(x, w, h)
+        for name, k in kernels.items():
+            times[name] = graph_ms(lambda k=k: k(x, w, h))
         self.timings[key] = times
         best = min(times, key=lambda n: times[n])
-        return best if times[best] < (1.0 - MIN_GAIN) * times["plain"] else "plain"
+        if times[best] >= (1.0 - MIN_GAIN) * times["plain"]:
+            return "plain"
+        if best in kernels:
+            self.skinny[key, x.device] = kernels[best]
+            return "skinny"
+        return best
+
+    @staticmethod
+    def _skinny_kernels(
+        x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None
+    ) -> dict[str, Callable[..., torch.Tensor]]:
+        """The ``skinny`` launch shapes that can run this product, by name (none past SKINNY_ROWS rows,
+        in float32, or with operands whose last dim is strided)."""
+        M, K = x.shape
+        if M > SKINNY_ROWS or x.dtype not in (torch.bfloat16, torch.float16) or not _unit_stride(x, w, h):
+            return {}
+        from draft_server.models.kernels.skinny import SkinnyConfig, SkinnyGemm
+
+        out = {}
+        for bn, bk, split in SKINNY_SHAPES:
+            cfg = SkinnyConfig(block_n=bn, block_k=bk, split=split)
+            if SkinnyGemm.fits(M, K, cfg):
+                out[f"skinny {bn}x{bk}/{split}"] = SkinnyGemm(M, w.shape[0], K, cfg, x.device)
+        return out
 
     def summary(self) -> dict[str, int]:
         """How many tuned shapes took each strategy."""
-        out = dict.fromkeys(STRATEGIES, 0)
+        out = dict.fromkeys((*STRATEGIES, "skinny"), 0)
         for s in self.choice.values():
             out[s] += 1
         return out
@@ -117,12 +168,21 @@ class GemmTuner:
 TUNER = GemmTuner()
 
 
+def _unit_stride(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> bool:
+    return x.stride(-1) == 1 and w.stride(-1) == 1 and (h is None or h.stride(-1) == 1)
+
+
 def _gemm(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     h2 = None if h is None else h.reshape(-1, h.shape[-1])
     key = (int(w.shape[0]), int(w.shape[1]), int(x2.shape[0]), x.dtype, h is not None)
-    y = _RUN[TUNER.strategy(key, x2, w, h2)](x2, w, h2)
+    s = TUNER.strategy(key, x2, w, h2)
+    if s == "skinny":
+        k = TUNER.skinny.get((key, x2.device))
+        y = k(x2, w, h2) if k is not None and _unit_stride(x2, w, h2) else _plain(x2, w, h2)
+    else:
+        y = _RUN[s](x2, w, h2)
     return y.view(*lead, w.shape[0])
 
 

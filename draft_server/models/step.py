@@ -278,6 +278,7 @@ class FastStep:
             "seconds": self.capture_s,
             "gemm_shapes_padded": float(tuned["pad"]),
             "gemm_shapes_split": float(tuned["split"]),
+            "gemm_shapes_skinny": float(tuned["skinny"]),
         }
 
     def _capture_all(self, s: torch.cuda.Stream) -> None:

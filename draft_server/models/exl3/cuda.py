@@ -41,7 +41,6 @@ from __future__ import annotations
 import importlib.machinery
 import importlib.util
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -218,25 +217,10 @@ class Exl3Backend:
 
     @staticmethod
     def _time(fn: Callable[[], object]) -> float:
-        """Median ms of ``fn`` captured in a CUDA graph and replayed, as the step runs it: timed eagerly,
-        the Triton path paid its Python launch (tens of microseconds) and lost to fused and recon
-        at 7-56 rows where its kernel is faster. Two eager runs first (they grow recon's scratch
-        outside the capture)."""
-        for _ in range(2):
-            fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        runs = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            runs.append(a.elapsed_time(b))
-        del graph
-        return statistics.median(runs)
+        """Median ms of ``fn`` as CUDA-graph replays, as the step runs it: timed eagerly, the Triton
+        path paid its Python launch (tens of microseconds) and lost to fused and recon at 7-56 rows
+        where its kernel is faster."""
+        return gemm.graph_ms(fn, flush_l2=False)
 
     def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
         rows = x2.shape[0]
