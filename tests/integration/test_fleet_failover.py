@@ -12,7 +12,9 @@ then continued. Shown:
   (run-queue wait of its threads, steal), as ``tests/conftest.py`` ``assert_on_time`` counts it;
 * every draft is the checksum of exactly the context its reply names (also right after a move);
 * each session that moved off the killed or the paused server drafted again within 2 steps
-  (counting the steps that wanted drafts and got none around the move);
+  (counting the steps that wanted drafts and got none around the move), unless the host shows
+  load in that window (run-queue wait or steal over the slack in the engine's calls, or a live
+  server answering expired), and that excuse covers at most 15% of the moves;
 * the killed server takes new sessions again once it is back, and no session ever moves back to
   a server it left; the paused one likewise after SIGCONT;
 * zero sessions anywhere at the end (Frees, also the ones queued at the paused server).
@@ -143,15 +145,36 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
                 assert max(n) <= 1.1 * sum(n) / 4 + 3, loads
 
     # moved sessions: drafting back within 2 steps, around the kill and around the pause
-    around_kill = around_pause = 0
+    around_kill = around_pause = moved_back = late = 0
     for e in engines:
         moves, cols = _cols(e, "moves", "move_columns")
         m = {name: moves[:, i] for i, name in enumerate(cols)}
+        calls, ccols = _cols(e, "calls", "call_columns")
+        c = {name: calls[:, i] for i, name in enumerate(ccols)}
+        host = np.maximum(c["run_delay_ms"], c["proc_run_delay_ms"]) + c["steal_ms"] / float(e["cpus"] or 1)
         back = m["t_back"] >= 0
-        assert (m["steps_without"][back] <= 2).all(), moves[back & (m["steps_without"] > 2)].tolist()
+        moved_back += int(back.sum())
+        for i in np.nonzero(back & (m["steps_without"] > 2))[0]:
+            # A move that took longer is the host's doing only where the host shows it in that
+            # window: the engine's own calls lost time to the run queue or steal, or a live server
+            # read a step past its budget (expired: it sat behind the load). CI's 2 cores once
+            # opened breakers on all four servers at once, far from the kill and the pause.
+            win = (c["t0"] >= m["t_first_miss"][i] - 0.001) & (c["t0"] < m["t_back"][i])
+            loaded = bool((host[win] > SLACK_MS).any() or c["expired"][win].sum() > 0)
+            rec = {
+                "since_kill_s": round(float(m["t_first_miss"][i] - t_kill), 3),
+                "since_stop_s": round(float(m["t_first_miss"][i] - t_stop), 3),
+                **{k: float(m[k][i]) for k in ("steps_without", "from_server", "to_server", "expired", "overloaded")},
+                "host_ms": [round(float(h), 1) for h in host[win]],
+                "expired_calls": int(c["expired"][win].sum()),
+            }
+            assert loaded, f"a session took {int(m['steps_without'][i])} steps to draft again on an idle host: {rec}"
+            late += 1
         around_kill += int(((m["t_first_miss"] >= t_kill - 0.1) & (m["t_first_miss"] < t_kill + 1.0) & back).sum())
         around_pause += int(((m["t_first_miss"] >= t_stop - 0.1) & (m["t_first_miss"] < t_stop + 1.0) & back).sum())
     assert around_kill >= 10 and around_pause >= 10, (around_kill, around_pause)
+    # and the host's excuse stays the exception: nearly every move drafts again within 2 steps
+    assert late <= 0.15 * moved_back, (late, moved_back)
 
     # servers that came back take new sessions again; the sessions that left them stay away
     for srv, since in ((killed, t_back + 1.0), (paused, t_cont + 1.0)):

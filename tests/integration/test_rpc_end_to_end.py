@@ -14,10 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from draft_tools.soak.engine import _proc_run_delay_ns, _run_delay_ns
 from protocol import Status
 from target_client import ClientConfig, DraftClient, StepRequest
-from tests.conftest import CHECKSUM_CONTRACT, SessionMirror, random_taps, wait_for
+from tests.conftest import CHECKSUM_CONTRACT, SessionMirror, host_delay_ms, random_taps, wait_for
 
 K = 4
 SLACK_MS = 5.0
@@ -27,12 +26,13 @@ def assert_within_budget(e: Engine, budget: float) -> None:
     """Every call returned within budget + 5 ms of the client's own time.
 
     On an oversubscribed host a thread can sit runnable on the run queue while other processes
-    hold both cores; that time (read per call from /proc/self/task/*/schedstat) is the host's
-    doing, not the client's, and is taken out. Such calls must stay rare (< 2%).
+    hold both cores, or stand still in a garbage collection or while the hypervisor runs another
+    guest; that time (``tests.conftest.host_delay_ms``, read per call) is the host's doing, not
+    the client's, and is taken out. Such calls must stay rare (< 2%).
     """
     over = [(w, d) for w, d in zip(e.waits, e.host_delays, strict=True) if w > budget + SLACK_MS]
     for w, d in over:
-        assert w - d <= budget + SLACK_MS, f"{e.name}: a call waited {w:.1f} ms ({d:.1f} ms on the run queue)"
+        assert w - d <= budget + SLACK_MS, f"{e.name}: a call waited {w:.1f} ms ({d:.1f} ms host time)"
     assert len(over) <= max(1, len(e.waits) // 50), f"{e.name}: {len(over)} of {len(e.waits)} calls over budget"
 
 
@@ -46,7 +46,7 @@ class Engine:
         self.mirrors = {f"{name}-{i}": SessionMirror() for i in range(n)}
         self.ends = dict.fromkeys(self.mirrors, 0)
         self.waits: list[float] = []
-        self.host_delays: list[float] = []  # run-queue wait of this process's threads during each call
+        self.host_delays: list[float] = []  # host time taken from this process during each call (ms)
         self.log: list[tuple[int, str, Status | None, list[int], list[int] | None]] = []
         self.errors: list[BaseException] = []
 
@@ -63,12 +63,10 @@ class Engine:
         if not reqs:
             return
         taps = np.ascontiguousarray(np.concatenate(chunks))
-        d0 = _run_delay_ns(), _proc_run_delay_ns()
-        t = time.perf_counter()
+        h0, t = host_delay_ms(), time.perf_counter()
         replies = self.client.step(reqs, taps)
         self.waits.append((time.perf_counter() - t) * 1000)
-        d1 = _run_delay_ns(), _proc_run_delay_ns()
-        self.host_delays.append(max(d1[0] - d0[0], d1[1] - d0[1]) / 1e6)
+        self.host_delays.append(host_delay_ms() - h0)
         for r, rep, rows in zip(reqs, replies, chunks, strict=True):
             m = self.mirrors[r.session]
             m.apply(r.pos, rows, known_end=r.pos if m.rows else None)
