@@ -132,6 +132,12 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.batch_hold = Histogram(
+            "draft_server_batch_hold_seconds",
+            "Time a decode batch was held for clients due back (per held batch)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.batch_sessions = Histogram(
             "draft_server_batch_sessions", "Sessions drafted per engine iteration", buckets=SIZE_BUCKETS, registry=r
         )
