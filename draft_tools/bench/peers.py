@@ -118,18 +118,28 @@ def spawn(args: list[str]) -> subprocess.Popen:
     raise RuntimeError(f"{args[0]} exited before READY")
 
 
-def spawn_server(endpoint: str, model: str, device: str, extra: list[str]) -> subprocess.Popen:
-    if model == "checksum":  # K3-size taps, the checksum drafter (draft-bench's server)
+def spawn_server(endpoint: str, model: str, device: str, extra: list[str], tree: str | None = None) -> subprocess.Popen:
+    """A draft server on ``endpoint``; ``tree``: run the ``draft_server`` and ``protocol`` packages of
+    that source tree instead (an A/B against another commit: ``python -m`` puts the cwd first)."""
+    if model == "checksum" and tree is None:  # K3-size taps, the checksum drafter (draft-bench's server)
         from draft_tools.bench.rpc import spawn as spawn_rpc
 
         return spawn_rpc("serve", endpoint)
-    cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", "-1"]
-    cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64", *extra]
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    port = free_port()
+    cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", str(port)]
+    if model == "checksum":
+        cmd += ["--drafter", "checksum", "--checksum-delay-ms", os.environ.get("PEERS_CHECKSUM_DELAY_MS", "0")]
+    else:
+        cmd += ["--model", model, "--device", device]
+    cmd += ["--max-batch-sessions", "64", *extra]
+    p = subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree
+    )
     assert p.stdout is not None
     for line in p.stdout:
         if line.startswith("READY"):
             threading.Thread(target=p.stdout.read, daemon=True).start()
+            p.metrics_port = port  # type: ignore[attr-defined]
             return p
     raise RuntimeError("draft-server exited before READY")
 
@@ -221,6 +231,27 @@ def _caller(kind: str, endpoint: str, width: int, i: int, seconds: float, barrie
     q.put(n)
 
 
+def batches(server: subprocess.Popen) -> tuple[float, float, float]:
+    """(decode batches, sessions drafted in them, batches held) so far, from the server's /metrics
+    (zeros for a server without a metrics port: the checksum bench server)."""
+    port = getattr(server, "metrics_port", None)
+    if port is None:
+        return 0.0, 0.0, 0.0
+    from draft_tools.common import scrape
+
+    m = scrape(port)
+    names = ("batch_sessions_count", "batch_sessions_sum", "batch_hold_seconds_count")
+    return tuple(m.get(f"draft_server_{n}", 0.0) for n in names)  # type: ignore[return-value]
+
+
+def concurrent_run(kind: str, endpoint: str, width: int, seconds: float, server: subprocess.Popen) -> dict[str, float]:
+    """``concurrent_drafts_per_s`` with the server's batches over the run: sessions per batch, held batches."""
+    b0 = batches(server)
+    rate = concurrent_drafts_per_s(kind, endpoint, width, seconds)
+    n, s, held = (b - a for a, b in zip(b0, batches(server), strict=True))
+    return {"drafts_per_s": rate, "batches": n, "sessions_per_batch": s / n if n else 0.0, "held_batches": held}
+
+
 def concurrent_drafts_per_s(kind: str, endpoint: str, width: int, seconds: float) -> float:
     """CALLERS processes (as separate target engines are), all calling at once for ``seconds``."""
     import multiprocessing as mp
@@ -285,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/peers.json")
     ap.add_argument("--server-args", default="", help="extra draft-server flags (e.g. --batch-window-ms 1)")
     ap.add_argument("--no-round-trip", action="store_true", help="only the concurrency comparison")
+    ap.add_argument(
+        "--baseline-tree",
+        help="a source tree (draft_server/ and protocol/ of another commit): its server's drafts/s with the "
+        "same callers, measured in the same run beside this tree's (the A/B of a scheduler change)",
+    )
     ap.add_argument("--grpc-echo", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--reqrep", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -332,12 +368,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ours_overhead_ms']:.3f}) ms",
                 flush=True,
             )
-        ours = concurrent_drafts_per_s("ours", ep_srv, width, args.seconds)
+        run = concurrent_run("ours", ep_srv, width, args.seconds, procs[1])
+        ours = run["drafts_per_s"]
+        conc: dict[str, Any] = {"callers": CALLERS, "ours_drafts_per_s": ours, "ours": run}
+        print(f"{CALLERS} callers: ours {json.dumps({k: round(v, 2) for k, v in run.items()})}", flush=True)
+        if args.baseline_tree:  # interleaved: this tree, the baseline, this tree again
+            ep_base = f"tcp://127.0.0.1:{free_port()}"
+            tree = os.path.abspath(args.baseline_tree)
+            procs.append(spawn_server(ep_base, args.model, args.device, args.server_args.split(), tree))
+            base = concurrent_run("ours", ep_base, width, args.seconds, procs[-1])
+            print(f"{CALLERS} callers: baseline {json.dumps({k: round(v, 2) for k, v in base.items()})}", flush=True)
+            again = concurrent_run("ours", ep_srv, width, args.seconds, procs[1])
+            print(f"{CALLERS} callers: ours again {json.dumps({k: round(v, 2) for k, v in again.items()})}", flush=True)
+            conc.update(baseline_tree=args.baseline_tree, baseline=base, ours_again=again)
+            conc["baseline_drafts_per_s"] = base["drafts_per_s"]
         procs.append(spawn(["--reqrep", ep_rr, "--model", args.model, "--device", args.device]))
         rr = concurrent_drafts_per_s("reqrep", ep_rr, width, args.seconds)
-        out["concurrent"] = {
-            "callers": CALLERS, "ours_drafts_per_s": ours, "reqrep_drafts_per_s": rr, "ratio": ours / rr
-        }  # fmt: skip
+        conc.update(reqrep_drafts_per_s=rr, ratio=ours / rr)
+        if args.baseline_tree:
+            conc["baseline_ratio"] = conc["baseline_drafts_per_s"] / rr
+        out["concurrent"] = conc
         print(f"{CALLERS} callers: ours {ours:.0f} drafts/s, serialized REQ/REP {rr:.0f} drafts/s ({ours / rr:.1f}x)")
     finally:
         for p in procs:
