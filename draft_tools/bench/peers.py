@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{CALLERS} callers: ours again {json.dumps({k: round(v, 2) for k, v in again.items()})}", flush=True)
             conc.update(baseline_tree=args.baseline_tree, baseline=base, ours_again=again)
             conc["baseline_drafts_per_s"] = base["drafts_per_s"]
+        for p in procs[1:]:  # the draft servers hold most of the device's memory (their KV budgets)
+            p.kill()
+            p.wait()
         procs.append(spawn(["--reqrep", ep_rr, "--model", args.model, "--device", args.device]))
         rr = concurrent_drafts_per_s("reqrep", ep_rr, width, args.seconds)
         conc.update(reqrep_drafts_per_s=rr, ratio=ours / rr)
