@@ -654,7 +654,10 @@ def main() -> int:
     ap.add_argument("--presets", default="k3,qwen3-8b")
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, server, exact")
+    ap.add_argument("--no-skinny", action="store_true", help="the GEMM tuner without its skinny strategy (an A/B)")
     args = ap.parse_args()
+    if args.no_skinny:
+        gemm.SKINNY_ROWS = 0
     dev = torch.device("cuda")
     report: dict[str, Any] = {
         "command": "python3 -m draft_tools.bench.draft_step_gpu " + " ".join(sys.argv[1:]),
