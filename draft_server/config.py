@@ -110,7 +110,7 @@ class ServerConfig:
     max_batch_rows: int = _f(4096, "rows ingested in one engine iteration (decode batch plus one prefill chunk)")
     max_batch_sessions: int = _f(256, "sessions drafted in one engine iteration")
     prefill_chunk_rows: int = _f(512, "longer entries are ingested in chunks of this size between decode batches")
-    batch_window_ms: float = _f(0.0, "wait up to this long for more entries before a batch (0: never wait)")
+    batch_window_ms: float = _f(0.0, "a fixed wait before each decode batch (0: none, only for clients due back)")
     session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
     watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")
     watchdog_exit: bool = _f(
