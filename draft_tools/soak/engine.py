@@ -77,6 +77,7 @@ CALL_COLUMNS = (
     "steal_ms",  # host-wide steal time (the hypervisor ran another guest), summed over vCPUs
     "majflt",  # major page faults of the process (blocked on I/O)
     "missing_rows",  # commits answered MISSING_ROWS (early taps: their Taps never arrived)
+    "psi_ms",  # host-wide time some task waited for a CPU (/proc/pressure/cpu): the servers' too
 )
 
 
@@ -219,6 +220,16 @@ def _steal_ms() -> float:
     try:
         with open("/proc/stat", "rb") as f:
             return int(f.readline().split()[8]) * _TICK_MS
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _psi_cpu_ms() -> float:
+    """Host-wide CPU pressure so far: time in which some runnable task waited for a CPU (ms; PSI
+    ``some total``, any process's, the servers' included), 0 if unknown."""
+    try:
+        with open("/proc/pressure/cpu", "rb") as f:
+            return int(f.readline().rsplit(b"total=", 1)[1]) / 1000.0
     except (OSError, ValueError, IndexError):
         return 0.0
 
@@ -443,6 +454,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             taps_all = np.ascontiguousarray(np.concatenate(parts)) if parts else None
             (tc0, rd0), (pc0, pd0) = _thread_sched_ns(), _proc_sched_ns()
             gc0, st0, mf0 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            psi0 = _psi_cpu_ms()
             if watch is not None:
                 watch.arm()
             early = (
@@ -469,6 +481,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 stacks.write(f"@@ call t0={t0!r} wait_ms={(t1 - t0) * 1000.0:.3f}\n".encode())
             (tc1, rd1), (pc1, pd1) = _thread_sched_ns(), _proc_sched_ns()
             gc1, st1, mf1 = _gc_ns, _steal_ms(), resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+            psi1 = _psi_cpu_ms()
             epoch = client.epoch or ""
             by_server = fleet.epochs() if fleet is not None else {}
             if epoch not in epoch_idx:
@@ -480,7 +493,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             rec["run_delay_ms"] = (rd1 - rd0) / 1e6
             rec["proc_run_delay_ms"] = (pd1 - pd0) / 1e6
             rec.update(cpu_ms=(tc1 - tc0) / 1e6, proc_cpu_ms=(pc1 - pc0) / 1e6, gc_ms=(gc1 - gc0) / 1e6)
-            rec.update(steal_ms=st1 - st0, majflt=mf1 - mf0)
+            rec.update(steal_ms=st1 - st0, majflt=mf1 - mf0, psi_ms=psi1 - psi0)
             rec["epoch_idx"] = epoch_idx[epoch]
             finished = []
             for s, req, taps, rep in zip(active, reqs, parts, replies, strict=True):
