@@ -466,10 +466,11 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
         counts["slow"] = len(res.slow_events)
     if res.fuzz:
         counts["fuzz"] = res.fuzz.get("sent", 0)
-    server_bad = 0.0
+    server_bad = held = 0.0
     for m in res.last_metrics.values():
         server_bad += sum(v for k, v in m.items() if k.startswith("draft_server_bad_messages_total{"))
         server_bad += m.get("draft_server_dropped_messages_total", 0.0)
+        held += m.get("draft_server_batch_hold_seconds_count", 0.0)
 
     per_engine = []
     for e, c in all_calls:
@@ -513,6 +514,7 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
             "k0_then_draft_checked": sum(s["k0_then_draft"] for s in sess),
             "server_incarnations": len(res.incarnations),
             "server_rejected_messages": server_bad,
+            "server_held_batches": held,  # decode batches held for clients due back (last scrapes)
         },
         "engines": per_engine,
         "chaos": {
