@@ -229,9 +229,9 @@ class Engine:
             self._poll.register(sock[0], select.POLLIN)  # type: ignore[index]
         try:
             if not self._inbox and not self._stop.is_set():
-                if timeout_s < 0.05 and max(self._bell.fd, sock[0] if watch else 0) < 1024:  # type: ignore[index]
+                fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
+                if timeout_s < 0.05 and max(fds) < 1024:
                     # select's timeout has microseconds (poll's is whole milliseconds): a hold is short
-                    fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
                     ready = select.select(fds, [], [], max(timeout_s, 0.0))[0]
                 else:
                     ready = [fd for fd, _ in self._poll.poll(max(1, int(timeout_s * 1000)))]
@@ -375,7 +375,6 @@ class Engine:
             return False
         if decode and self._hold(decode, now):
             return True  # waited for clients due back: the next pass takes them in
-        self._hold_until = None
         if self._socket is not None and (prefill is not None or self.admission.iter_ewma_s > LONG_BATCH_S):
             self._socket[3]()  # a long batch ahead: the I/O thread watches the socket meanwhile
         t0 = time.monotonic()
@@ -404,7 +403,7 @@ class Engine:
         until 1.25 of its turnaround at most."""
         drafting = [w for _, run in decode for w in run if w.k]
         if self.window_s or not drafting or len(decode) >= self.max_batch_sessions:
-            return False
+            return self._end_hold(now)
         if self._hold_until is None:  # a new batch: whom to wait for, and how long at most
             b = self._draft_ewma_s
             cad = self._cadence
@@ -428,13 +427,17 @@ class Engine:
             self._hold_until = min(until, min(w.call.deadline for w in drafting) - 1.5 * b)
             self._hold_t0 = now
         if now >= self._hold_until or not any(cad.awaiting for o in self._hold_for if (cad := self._cadence.get(o))):
-            if now > self._hold_t0:
-                self.metrics.later.later(self.metrics.batch_hold.observe, now - self._hold_t0)
-            self._hold_until = None
-            self._hold_for.clear()
-            return False
+            return self._end_hold(now)
         self._wait(self._hold_until - now)
         return True
+
+    def _end_hold(self, now: float) -> bool:
+        """The batch being formed runs now: the hold (if any) is over and observed. Returns False."""
+        if self._hold_until is not None and now > self._hold_t0:
+            self.metrics.later.later(self.metrics.batch_hold.observe, now - self._hold_t0)
+        self._hold_until = None
+        self._hold_for.clear()
+        return False
 
     def _extend_runs(self, decode: list[tuple[Session, list[Work]]], left: int, taps_ok: bool) -> None:
         """Grow each session's run past its head entry in the ``left`` rows (point 3 of the module
@@ -648,12 +651,12 @@ class Engine:
             ),
             advised_k=self.admission.advised_k(self.drafter.contract.block_size),
         )
-        if call.compute_s > 0 and any(r.drafts for r in results):  # drafts from a batch: the engine thread
+        drafted = sum(1 for r in results if r.drafts) if call.compute_s > 0 else 0
+        if drafted:  # drafts from a batch: on the engine thread
             c = self._cadence.get(call.owner)
             if c is None:
                 c = self._cadence[call.owner] = _Cadence()
-            c.reply_t, c.awaiting = now, True
-            c.drafts = sum(1 for r in results if r.drafts)
+            c.reply_t, c.awaiting, c.drafts = now, True, drafted
         m = self.metrics
         m.later.later(m.step_latency.observe, now - call.recv_t)
         if call.compute_s > 0:  # a batch served it: its wait for the batch that took its last entry

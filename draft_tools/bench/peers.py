@@ -121,17 +121,15 @@ def spawn(args: list[str]) -> subprocess.Popen:
 def spawn_server(endpoint: str, model: str, device: str, extra: list[str], tree: str | None = None) -> subprocess.Popen:
     """A draft server on ``endpoint``; ``tree``: run the ``draft_server`` and ``protocol`` packages of
     that source tree instead (an A/B against another commit: ``python -m`` puts the cwd first)."""
-    if model == "checksum" and tree is None:  # K3-size taps, the checksum drafter (draft-bench's server)
+    if model == "checksum":  # K3-size taps, the checksum drafter (draft-bench's server)
+        if tree is not None:
+            raise ValueError("--baseline-tree needs a --model the draft-server CLI serves (not checksum)")
         from draft_tools.bench.rpc import spawn as spawn_rpc
 
         return spawn_rpc("serve", endpoint)
     port = free_port()
     cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", str(port)]
-    if model == "checksum":
-        cmd += ["--drafter", "checksum", "--checksum-delay-ms", os.environ.get("PEERS_CHECKSUM_DELAY_MS", "0")]
-    else:
-        cmd += ["--model", model, "--device", device]
-    cmd += ["--max-batch-sessions", "64", *extra]
+    cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64", *extra]
     p = subprocess.Popen(
         cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree
     )
