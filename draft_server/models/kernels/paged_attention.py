@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_server.models.kernels import pdl
+
 _LOG2E = 1.4426950408889634
 
 
@@ -204,8 +206,10 @@ def _plan_kernel(
     CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program s < N writes session s's items; program N writes the total and the dummy tail."""
+    pdl.enter(PDL)
     sid = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     smask = s < n_seqs
@@ -290,6 +294,7 @@ def plan_work(
         BLOCK_S=max(16, triton.next_power_of_2(max(n, 1))),
         BLOCK_J=128,
         num_warps=4,
+        **pdl.opts(lo.device),
     )
     return out
 
@@ -447,7 +452,9 @@ def _mla_stage1_kernel(
     BLOCK_DL: tl.constexpr,
     BLOCK_DR: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     pid_m = tl.program_id(0)
     pid_w = tl.program_id(1)
     n = tl.load(WORK + 2 * pid_w)
@@ -531,7 +538,9 @@ def _gqa_stage1_kernel(
     BLOCK_D: tl.constexpr,
     M_BLOCKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.enter(PDL)
     pid = tl.program_id(0)
     pid_w = tl.program_id(1)
     kvh = pid // M_BLOCKS
@@ -609,12 +618,14 @@ def _combine_kernel(
     V_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Stage 2: merge a session's chunk partials (log-sum-exp) into ``out``.
 
     Single-chunk sessions were written by stage 1 and are skipped; padding sessions get zeros;
     sessions whose items did not fit the plan's capacity get NaN.
     """
+    pdl.enter(PDL)
     n = tl.program_id(0)
     pb = tl.program_id(1)
     nch = tl.load(NCH + n)
@@ -724,6 +735,7 @@ def _combine(
         BLOCK_P=config.combine_block_p,
         BLOCK_DV=triton.next_power_of_2(v_dim),
         num_warps=config.combine_num_warps,
+        **pdl.opts(out.device),
     )
 
 
@@ -758,7 +770,7 @@ def _stage1(
         out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E, *tail,
         ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages, **layout,
+        num_warps=config.num_warps, num_stages=config.num_stages, **layout, **pdl.opts(q.device),
     )  # fmt: skip
 
 

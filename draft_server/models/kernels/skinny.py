@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_server.models.kernels import pdl
+
 SMEM_BYTES = 200 * 1024  # what the pipelined tiles may take of an H100/H200 SM's 228 KB
 
 
@@ -43,7 +45,7 @@ def _epilogue(acc, H, Y, rm, rn, mask, sh, sy, HAS_H: tl.constexpr):
 def _skinny_kernel(
     X, W, H, Y, PART, CNT, M, N, K, K_SLICE, SPLIT, sx, sw, sh, sy,
     HAS_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pn = tl.program_id(0)
     ps = tl.program_id(1)
@@ -51,9 +53,17 @@ def _skinny_kernel(
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = ps * K_SLICE
-    for k in range(k_lo, k_lo + K_SLICE, BLOCK_K):
+    # the slice's first weight tile is loaded before the wait for the kernel that writes x (weights
+    # are never written by the step), so with PDL it streams in while that kernel finishes
+    rk = k_lo + tl.arange(0, BLOCK_K)
+    w = tl.load(W + rn[:, None] * sw + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    pdl.enter(PDL)
+    x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+    if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for k in range(k_lo + BLOCK_K, k_lo + K_SLICE, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -120,5 +130,6 @@ class SkinnyGemm:
             x.stride(0), w.stride(0), hh.stride(0), y.stride(0),
             HAS_H=h is not None, BLOCK_M=self.bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=c.warps, num_stages=self.stages,
+            **pdl.opts(x.device),
         )  # fmt: skip
         return y

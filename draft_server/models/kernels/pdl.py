@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (Hopper and later) for the step's Triton kernels.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running:
+its programs become resident early, so the launch and prologue gap between two kernels of a
+CUDA graph (about a microsecond each, some 160 kernels in a K3 step at one session) is hidden.
+Every such kernel calls ``enter`` before it reads anything an earlier kernel wrote or writes
+anything an earlier kernel reads: ``gdc_wait`` returns once the grid before it has completed and
+its writes are visible, then ``gdc_launch_dependents`` lets the grid after it launch. Only
+weights, which no kernel of the step writes, may be read before ``enter`` (the skinny GEMM and
+the Markov argmax start their first weight tile there). ``enter`` is unconditional in every
+program, early-exiting ones included: a grid whose programs all skipped the wait could complete
+before the grid it depends on, and the next kernel's wait would then cover the wrong grid.
+
+On for CUDA devices of compute capability 9 or more when this Triton has the instructions; off
+under Triton's interpreter and on other devices (``enter`` then compiles to nothing), and while
+``ENABLED`` is false. ``ENABLED`` holds for a whole process; it is read when a kernel is launched,
+so set it before any CUDA graph is captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = False  # until the H200 A/B (draft_tools/bench/pdl_ab.sh) shows it pays; the benchmark's --pdl sets it
+
+
+@functools.cache
+def _supported(index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    if "launch_pdl" not in getattr(CUDAOptions, "__dataclass_fields__", {}):
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def on(device: torch.device) -> bool:
+    """Whether kernels launched on ``device`` use PDL now."""
+    return ENABLED and device.type == "cuda" and _supported(device.index or 0)
+
+
+def opts(device: torch.device) -> dict[str, Any]:
+    """Launch keywords for a kernel taking a ``PDL: tl.constexpr`` argument."""
+    return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Wait for the grid before (complete, writes visible), then let the grid after launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
