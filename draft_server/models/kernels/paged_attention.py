@@ -355,12 +355,15 @@ def _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE: tl.constexpr, CHUNK: tl.constex
 
 @triton.jit
 def _tile_rows(KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr):  # fmt: skip
-    """Tokens t0 .. t0 + BLOCK_N: their positions, which are the session's, and their cache rows."""
+               BLOCK_N: tl.constexpr, OFF32: tl.constexpr):  # fmt: skip
+    """Tokens t0 .. t0 + BLOCK_N: their positions, which are the session's, and their cache rows.
+    OFF32: every offset into this cache fits int32 (fewer instructions and registers per tile)."""
     t = t0 + tl.arange(0, BLOCK_N)
     lp = t // PAGE - first
     tmask = (t >= start) & (t < c1) & (lp >= 0) & (lp < max_pages)
     page = tl.load(bt_row + lp, mask=tmask, other=0)
+    if OFF32:
+        return t, tmask, KV + (page * stride_kvp + (t % PAGE) * stride_kvt)
     return t, tmask, KV + page.to(tl.int64) * stride_kvp + (t % PAGE) * stride_kvt
 
 
@@ -452,6 +455,7 @@ def _mla_stage1_kernel(
     BLOCK_DL: tl.constexpr,
     BLOCK_DR: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    OFF32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
@@ -474,7 +478,7 @@ def _mla_stage1_kernel(
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N, OFF32
             )
             kv, pr, alpha, m_i, l_i = _mla_tile(
                 kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
@@ -538,6 +542,7 @@ def _gqa_stage1_kernel(
     BLOCK_D: tl.constexpr,
     M_BLOCKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    OFF32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.enter(PDL)
@@ -573,7 +578,7 @@ def _gqa_stage1_kernel(
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N, OFF32
             )
             k_rows = kv_rows + kvh * stride_kvh
             ldmask = tmask[:, None] & dmask[None, :]
@@ -770,6 +775,7 @@ def _stage1(
         out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E, *tail,
         ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC=_dot_precision(q.dtype),
+        OFF32=cache.shape[0] * cache.stride(0) < 2**31,
         num_warps=config.num_warps, num_stages=config.num_stages, **layout, **pdl.opts(q.device),
     )  # fmt: skip
 
