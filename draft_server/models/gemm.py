@@ -24,6 +24,7 @@ the CPU, and for a shape never tuned, the plain op: the tests' reference paths a
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ SKINNY_SHAPES = [(bn, bk, s) for bn, bk in ((32, 128), (64, 256), (128, 128), (1
 FLUSH_BYTES = 256 << 20  # written before each timed replay: the L2 (50 MB on an H200) holds no weight
 
 Key = tuple[int, int, int, torch.dtype, bool]  # (out, in, rows, dtype, residual)
+log = logging.getLogger(__name__)
 
 
 def _plain(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
@@ -127,9 +129,15 @@ class GemmTuner:
                 continue
             fn = _RUN[name]
             times[name] = graph_ms(lambda fn=fn: fn(x, w, h))
+        from triton.runtime.errors import OutOfResources
+
         kernels = self._skinny_kernels(x, w, h)
-        for name, k in kernels.items():
-            times[name] = graph_ms(lambda k=k: k(x, w, h))
+        for name, k in list(kernels.items()):
+            try:
+                times[name] = graph_ms(lambda k=k: k(x, w, h))
+            except OutOfResources as e:  # a launch shape this GPU cannot hold is not a candidate
+                log.warning("GEMM %s: %s skipped (%s)", key, name, e)
+                del kernels[name]
         self.timings[key] = times
         best = min(times, key=lambda n: times[n])
         if times[best] >= (1.0 - MIN_GAIN) * times["plain"]:

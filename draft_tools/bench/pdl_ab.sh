@@ -6,8 +6,8 @@ set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-timeout 270 python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact \
+timeout 240 python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact \
   --out "$OUT/draft_step_h200_v11_nopdl.json" 2>&1 | grep -E "B=|mixed|profile:|floors|Error|error" | cut -c1-220
-timeout 270 python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server --pdl \
+timeout 240 python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server --pdl \
   --out "$OUT/draft_step_h200_v11.json" 2>&1 | grep -E "B=|mixed|profile:|floors|float32|Error|error" | cut -c1-220
-timeout 150 python3 -m pytest -q -x tests/gpu/test_pdl_gpu.py 2>&1 | tail -15
+timeout 100 python3 -m pytest -q -x --tb=short tests/gpu/test_pdl_gpu.py 2>&1 | grep -v Warning | tail -40

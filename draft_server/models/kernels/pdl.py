@@ -6,8 +6,9 @@ CUDA graph (about a microsecond each, some 160 kernels in a K3 step at one sessi
 Every such kernel calls ``enter`` before it reads anything an earlier kernel wrote or writes
 anything an earlier kernel reads: ``gdc_wait`` returns once the grid before it has completed and
 its writes are visible, then ``gdc_launch_dependents`` lets the grid after it launch. Only
-weights, which no kernel of the step writes, may be read before ``enter`` (the skinny GEMM and
-the Markov argmax start their first weight tile there). ``enter`` is unconditional in every
+weights, which no kernel of the step writes, may be read before ``enter``: the Markov argmax loads
+its weight tile there, and the skinny GEMM prefetches its first weight tiles into the L2
+(``prefetch_l2``, which costs no registers or shared memory). ``enter`` is unconditional in every
 program, early-exiting ones included: a grid whose programs all skipped the wait could complete
 before the grid it depends on, and the next kernel's wait would then cover the wrong grid.
 
@@ -62,3 +63,18 @@ def enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(rows, NBYTES: tl.constexpr, PDL: tl.constexpr):
+    """Hopper's bulk L2 prefetch of NBYTES from each address in ``rows`` (16-byte aligned, NBYTES a
+    multiple of 16): a hint with no result, so weights can start streaming before ``enter``."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,r",
+            [rows, tl.full(rows.shape, NBYTES, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )

@@ -45,7 +45,7 @@ def _epilogue(acc, H, Y, rm, rn, mask, sh, sy, HAS_H: tl.constexpr):
 def _skinny_kernel(
     X, W, H, Y, PART, CNT, M, N, K, K_SLICE, SPLIT, sx, sw, sh, sy,
     HAS_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
 ):  # fmt: skip
     pn = tl.program_id(0)
     ps = tl.program_id(1)
@@ -54,16 +54,12 @@ def _skinny_kernel(
     m_ok = rm < M
     n_ok = rn < N
     k_lo = ps * K_SLICE
-    # the slice's first weight tile is loaded before the wait for the kernel that writes x (weights
-    # are never written by the step), so with PDL it streams in while that kernel finishes
-    rk = k_lo + tl.arange(0, BLOCK_K)
-    w = tl.load(W + rn[:, None] * sw + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    # weights are never written by the step: with PDL the slice's first tiles are on their way into
+    # the L2 while the kernel that writes x finishes
+    pdl.prefetch_l2(W + tl.minimum(rn, N - 1).to(tl.int64) * sw + k_lo, PREFETCH_BYTES, PDL)
     pdl.enter(PDL)
-    x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-    if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
-        x, w = x.to(tl.float32), w.to(tl.float32)
-    acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-    for k in range(k_lo + BLOCK_K, k_lo + K_SLICE, BLOCK_K):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_lo + K_SLICE, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         k_ok = rk < K
         x = tl.load(X + rm[:, None] * sx + rk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -111,6 +107,12 @@ class SkinnyGemm:
         self.part = torch.empty(n_part, dtype=torch.float32, device=device)
         self.cnt = torch.zeros(self.tiles, dtype=torch.int32, device=device)
 
+    def prefetch_bytes(self, w: torch.Tensor) -> int:
+        """Bytes of each weight row a program prefetches before its wait: the tiles its pipeline
+        would have in flight at the start (a multiple of 16, as the bulk prefetch needs)."""
+        tiles = min(self.stages, self.inp // self.cfg.split // self.cfg.block_k)
+        return tiles * self.cfg.block_k * w.element_size()
+
     @staticmethod
     def fits(rows: int, inp: int, cfg: SkinnyConfig) -> bool:
         return rows <= SkinnyGemm.MAX_ROWS and inp % (cfg.split * cfg.block_k) == 0
@@ -130,6 +132,6 @@ class SkinnyGemm:
             x.stride(0), w.stride(0), hh.stride(0), y.stride(0),
             HAS_H=h is not None, BLOCK_M=self.bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=c.warps, num_stages=self.stages,
-            **pdl.opts(x.device),
+            PREFETCH_BYTES=self.prefetch_bytes(w), **pdl.opts(x.device),
         )  # fmt: skip
         return y
