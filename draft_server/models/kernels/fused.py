@@ -35,9 +35,10 @@ def _lead3(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]
 
 @triton.jit
 def _rms_kernel(
-    X, W, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sy0, sy1, sy2, D, eps, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    X, W, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sy0, sy1, sy2, D, eps, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     r = tl.program_id(0)
     i2 = r % H2
     i1 = (r // H2) % H1
@@ -74,9 +75,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _rope_kernel(
     X, C, S, Y, H1, H2, sx0, sx1, sx2, sc0, sc1, sc2, sy0, sy1, sy2, HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     r = tl.program_id(0)
     i2 = r % H2
     i1 = (r // H2) % H1
@@ -125,8 +126,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
+def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    pdl.enter(PDL, EARLY)
     m = tl.program_id(0)
     f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = f < F
@@ -170,10 +171,10 @@ ARGMAX_BLOCK = 4096
 @triton.jit
 def _argmax_partial_kernel(
     BASE, BIAS, PMAX, PIDX, V, s_base, s_bias, n_blocks, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Block b of row n: the largest float32 value of base (+ bias) and its first index."""
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     n = tl.program_id(0)
     b = tl.program_id(1)
     v = b * BLOCK + tl.arange(0, BLOCK)
@@ -190,8 +191,8 @@ def _argmax_partial_kernel(
 
 
 @triton.jit
-def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
+def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+    pdl.enter(PDL, EARLY)
     n = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     mask = b < n_blocks
@@ -246,7 +247,7 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as 
 def _markov_partial_kernel(
     BASE, E, W2, PMAX, PIDX, N, V, s_base, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    REVERSE: tl.constexpr, PDL: tl.constexpr,
+    REVERSE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Vocab block b, sessions n0..n0+BLOCK_N: bias = e @ W2[block]^T (rounded to the model dtype,
     as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index.
@@ -257,7 +258,7 @@ def _markov_partial_kernel(
     r = tl.arange(0, BLOCK_R)
     nmask, vmask, rmask = n < N, v < V, r < R
     w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
-    pdl.enter(PDL)  # W2 is a weight: its tile is on its way while the kernel before finishes
+    pdl.enter(PDL, EARLY)  # W2 is a weight: its tile is on its way while the kernel before finishes
     e = tl.load(E + n[:, None].to(tl.int64) * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
         e = e.to(tl.float32)

@@ -207,9 +207,10 @@ def _plan_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Program s < N writes session s's items; program N writes the total and the dummy tail."""
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     sid = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     smask = s < n_seqs
@@ -457,8 +458,9 @@ def _mla_stage1_kernel(
     DOT_PREC: tl.constexpr,
     OFF32: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     pid_m = tl.program_id(0)
     pid_w = tl.program_id(1)
     n = tl.load(WORK + 2 * pid_w)
@@ -544,8 +546,9 @@ def _gqa_stage1_kernel(
     DOT_PREC: tl.constexpr,
     OFF32: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     pid = tl.program_id(0)
     pid_w = tl.program_id(1)
     kvh = pid // M_BLOCKS
@@ -624,13 +627,14 @@ def _combine_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """Stage 2: merge a session's chunk partials (log-sum-exp) into ``out``.
 
     Single-chunk sessions were written by stage 1 and are skipped; padding sessions get zeros;
     sessions whose items did not fit the plan's capacity get NaN.
     """
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     n = tl.program_id(0)
     pb = tl.program_id(1)
     nch = tl.load(NCH + n)

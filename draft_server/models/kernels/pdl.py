@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = False  # until the H200 A/B (draft_tools/bench/pdl_ab.sh) shows it pays; the benchmark's --pdl sets it
+ENABLED = False  # until the H200 A/B (draft_tools/bench/pdl_ab.py) shows it pays; the benchmark's --pdl sets it
+EARLY = True  # let the next grid launch right after the wait; False: only as this grid's programs exit
 
 
 @functools.cache
@@ -54,15 +55,16 @@ def on(device: torch.device) -> bool:
 
 def opts(device: torch.device) -> dict[str, Any]:
     """Launch keywords for a kernel taking a ``PDL: tl.constexpr`` argument."""
-    return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
+    return {"PDL": True, "EARLY": EARLY, "launch_pdl": True} if on(device) else {"PDL": False, "EARLY": False}
 
 
 @triton.jit
-def enter(PDL: tl.constexpr):
+def enter(PDL: tl.constexpr, EARLY: tl.constexpr):
     """Wait for the grid before (complete, writes visible), then let the grid after launch."""
     if PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

@@ -45,7 +45,7 @@ def _epilogue(acc, H, Y, rm, rn, mask, sh, sy, HAS_H: tl.constexpr):
 def _skinny_kernel(
     X, W, H, Y, PART, CNT, M, N, K, K_SLICE, SPLIT, sx, sw, sh, sy,
     HAS_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
 ):  # fmt: skip
     pn = tl.program_id(0)
     ps = tl.program_id(1)
@@ -57,7 +57,7 @@ def _skinny_kernel(
     # weights are never written by the step: with PDL the slice's first tiles are on their way into
     # the L2 while the kernel that writes x finishes
     pdl.prefetch_l2(W + tl.minimum(rn, N - 1).to(tl.int64) * sw + k_lo, PREFETCH_BYTES, PDL)
-    pdl.enter(PDL)
+    pdl.enter(PDL, EARLY)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_lo + K_SLICE, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
