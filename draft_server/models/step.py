@@ -49,16 +49,15 @@ from protocol import GREEDY, WireOffer
 from protocol.wire import BF16_ONLY, row_layout
 
 GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up to this context
-# Split-K chunk per batch: about WORK_ITEMS chunks over all its tokens, so one session still
-# spreads over the SMs and 64 of 1K need no partials at all. Graph buckets are planned for
+# Split-K chunk per batch: about WORK_ITEMS chunks over all its tokens (MLA, GQA), so one session
+# still spreads over the SMs and 64 of 1K need no partials at all. Graph buckets are planned for
 # TYPICAL_CONTEXT. MLA swept on one H200 at K3 dims, timed as CUDA-graph replays as the step runs
-# it (bench/results/mla_sweep_h200_v3.json, per layer): 1 x 1K 0.042 ms at chunk 64 against 0.032
-# at 128; 2 x 1K 0.040 at 128, 0.035 at 256; 4 x 1K 0.052 at 512 (0.049 at 256); 8 x 1K 0.100 at
-# 1024 (0.083 at 512); 64 x 1K and 32K + 63 x 1K best at 2048. MLA takes tokens / 8 rounded down to
-# a power of two (a bucket of n sessions of 1K + 7 rows: 128 / 256 / 512 / 1024 / 2048 for n = 1 /
-# 2 / 4 / 8 / 16+; rounding up, as before, gave 64 / 128 at n = 1 / 2 and the same above); GQA keeps
-# 40 items rounded up until it is swept the same way.
-TYPICAL_CONTEXT, WORK_ITEMS = 1024, {True: 8, False: 40}
+# it (bench/results/mla_sweep_h200_v3.json): the best chunk was 128 for 1 x 1K, 256 for 2 x 1K and
+# 4 x 1K, 512 for 8 x 1K, 2048 for 64 x 1K and 32K + 63 x 1K; 16 items gives 64 / 128 / 256 / 512 /
+# 2048 / 2048 (2 x 1K: 0.040 ms per layer against 0.069 at the 64 that 40 items gave; 4 x 1K: 0.049
+# vs 0.072). The sweep that chose 40 (mla_sweep_h200.json) timed eager calls, launch-bound at small
+# batches. GQA keeps 40 until it is swept the same way.
+TYPICAL_CONTEXT, WORK_ITEMS = 1024, {True: 16, False: 40}
 MIN_CHUNK, MAX_CHUNK = 64, 2048
 # An ingest of at least this many rows from registered host memory (a prefill chunk from the shm
 # ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
@@ -190,11 +189,9 @@ class FastStep:
 
     def _chunk(self, tokens: int) -> int:
         """Split-K chunk for a batch of ``tokens`` context rows in all: about WORK_ITEMS chunks
-        (a power of two, down for MLA and up for GQA, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
-        mla = self.m.layout.mla
-        want = max(1, tokens // WORK_ITEMS[mla])
-        pow2 = 1 << (want.bit_length() - 1 if mla else (want - 1).bit_length())
-        return max(MIN_CHUNK, self.P, min(MAX_CHUNK, pow2))
+        (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
+        want = max(1, tokens // WORK_ITEMS[self.m.layout.mla])
+        return max(MIN_CHUNK, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
 
     def _capacity(self, n: int) -> int:
         per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B)))

@@ -37,7 +37,7 @@ from draft_server.drafters.base import DeviceRows
 from draft_server.models import gemm
 from draft_server.models import step as step_mod
 from draft_server.models.drafter import DSparkDrafter
-from draft_server.models.kernels import fused, pdl
+from draft_server.models.kernels import fused
 from draft_server.models.presets import PRESETS, random_drafter
 from protocol import GREEDY
 
@@ -655,12 +655,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, server, exact")
     ap.add_argument("--no-skinny", action="store_true", help="the GEMM tuner without its skinny strategy (an A/B)")
-    ap.add_argument("--pdl", action="store_true", help="Triton kernels with programmatic dependent launch (an A/B)")
     args = ap.parse_args()
     if args.no_skinny:
         gemm.SKINNY_ROWS = 0
-    if args.pdl:
-        pdl.ENABLED = True
     dev = torch.device("cuda")
     report: dict[str, Any] = {
         "command": "python3 -m draft_tools.bench.draft_step_gpu " + " ".join(sys.argv[1:]),
@@ -680,7 +677,6 @@ def main() -> int:
     import triton
 
     report["machine"]["triton"] = triton.__version__
-    report["pdl"] = pdl.on(dev)
 
     def save() -> None:
         with open(args.out, "w") as f:

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_server.models.kernels import pdl
-
 
 def _lead3(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Sizes and strides of t's (at most 3) leading dims, padded to 3."""
@@ -36,9 +34,7 @@ def _lead3(t: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]]
 @triton.jit
 def _rms_kernel(
     X, W, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sy0, sy1, sy2, D, eps, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(PDL, EARLY)
     r = tl.program_id(0)
     i2 = r % H2
     i1 = (r // H2) % H1
@@ -67,7 +63,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(D)
         _rms_kernel[(rows,)](
             x, w, y, h1, h2, s0, s1, s2, w0, w1, w2, t0, t1, t2, D, eps,
-            BLOCK_D=block, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1, **pdl.opts(x.device),
+            BLOCK_D=block, num_warps=8 if block >= 4096 else 4 if block >= 1024 else 1,
         )  # fmt: skip
     return y
 
@@ -75,9 +71,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @triton.jit
 def _rope_kernel(
     X, C, S, Y, H1, H2, sx0, sx1, sx2, sc0, sc1, sc2, sy0, sy1, sy2, HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    pdl.enter(PDL, EARLY)
     r = tl.program_id(0)
     i2 = r % H2
     i1 = (r // H2) % H1
@@ -120,14 +115,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         _rope_kernel[(rows,)](
             x, cb, sb, y, h1, h2, s0, s1, s2, c0, c1, c2, t0, t1, t2,
             HALF=half, INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(half), num_warps=1,
-            **pdl.opts(x.device),
         )  # fmt: skip
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    pdl.enter(PDL, EARLY)
+def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr):
     m = tl.program_id(0)
     f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = f < F
@@ -157,7 +150,7 @@ def silu_mul_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torc
     if g2.shape[0]:
         block = 1024
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](
-            g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block, **pdl.opts(g.device)
+            g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block
         )
     return y.view(*g.shape[:-1], F)
 
@@ -171,10 +164,8 @@ ARGMAX_BLOCK = 4096
 @triton.jit
 def _argmax_partial_kernel(
     BASE, BIAS, PMAX, PIDX, V, s_base, s_bias, n_blocks, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):  # fmt: skip
     """Block b of row n: the largest float32 value of base (+ bias) and its first index."""
-    pdl.enter(PDL, EARLY)
     n = tl.program_id(0)
     b = tl.program_id(1)
     v = b * BLOCK + tl.arange(0, BLOCK)
@@ -191,8 +182,7 @@ def _argmax_partial_kernel(
 
 
 @triton.jit
-def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
-    pdl.enter(PDL, EARLY)
+def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr):
     n = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     mask = b < n_blocks
@@ -218,7 +208,7 @@ def markov_argmax(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor
     b = base if bias is None else bias
     _argmax_partial_kernel[(N, n_blocks)](
         base, b, pmax, pidx, V, base.stride(0), b.stride(0), n_blocks,
-        HAS_BIAS=bias is not None, BLOCK=ARGMAX_BLOCK, num_warps=8, **pdl.opts(base.device),
+        HAS_BIAS=bias is not None, BLOCK=ARGMAX_BLOCK, num_warps=8,
     )  # fmt: skip
     return _argmax_finish(pmax, pidx, out)
 
@@ -233,9 +223,7 @@ def _argmax_buffers(N: int, n_blocks: int, device: torch.device) -> tuple[torch.
 def _argmax_finish(pmax: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Each row's first index of its largest block maximum (``_argmax_final_kernel``)."""
     n_blocks = pmax.shape[1]
-    _argmax_final_kernel[(out.shape[0],)](
-        pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)), **pdl.opts(out.device)
-    )
+    _argmax_final_kernel[(out.shape[0],)](pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)))
     return out
 
 
@@ -247,7 +235,7 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as 
 def _markov_partial_kernel(
     BASE, E, W2, PMAX, PIDX, N, V, s_base, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    REVERSE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):  # fmt: skip
     """Vocab block b, sessions n0..n0+BLOCK_N: bias = e @ W2[block]^T (rounded to the model dtype,
     as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index.
@@ -257,9 +245,8 @@ def _markov_partial_kernel(
     v = b * BLOCK_V + tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
     nmask, vmask, rmask = n < N, v < V, r < R
-    w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
-    pdl.enter(PDL, EARLY)  # W2 is a weight: its tile is on its way while the kernel before finishes
     e = tl.load(E + n[:, None].to(tl.int64) * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+    w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
         e = e.to(tl.float32)
         w = w.to(tl.float32)
@@ -303,6 +290,6 @@ def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor,
         base, e, w2, pmax, pidx, N, V, base.stride(0), e.stride(0), w2.stride(0), n_blocks,
         ROUND=_ROUND[e.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
         BLOCK_R=max(16, triton.next_power_of_2(R)), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        REVERSE=reverse, num_warps=4, **pdl.opts(base.device),
+        REVERSE=reverse, num_warps=4,
     )  # fmt: skip
     return _argmax_finish(pmax, pidx, out)

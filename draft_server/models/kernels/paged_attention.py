@@ -50,8 +50,6 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_server.models.kernels import pdl
-
 _LOG2E = 1.4426950408889634
 
 
@@ -206,11 +204,8 @@ def _plan_kernel(
     CHUNK: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_J: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     """Program s < N writes session s's items; program N writes the total and the dummy tail."""
-    pdl.enter(PDL, EARLY)
     sid = tl.program_id(0)
     s = tl.arange(0, BLOCK_S)
     smask = s < n_seqs
@@ -295,7 +290,6 @@ def plan_work(
         BLOCK_S=max(16, triton.next_power_of_2(max(n, 1))),
         BLOCK_J=128,
         num_warps=4,
-        **pdl.opts(lo.device),
     )
     return out
 
@@ -356,15 +350,12 @@ def _chunk_span(LO, POS, FIRST, NCH, n, c, PAGE: tl.constexpr, CHUNK: tl.constex
 
 @triton.jit
 def _tile_rows(KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE: tl.constexpr,
-               BLOCK_N: tl.constexpr, OFF32: tl.constexpr):  # fmt: skip
-    """Tokens t0 .. t0 + BLOCK_N: their positions, which are the session's, and their cache rows.
-    OFF32: every offset into this cache fits int32 (fewer instructions and registers per tile)."""
+               BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tokens t0 .. t0 + BLOCK_N: their positions, which are the session's, and their cache rows."""
     t = t0 + tl.arange(0, BLOCK_N)
     lp = t // PAGE - first
     tmask = (t >= start) & (t < c1) & (lp >= 0) & (lp < max_pages)
     page = tl.load(bt_row + lp, mask=tmask, other=0)
-    if OFF32:
-        return t, tmask, KV + (page * stride_kvp + (t % PAGE) * stride_kvt)
     return t, tmask, KV + page.to(tl.int64) * stride_kvp + (t % PAGE) * stride_kvt
 
 
@@ -456,11 +447,7 @@ def _mla_stage1_kernel(
     BLOCK_DL: tl.constexpr,
     BLOCK_DR: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    OFF32: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
-    pdl.enter(PDL, EARLY)
     pid_m = tl.program_id(0)
     pid_w = tl.program_id(1)
     n = tl.load(WORK + 2 * pid_w)
@@ -480,7 +467,7 @@ def _mla_stage1_kernel(
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N, OFF32
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
             )
             kv, pr, alpha, m_i, l_i = _mla_tile(
                 kv_rows, t, tmask, row_end, q_nope, q_rope, m_i, l_i, qk_scale, KV_LORA, ROPE, BLOCK_DL, BLOCK_DR,
@@ -544,11 +531,7 @@ def _gqa_stage1_kernel(
     BLOCK_D: tl.constexpr,
     M_BLOCKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    OFF32: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
-    pdl.enter(PDL, EARLY)
     pid = tl.program_id(0)
     pid_w = tl.program_id(1)
     kvh = pid // M_BLOCKS
@@ -581,7 +564,7 @@ def _gqa_stage1_kernel(
         bt_row = BT + n64 * stride_btn
         for t0 in range(c0, c1, BLOCK_N):
             t, tmask, kv_rows = _tile_rows(
-                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N, OFF32
+                KV, bt_row, t0, start, c1, first, max_pages, stride_kvp, stride_kvt, PAGE, BLOCK_N
             )
             k_rows = kv_rows + kvh * stride_kvh
             ldmask = tmask[:, None] & dmask[None, :]
@@ -626,15 +609,12 @@ def _combine_kernel(
     V_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):
     """Stage 2: merge a session's chunk partials (log-sum-exp) into ``out``.
 
     Single-chunk sessions were written by stage 1 and are skipped; padding sessions get zeros;
     sessions whose items did not fit the plan's capacity get NaN.
     """
-    pdl.enter(PDL, EARLY)
     n = tl.program_id(0)
     pb = tl.program_id(1)
     nch = tl.load(NCH + n)
@@ -744,7 +724,6 @@ def _combine(
         BLOCK_P=config.combine_block_p,
         BLOCK_DV=triton.next_power_of_2(v_dim),
         num_warps=config.combine_num_warps,
-        **pdl.opts(out.device),
     )
 
 
@@ -779,8 +758,7 @@ def _stage1(
         out.stride(0), out.stride(1), out.stride(2), scale * _LOG2E, *tail,
         ROWS=q.shape[1], PAGE=int(cache.shape[1]), CHUNK=plan.chunk, CAUSAL=layout.pop("CAUSAL"),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PREC=_dot_precision(q.dtype),
-        OFF32=cache.shape[0] * cache.stride(0) < 2**31,
-        num_warps=config.num_warps, num_stages=config.num_stages, **layout, **pdl.opts(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **layout,
     )  # fmt: skip
 
 

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from draft_server.models.kernels import pdl
-
 SMEM_BYTES = 200 * 1024  # what the pipelined tiles may take of an H100/H200 SM's 228 KB
 
 
@@ -45,7 +43,7 @@ def _epilogue(acc, H, Y, rm, rn, mask, sh, sy, HAS_H: tl.constexpr):
 def _skinny_kernel(
     X, W, H, Y, PART, CNT, M, N, K, K_SLICE, SPLIT, sx, sw, sh, sy,
     HAS_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH_BYTES: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):  # fmt: skip
     pn = tl.program_id(0)
     ps = tl.program_id(1)
@@ -53,12 +51,8 @@ def _skinny_kernel(
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
     n_ok = rn < N
-    k_lo = ps * K_SLICE
-    # weights are never written by the step: with PDL the slice's first tiles are on their way into
-    # the L2 while the kernel that writes x finishes
-    pdl.prefetch_l2(W + tl.minimum(rn, N - 1).to(tl.int64) * sw + k_lo, PREFETCH_BYTES, PDL)
-    pdl.enter(PDL, EARLY)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_lo = ps * K_SLICE
     for k in range(k_lo, k_lo + K_SLICE, BLOCK_K):
         rk = k + tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -107,12 +101,6 @@ class SkinnyGemm:
         self.part = torch.empty(n_part, dtype=torch.float32, device=device)
         self.cnt = torch.zeros(self.tiles, dtype=torch.int32, device=device)
 
-    def prefetch_bytes(self, w: torch.Tensor) -> int:
-        """Bytes of each weight row a program prefetches before its wait: the tiles its pipeline
-        would have in flight at the start (a multiple of 16, as the bulk prefetch needs)."""
-        tiles = min(self.stages, self.inp // self.cfg.split // self.cfg.block_k)
-        return tiles * self.cfg.block_k * w.element_size()
-
     @staticmethod
     def fits(rows: int, inp: int, cfg: SkinnyConfig) -> bool:
         return rows <= SkinnyGemm.MAX_ROWS and inp % (cfg.split * cfg.block_k) == 0
@@ -132,6 +120,5 @@ class SkinnyGemm:
             x.stride(0), w.stride(0), hh.stride(0), y.stride(0),
             HAS_H=h is not None, BLOCK_M=self.bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=c.warps, num_stages=self.stages,
-            PREFETCH_BYTES=self.prefetch_bytes(w), **pdl.opts(x.device),
         )  # fmt: skip
         return y
