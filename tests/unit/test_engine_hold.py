@@ -45,8 +45,12 @@ class LoopClient:
     """One client, one session: a drafting entry of 2 new rows, then, ``turn_s`` after its reply,
     the next; checks every reply's drafts against the rows it sent."""
 
-    def __init__(self, eng: Engine, owner: bytes, turn_s: float, seed: int, budget_s: float = 5.0) -> None:
-        self.eng, self.owner, self.turn_s, self.budget_s = eng, owner, turn_s, budget_s
+    def __init__(
+        self, eng: Engine, owner: bytes, turn_s: float, seed: int, budget_s: float = 5.0, dies_s: float = 1e9
+    ) -> None:
+        self.eng, self.owner, self.turn_s, self.budget_s, self.dies_s = eng, owner, turn_s, budget_s, dies_s
+        self.sent_t: list[float] = []
+        self.died_t: float | None = None
         self.rng = np.random.default_rng(seed)
         self.rows: dict[int, bytes] = {}
         self.calls = 0
@@ -62,6 +66,7 @@ class LoopClient:
         assert self.eng.admission.try_admit_rows(self.owner, n)
         self.calls += 1
         now = time.monotonic()
+        self.sent_t.append(now)
         call = Call(self.owner, self.calls, now, now + self.budget_s, [None], remaining=1)
         self.replied.clear()
         self.eng.submit([Work(call, 0, "s", pos, taps, 7, 4, GREEDY, pos + n)])
@@ -76,7 +81,11 @@ class LoopClient:
         self.replied.set()
 
     def run(self, stop: threading.Event) -> None:
+        start = time.monotonic()
         while not stop.is_set():
+            if time.monotonic() - start >= self.dies_s:  # gone without a word, as a killed client
+                self.died_t = time.monotonic()
+                return
             self.send()
             if not self.replied.wait(5.0):
                 self.bad.append(f"{self.owner!r}: no reply")
@@ -85,7 +94,10 @@ class LoopClient:
 
 
 def _run(
-    turns: dict[bytes, float], seconds: float, budgets: dict[bytes, float] | None = None
+    turns: dict[bytes, float],
+    seconds: float,
+    budgets: dict[bytes, float] | None = None,
+    dies: dict[bytes, float] | None = None,
 ) -> tuple[Slow, Engine, list[LoopClient]]:
     d = Slow()
     clients: dict[bytes, LoopClient] = {}
@@ -95,7 +107,9 @@ def _run(
         prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0,
     )  # fmt: skip
     for i, (owner, turn) in enumerate(turns.items()):
-        clients[owner] = LoopClient(eng, owner, turn, seed=i, budget_s=(budgets or {}).get(owner, 5.0))
+        clients[owner] = LoopClient(
+            eng, owner, turn, seed=i, budget_s=(budgets or {}).get(owner, 5.0), dies_s=(dies or {}).get(owner, 1e9)
+        )
     eng.start()
     stop = threading.Event()
     threads = [threading.Thread(target=c.run, args=(stop,)) for c in clients.values()]
@@ -152,3 +166,20 @@ def test_a_hold_never_costs_a_waiting_entry_its_budget() -> None:
     fast = next(c for c in clients if c.owner == b"fast")
     assert fast.calls >= 10 and not fast.bad  # every reply OK with its drafts
     assert statistics.median(fast.queue_s[3:]) < 0.002, sorted(fast.queue_s)
+
+
+def test_a_client_that_dies_is_waited_for_once_at_most() -> None:
+    """The late client stops coming back (killed) while the two share batches. The fast client's
+    next call may still wait for it, until 1.25 of its turnaround (8 ms) after its last reply at
+    most; every call after that starts a batch on arrival, and the fast client's drafts stay exact
+    throughout. (Waiting 8 turnarounds instead makes that one wait about 60 ms and fails this.)"""
+    _, eng, clients = _run({b"fast": 0.002, b"late": 0.008}, seconds=1.6, dies={b"late": 0.8})
+    fast = next(c for c in clients if c.owner == b"fast")
+    late = next(c for c in clients if c.owner == b"late")
+    assert late.died_t is not None and _holds(eng) > 0  # it died, after holds had engaged
+    # the fast client's calls sent after the late one's last call: none of them rides with it
+    after = [q for t, q in zip(fast.sent_t, fast.queue_s, strict=False) if t > late.sent_t[-1]]
+    assert len(after) >= 10, len(after)
+    assert max(after) < 2 * 1.25 * 0.008 + 0.005, sorted(after)[-3:]  # 2x: the host's timer slack
+    assert sum(q > 0.003 for q in after) <= 2, sorted(after)[-3:]
+    assert statistics.median(after) < 0.002, sorted(after)
