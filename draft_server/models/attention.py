@@ -71,6 +71,7 @@ class PagedBatch:
     plan: object  # kernels.paged_attention.WorkPlan
     workspace: object  # kernels.paged_attention.Workspace
     out: torch.Tensor  # [N, B, H, Dv] output buffer, reused by every layer
+    config: object = None  # kernels.paged_attention.KernelConfig of the launch (None: the kernel's default)
 
 
 class PagedContext:
@@ -88,7 +89,13 @@ class PagedContext:
         q, q_rope = q if isinstance(q, tuple) else (q, None)
         args = (q, kv, b.pages, b.first, b.lo, b.pos)
         common = dict(
-            scale=self.scale, causal=self.causal, plan=b.plan, workspace=b.workspace, out=b.out, width=b.width
+            scale=self.scale,
+            causal=self.causal,
+            plan=b.plan,
+            workspace=b.workspace,
+            out=b.out,
+            width=b.width,
+            config=b.config,
         )
         if self.layout.mla:  # the kernel reads q and q_rope through their strides
             return mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]

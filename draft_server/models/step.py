@@ -59,6 +59,11 @@ GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up t
 # batches. GQA keeps 40 until it is swept the same way.
 TYPICAL_CONTEXT, WORK_ITEMS = 1024, {True: 16, False: 40}
 MIN_CHUNK, MAX_CHUNK = 64, 2048
+# One MLA session: chunks of at least 128 with the kernel's small-tile launch shape (pa.MLA_CONFIG_ONE):
+# stage 1 + 2 at 1 x 1K took 0.0315 ms per layer so, against 0.0423 with 16 items (chunk 64) and
+# MLA_CONFIG, and 0.039 with that shape at 64 (same run, mla_sweep_h200_v3.json). From 2 sessions
+# MLA_CONFIG wins at every chunk there.
+ONE_SESSION_MLA_CHUNK = 128
 # An ingest of at least this many rows from registered host memory (a prefill chunk from the shm
 # ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
 # (decode steps) copy on the step's stream, with no extra device copy.
@@ -187,14 +192,16 @@ class FastStep:
     def _pages(self) -> torch.Tensor:
         return self.stage[self._pages_at :]
 
-    def _chunk(self, tokens: int) -> int:
-        """Split-K chunk for a batch of ``tokens`` context rows in all: about WORK_ITEMS chunks
-        (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
+    def _chunk(self, tokens: int, n: int) -> int:
+        """Split-K chunk for a batch of n sessions of ``tokens`` context rows in all: about WORK_ITEMS
+        chunks (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK; one MLA session:
+        at least ONE_SESSION_MLA_CHUNK)."""
         want = max(1, tokens // WORK_ITEMS[self.m.layout.mla])
-        return max(MIN_CHUNK, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
+        least = ONE_SESSION_MLA_CHUNK if self.m.layout.mla and n == 1 else MIN_CHUNK
+        return max(least, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
 
     def _capacity(self, n: int) -> int:
-        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B)))
+        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B), n))
         return 1 << max(0, (n * per - 1).bit_length())
 
     # ------------------------------------------------------------------ body (captured or eager)
@@ -223,7 +230,12 @@ class FastStep:
             plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
             workspace=self._workspace(capacity),
             out=out,
+            config=pa.MLA_CONFIG_ONE if self._one_session_shape(n, chunk) else None,
         )
+
+    def _one_session_shape(self, n: int, chunk: int) -> bool:
+        """Whether an MLA batch of n sessions in chunks of ``chunk`` takes ``pa.MLA_CONFIG_ONE``."""
+        return self.m.layout.mla and n == 1 and chunk <= ONE_SESSION_MLA_CHUNK and self.m.dtype.itemsize == 2
 
     def _block(self, n: int, batch: PagedBatch) -> torch.Tensor:
         """The block forward of the staged batch over the paged cache: z [n, B, H]."""
@@ -284,7 +296,7 @@ class FastStep:
     def _capture_all(self, s: torch.cuda.Stream) -> None:
         with torch.cuda.stream(s), torch.inference_mode():
             for n in reversed(self.session_buckets):
-                chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B)), self._capacity(n)
+                chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B), n), self._capacity(n)
                 batch = self._batch(n, capacity, chunk)
                 for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
                     self._draft_body(n, batch)
@@ -541,7 +553,7 @@ class FastStep:
         return self._block(nb, self._eager_batch(n, nb, lens))[:n]
 
     def _eager_batch(self, n: int, nb: int, lens: list[int]) -> PagedBatch:
-        chunk = self._chunk(sum(lens) + n * self.B)
+        chunk = self._chunk(sum(lens) + n * self.B, n)
         need = pa.max_work_items(lens, rows=self.B, chunk=chunk, page_size=self.P)
         return self._batch(nb, max(need, 1), chunk)
 

@@ -194,3 +194,25 @@ def test_a_mapped_shm_ring_is_registered_and_its_rows_skip_staging(tmp_path) -> 
     rings.sweep(1e12)  # idle: unmapped, and unregistered first
     assert fast._host_ranges == []
     ring.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_one_mla_session_takes_the_small_tile_shape_and_bigger_batches_do_not(tmp_path, dtype: str) -> None:
+    """A one-session MLA batch is planned in chunks of at least ``ONE_SESSION_MLA_CHUNK`` and, in half
+    precision, launched with ``MLA_CONFIG_ONE`` (its 3 stages of 32-token tiles do not fit float32);
+    batches of 2+ sessions and GQA batches keep the defaults."""
+    from draft_server.models import step
+    from draft_server.models.kernels import paged_attention as pa
+
+    for variant in ("k3", "qwen3"):
+        p = make_tiny(variant, str(tmp_path / variant), seed=3)
+        d = load_drafter(p.draft, p.target, DEV, dtype, 16 << 20, page_size=4, attention="paged")
+        d.prepare(max_batch_sessions=4, max_batch_rows=64)
+        f = d.fast
+        assert f is not None
+        for n in (1, 2, 4):
+            chunk = f._chunk(n * (step.TYPICAL_CONTEXT + f.B), n)
+            config = f._batch(n, 8, chunk).config
+            one = variant == "k3" and n == 1
+            assert (chunk >= step.ONE_SESSION_MLA_CHUNK) if one else True
+            assert config is (pa.MLA_CONFIG_ONE if one and dtype == "bfloat16" else None), (variant, n, config)

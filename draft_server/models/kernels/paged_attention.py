@@ -89,6 +89,10 @@ class KernelConfig:
 MLA_CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # float32 inputs (tests, debugging) need twice the shared memory: 64-token tiles do not fit at K3 dims.
 MLA_CONFIG_FP32 = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+# One session's batch (split-K chunks of 128): 32-token tiles, 3 stages. At 1 x 1K, stage 1 + 2:
+# 0.0315 ms per layer against 0.0423 for MLA_CONFIG at its 64-token chunks (mla_sweep_h200_v3.json);
+# from 2 sessions MLA_CONFIG is faster. Half-precision only (float32 needs twice the shared memory).
+MLA_CONFIG_ONE = KernelConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
 # Qwen3-8B (8 kv heads x group 4 x Bq 7 = 28 pairs per kv head, head_dim 128) is memory-bound:
 # 27 shapes swept; (32, 64, 2 warps, 3-4 stages) was fastest (1.7-2.4 TB/s of HBM reads).
 GQA_CONFIG = KernelConfig(block_m=32, block_n=64, num_warps=2, num_stages=3)
