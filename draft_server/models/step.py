@@ -62,7 +62,8 @@ MIN_CHUNK, MAX_CHUNK = 64, 2048
 # One MLA session: chunks of at least 128 with the kernel's small-tile launch shape (pa.MLA_CONFIG_ONE):
 # stage 1 + 2 at 1 x 1K took 0.0315 ms per layer so, against 0.0423 with 16 items (chunk 64) and
 # MLA_CONFIG, and 0.039 with that shape at 64 (same run, mla_sweep_h200_v3.json). From 2 sessions
-# MLA_CONFIG wins at every chunk there.
+# MLA_CONFIG wins at every chunk there. In the whole K3 step: 2.426 vs 2.441 ms at one session, a
+# 2-session control showing 0.03 ms of bias against it (one_session_mla_h200.json).
 ONE_SESSION_MLA_CHUNK = 128
 # An ingest of at least this many rows from registered host memory (a prefill chunk from the shm
 # ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
