@@ -10,7 +10,9 @@ context is decides the cost, never the math:
   anchors of one sequence attend with a block-diagonal mask). Costs batch x the longest context.
 - ``PagedContext``: the block's rows are written into the paged cache at their positions (the
   reserved scratch rows), then the Triton kernels read every session's pages in place
-  (``kernels/paged_attention.py``): no gather, no padding, cost = the sum of the contexts.
+  (``kernels/paged_attention.py``): no gather, no padding, cost = the sum of the contexts. MLA
+  in bf16 on a Hopper GPU with 64-token pages reads them through FlashMLA instead
+  (``kernels/flash_mla.py``).
 
 ``TokenLayout`` says how a cached token splits into keys and values: MLA (one latent, keys =
 the whole 576-wide row, values = its first ``kv_lora`` dims, all heads share it) or GQA (K and V
@@ -72,6 +74,8 @@ class PagedBatch:
     workspace: object  # kernels.paged_attention.Workspace
     out: torch.Tensor  # [N, B, H, Dv] output buffer, reused by every layer
     config: object = None  # kernels.paged_attention.KernelConfig of the launch (None: the kernel's default)
+    flash: object = None  # kernels.flash_mla.FlashMLA: MLA through FlashMLA (prepared for this batch)
+    mixed: bool = False  # with flash: sessions starting mid-page take the Triton kernel's rows
 
 
 class PagedContext:
@@ -97,9 +101,21 @@ class PagedContext:
             width=b.width,
             config=b.config,
         )
-        if self.layout.mla:  # the kernel reads q and q_rope through their strides
-            return mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
-        return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
+        if not self.layout.mla:
+            return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
+        flash = b.flash
+        if flash is not None:
+            if q_rope is None:
+                q, q_rope = q[..., : self.layout.value_dims], q[..., self.layout.value_dims :]
+            o = flash.attend(q, q_rope, kv)  # type: ignore[attr-defined]
+            if not b.mixed:
+                return o
+        # the Triton kernel reads q and q_rope through their strides
+        t = mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
+        if flash is None:
+            return t
+        mid_page = (b.lo % flash.page != 0).view(-1, 1, 1, 1)  # type: ignore[attr-defined]
+        return torch.where(mid_page, t, o)
 
 
 class DenseContext:

@@ -41,12 +41,23 @@ DEFAULT_CPU_KV_BYTES = 256 << 20
 BLOCK_WIDTHS = ("k", "trained")
 
 
+def default_page_size(model: DSparkModel, attention: str) -> int:
+    """64-token pages where FlashMLA serves the paged attention (K3 in bf16 on a Hopper GPU with the
+    kernel built), else 16."""
+    from draft_server.models.kernels import flash_mla as fm
+
+    dims = (model.token_shape[0], model.layout.value_dims)
+    if attention == "paged" and fm.kernel_for(model.layout.mla, model.dtype, model.device, dims, fm.PAGE) is not None:
+        return fm.PAGE
+    return 16
+
+
 class DSparkDrafter(Drafter):
     def __init__(
         self,
         model: DSparkModel,
         kv_budget_bytes: int | None = None,
-        page_size: int = 16,
+        page_size: int | None = None,
         sts_temperatures: list[float] | None = None,
         attention: str = "auto",
         projection_id: str | None = None,
@@ -56,7 +67,8 @@ class DSparkDrafter(Drafter):
         the weights as held, the same unless a wider checkpoint dtype was narrowed at load).
         ``block_width``: "k" runs a block of the k drafts a session asks for, as vLLM's in-process
         DSpark does (the block is not causal, so its width changes the drafts); "trained" runs the
-        checkpoint's block_size rows always and returns the first k."""
+        checkpoint's block_size rows always and returns the first k. ``page_size``: tokens per KV page;
+        None picks 64 where FlashMLA serves the attention (``kernels.flash_mla.kernel_for``), else 16."""
         if attention not in ("auto", "paged", "dense"):
             raise CheckpointError(f"attention '{attention}' is not one of auto, paged, dense")
         if block_width not in BLOCK_WIDTHS:
@@ -70,6 +82,8 @@ class DSparkDrafter(Drafter):
         self.cfg: DSparkConfig = model.cfg
         self.contract = self.cfg.contract()
         self.scratch_rows = self.cfg.block_size
+        if page_size is None:
+            page_size = default_page_size(model, self.attention)
         per_tok = PagedKVCache.bytes_per_token(self.cfg.num_layers, model.token_shape, model.dtype)
         if kv_budget_bytes is None:
             kv_budget_bytes = _default_budget(model.device)

@@ -77,7 +77,7 @@ def load_drafter(
     dtype: str = "bf16",
     kv_budget_bytes: int | None = None,
     *,
-    page_size: int = 16,
+    page_size: int | None = None,
     sts_temperatures: list[float] | None = None,
     attention: str = "auto",
     block_width: str = "k",
@@ -90,7 +90,7 @@ def load_drafter(
     dev = resolve_device(device)
     tdtype = resolve_dtype(dtype, dev)
     cfg = load_config(model_dir)
-    page_bytes = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.kv_token_shape, tdtype) * page_size
+    page_bytes = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.kv_token_shape, tdtype) * (page_size or 16)
     if kv_budget_bytes is not None and kv_budget_bytes < page_bytes:
         raise CheckpointError(f"kv_budget_bytes {kv_budget_bytes} is below one KV page ({page_bytes} bytes)")
     ck = Checkpoint(model_dir)

@@ -92,10 +92,13 @@ def random_drafter(
     dtype: torch.dtype = torch.bfloat16,
     attention: str = "auto",
     block_width: str = "k",
+    page_size: int | None = None,
 ) -> DSparkDrafter:
     """A drafter of the given config with seeded random weights (``random_weights``), made on ``dev``."""
     model = build_model(parse_config(cfg_json, "random"), random_weights(cfg_json, dev, dtype), dev, dtype)
-    return DSparkDrafter(model, kv_budget_bytes=kv_bytes, attention=attention, block_width=block_width)
+    return DSparkDrafter(
+        model, kv_budget_bytes=kv_bytes, attention=attention, block_width=block_width, page_size=page_size
+    )
 
 
 def load_preset(

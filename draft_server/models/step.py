@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem
 from draft_server.models import gemm
 from draft_server.models.attention import PagedBatch, PagedContext
+from draft_server.models.kernels import flash_mla as fm
 from draft_server.models.kernels import fused
 from draft_server.models.kernels import paged_attention as pa
 from draft_server.models.kv_cache import PagedKVCache
@@ -181,6 +182,16 @@ class FastStep:
         self._ws: pa.Workspace | None = None
         self._draft_graphs: dict[int, _DraftGraph] = {}
         self._ingest_graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # by (format, row bucket)
+        dims = (model.token_shape[0], v_dim)
+        kernel = fm.kernel_for(model.layout.mla, model.dtype, self.dev, dims, self.P)
+        self.flash = (
+            None
+            if kernel is None
+            else fm.FlashMLA.allocate(
+                kernel, n_max=n, rows=B, heads=H, dims=dims, page=self.P, cols=self.pages_cap, causal=cfg.causal,
+                scale=cfg.softmax_scale, trash_page=cache.num_pages, dtype=model.dtype, device=self.dev,
+            )
+        )  # fmt: skip
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.capture_s = 0.0
         self.graph_steps = 0
@@ -232,6 +243,7 @@ class FastStep:
             workspace=self._workspace(capacity),
             out=out,
             config=pa.MLA_CONFIG_ONE if self._one_session_shape(n, chunk) else None,
+            flash=self.flash,
         )
 
     def _one_session_shape(self, n: int, chunk: int) -> bool:
@@ -243,7 +255,10 @@ class FastStep:
         m = self.m
         self.slots64[: n * self.B].copy_(self._view("slots")[: n * self.B])
         plan: pa.WorkPlan = batch.plan  # type: ignore[assignment]
-        pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
+        if self.flash is None or batch.mixed:
+            pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
+        if self.flash is not None:
+            self.flash.prepare(n, self._pages(), batch.first, batch.lo, batch.pos, batch.width)
         ctx = PagedContext(self.cache, batch, m.layout, m.cfg.softmax_scale, m.cfg.causal)
         return m.block(self.ids[:n], self.positions[:n], ctx)
 
@@ -530,13 +545,16 @@ class FastStep:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
         n, nb, lens = self._stage(items)
         B = self.B
+        mixed = self._mid_page(items)
         g = self._draft_graphs.get(nb)
-        fits = g is not None and pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=self.P) <= g.capacity
-        if g is not None and g.graph is not None and fits:
+        fits = g is not None and (
+            self.flash is not None or pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=self.P) <= g.capacity
+        )
+        if g is not None and g.graph is not None and fits and not mixed:
             g.graph.replay()
             self.graph_steps += 1
         else:  # contexts past the bucket's capacity: the same kernels, planned for this batch
-            self._draft_body(nb, self._eager_batch(n, nb, lens))
+            self._draft_body(nb, self._eager_batch(n, nb, lens, mixed))
             self.eager_steps += 1
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.dev.type == "cuda":
@@ -551,12 +569,19 @@ class FastStep:
         what sampled batches draw from (``Sampler``), at the cost of the sum of their contexts."""
         n, nb, lens = self._stage(items)
         self.eager_steps += 1
-        return self._block(nb, self._eager_batch(n, nb, lens))[:n]
+        return self._block(nb, self._eager_batch(n, nb, lens, self._mid_page(items)))[:n]
 
-    def _eager_batch(self, n: int, nb: int, lens: list[int]) -> PagedBatch:
+    def _mid_page(self, items: Sequence[DraftItem]) -> bool:
+        """Whether FlashMLA serves this batch only with the Triton kernel beside it: some session's
+        context starts mid-page (FlashMLA reads a sequence from its table's first token)."""
+        return self.flash is not None and any(it.start % self.P for it in items)
+
+    def _eager_batch(self, n: int, nb: int, lens: list[int], mixed: bool = False) -> PagedBatch:
         chunk = self._chunk(sum(lens) + n * self.B, n)
         need = pa.max_work_items(lens, rows=self.B, chunk=chunk, page_size=self.P)
-        return self._batch(nb, max(need, 1), chunk)
+        batch = self._batch(nb, max(need, 1), chunk)
+        batch.mixed = mixed
+        return batch
 
     def _stage(self, items: Sequence[DraftItem]) -> tuple[int, int, list[int]]:
         """Fill the packed step inputs of ``items`` (padded to their session bucket) and copy them to

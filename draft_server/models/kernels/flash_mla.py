@@ -14,6 +14,17 @@ int32 and ``seqlens [b]`` int32: session i attends to its first ``seqlens[i]`` t
 row of the table; with ``causal`` row j of the block sees all but the last ``s_q - 1 - j``.
 Out-of-range values of a session's last page are zeroed in shared memory before the value product,
 so stale NaN/Inf there never reach an output.
+
+``FlashMLA`` is what the fast step holds (``step.FastStep``): the fixed buffers of its largest batch,
+sliced per bucket, and the per-step preparation inside the captured body: ``prepare`` turns the
+step's ragged page list (``attention.PagedBatch``: pages, first, lo, pos, width) into FlashMLA's
+``[b, max_pages]`` table and ``seqlens`` (a Triton kernel, so the interpreter runs it on the CPU too)
+and plans the splits, once per step; ``attend`` is one layer. A session whose context does not start
+on a 64-token page boundary (a restart mid-page) cannot be read by FlashMLA, whose sequences start
+at their table's first token: the step routes batches holding one to the eager body, where
+``attend(..., mixed=True)`` also runs the Triton kernel and takes its rows for those sessions, so
+every session's drafts depend only on its own inputs. ``ReferenceKernel`` is the torch oracle of the
+binding's contract (any dims, any float dtype) for tests on the CPU.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+import triton
+import triton.language as tl
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +146,9 @@ class FlashMLABuffers:
     o_accum: torch.Tensor  # f32 [b + parts, s_q * h_q, 512]
 
     @classmethod
-    def allocate(cls, mod: ModuleType, b: int, s_q: int, h_q: int, device: torch.device) -> FlashMLABuffers:
+    def allocate(
+        cls, mod: ModuleType, b: int, s_q: int, h_q: int, device: torch.device, dv: int = HEAD_DIM_V
+    ) -> FlashMLABuffers:
         parts = int(mod.num_sm_parts(s_q, h_q))
         rows = s_q * h_q
         f32 = {"dtype": torch.float32, "device": device}
@@ -142,7 +157,7 @@ class FlashMLABuffers:
             num_splits=torch.zeros(b + 1, dtype=torch.int32, device=device),
             lse=torch.empty(b, rows, **f32),
             lse_accum=torch.empty(b + parts, rows, **f32),
-            o_accum=torch.empty(b + parts, rows, HEAD_DIM_V, **f32),
+            o_accum=torch.empty(b + parts, rows, dv, **f32),
         )
 
 
@@ -163,3 +178,153 @@ def flash_mla_decode(
     mod.attend(q, kcache, seqlens, block_table, scale, causal, buf.sched, buf.num_splits, out, buf.lse,
                buf.lse_accum, buf.o_accum)  # fmt: skip
     return out
+
+
+def kernel_for(
+    mla: bool, dtype: torch.dtype, device: torch.device, dims: tuple[int, int], page: int
+) -> ModuleType | None:
+    """The FlashMLA extension if it can serve a model's attention: MLA, bf16, on CUDA, with K3's
+    (576, 512) key/value dims, 64-token pages and the kernel loadable; else None (the Triton kernel
+    serves it)."""
+    if not mla or dtype != torch.bfloat16 or torch.device(device).type != "cuda" or page != PAGE:
+        return None
+    return load() if dims == (HEAD_DIM_K, HEAD_DIM_V) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's table and lengths, on the device
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _table_kernel(
+    FLAT, FIRST, LO, POS, WID, TABLE, SEQ, stride_t, cols, trash,
+    PAGE: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Session i's row of FlashMLA's table (its pages from the one holding ``lo``; logical page lp is
+    at ``FLAT[lp - first]``) and its length from that page's first token; a padding session
+    (``lo > pos``) reads ROWS tokens of the trash page."""
+    i = tl.program_id(0)
+    jb = tl.program_id(1)
+    lo = tl.load(LO + i)
+    pos = tl.load(POS + i)
+    first = tl.load(FIRST + i)
+    if CAUSAL:
+        end = pos + ROWS
+    else:
+        end = pos + tl.load(WID + i)
+    pad = (lo > pos) | (lo < 0)
+    lp0 = tl.where(pad, 0, lo // PAGE)
+    n_pages = tl.where(pad, 1, tl.cdiv(end, PAGE) - lp0)
+    j = jb * BLOCK + tl.arange(0, BLOCK)
+    live = (j < n_pages) & (j < cols)
+    n_read = tl.where(pad, 0, n_pages)
+    page = tl.load(FLAT + lp0 + j - first, mask=(j < n_read) & (j < cols), other=0)
+    page = tl.where(pad, trash, page)
+    tl.store(TABLE + i.to(tl.int64) * stride_t + j, page, mask=live)
+    if jb == 0:
+        tl.store(SEQ + i, tl.where(pad, ROWS, end - lp0 * PAGE))
+
+
+_TABLE_BLOCK = 256
+
+
+@dataclass(slots=True)
+class FlashMLA:
+    """FlashMLA in the fast step: fixed buffers for ``n_max`` sessions of ``rows`` block rows and
+    ``heads`` heads, sliced per bucket (graphs replay one at a time); see the module docstring."""
+
+    kernel: ModuleType  # the extension (or ``ReferenceKernel``)
+    rows: int
+    heads: int
+    page: int
+    causal: bool
+    scale: float
+    trash_page: int
+    table: torch.Tensor  # int32 [n_max, cols]
+    seqlens: torch.Tensor  # int32 [n_max]
+    q: torch.Tensor  # [n_max, rows, heads, dk]
+    out: torch.Tensor  # [n_max, rows, heads, dv]
+    buf: FlashMLABuffers
+
+    @classmethod
+    def allocate(
+        cls, kernel: ModuleType, *, n_max: int, rows: int, heads: int, dims: tuple[int, int], page: int,
+        cols: int, causal: bool, scale: float, trash_page: int, dtype: torch.dtype, device: torch.device,
+    ) -> FlashMLA:  # fmt: skip
+        dk, dv = dims
+        return cls(
+            kernel=kernel,
+            rows=rows,
+            heads=heads,
+            page=page,
+            causal=causal,
+            scale=scale,
+            trash_page=trash_page,
+            table=torch.zeros(n_max, cols, dtype=torch.int32, device=device),
+            seqlens=torch.zeros(n_max, dtype=torch.int32, device=device),
+            q=torch.zeros(n_max, rows, heads, dk, dtype=dtype, device=device),
+            out=torch.zeros(n_max, rows, heads, dv, dtype=dtype, device=device),
+            buf=FlashMLABuffers.allocate(kernel, n_max, rows, heads, device, dv),
+        )
+
+    def prepare(self, n: int, pages: torch.Tensor, first: torch.Tensor, lo: torch.Tensor, pos: torch.Tensor,
+                width: torch.Tensor) -> None:  # fmt: skip
+        """This step's table rows and lengths for its n (bucket) sessions, and the split plan."""
+        cols = self.table.shape[1]
+        grid = (n, triton.cdiv(cols, _TABLE_BLOCK))
+        _table_kernel[grid](
+            pages, first, lo, pos, width, self.table, self.seqlens, self.table.stride(0), cols, self.trash_page,
+            PAGE=self.page, ROWS=self.rows, CAUSAL=self.causal, BLOCK=_TABLE_BLOCK,
+        )  # fmt: skip
+        self.kernel.plan(self.seqlens[:n], self.rows, self.buf.sched, self.buf.num_splits[: n + 1])
+
+    def attend(self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """One layer: out [n, rows, heads, dv] of the block over ``kv`` [pages, page, dk] (``prepare`` ran)."""
+        n = q_lat.shape[0]
+        q = torch.cat((q_lat, q_rope), dim=-1, out=self.q[:n])
+        out = self.out[:n]
+        b, parts = self.buf, self.buf.sched.shape[0]
+        kc = kv.view(kv.shape[0], self.page, 1, kv.shape[-1])
+        self.kernel.attend(
+            q, kc, self.seqlens[:n], self.table[:n], self.scale, self.causal, b.sched, b.num_splits[: n + 1], out,
+            b.lse[:n], b.lse_accum[: n + parts], b.o_accum[: n + parts],
+        )  # fmt: skip
+        return out
+
+
+class ReferenceKernel:
+    """The binding's contract in torch (float32 math, any dims and float dtype): ``plan`` records
+    nothing the oracle needs, ``attend`` gathers each session's table row and runs masked softmax
+    attention. Invisible tokens are zeroed before the value product (as the kernel zeroes its
+    out-of-range values)."""
+
+    parts = 2
+
+    @staticmethod
+    def num_sm_parts(s_q: int, h_q: int) -> int:
+        return ReferenceKernel.parts
+
+    @staticmethod
+    def sched_meta_ints() -> int:
+        return 8
+
+    @staticmethod
+    def plan(seqlens: torch.Tensor, s_q: int, sched: torch.Tensor, num_splits: torch.Tensor) -> None:
+        num_splits.zero_()
+
+    @staticmethod
+    def attend(q: torch.Tensor, kcache: torch.Tensor, seqlens: torch.Tensor, block_table: torch.Tensor, scale: float,
+               causal: bool, sched: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               lse_accum: torch.Tensor, o_accum: torch.Tensor) -> None:  # fmt: skip
+        b, s_q, _, dk = q.shape
+        dv = out.shape[-1]
+        page = kcache.shape[1]
+        for i in range(b):
+            t = int(seqlens[i])
+            rows = kcache[block_table[i, : -(-t // page)].long()].reshape(-1, dk)[:t].float()
+            s = torch.einsum("shd,td->sht", q[i].float(), rows) * scale
+            limit = t - (s_q - 1 - torch.arange(s_q)) if causal and s_q > 1 else torch.full((s_q,), t)
+            vis = torch.arange(t)[None, :] < limit[:, None]  # [s_q, t]
+            s = s.masked_fill(~vis[:, None, :], float("-inf"))
+            p = torch.softmax(s, -1).nan_to_num(0.0)
+            v = rows[:, :dv].masked_fill(~vis.any(0)[:, None], 0.0)
+            out[i] = torch.einsum("sht,td->shd", p, v).to(out.dtype)
