@@ -37,6 +37,11 @@ class AttentionContext(Protocol):
 
     def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor: ...
 
+    def query_buffer(self, n: int) -> torch.Tensor | None:
+        """Where an MLA layer writes its whole query [n, B, H, 576] when the kernel reads it so
+        (FlashMLA); None: pass ``(q_lat, q_pe)`` apart."""
+        ...
+
 
 @dataclass(frozen=True)
 class TokenLayout:
@@ -84,6 +89,10 @@ class PagedContext:
     def __init__(self, cache: object, batch: PagedBatch, layout: TokenLayout, scale: float, causal: bool) -> None:
         self.cache, self.batch, self.layout, self.scale, self.causal = cache, batch, layout, scale, causal
 
+    def query_buffer(self, n: int) -> torch.Tensor | None:
+        flash = self.batch.flash
+        return None if flash is None else flash.q[:n]  # type: ignore[attr-defined]
+
     def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
         from draft_server.models.kernels.paged_attention import gqa_paged_attention, mla_paged_attention
 
@@ -105,11 +114,12 @@ class PagedContext:
             return gqa_paged_attention(*args, **common)  # type: ignore[arg-type]
         flash = b.flash
         if flash is not None:
-            if q_rope is None:
-                q, q_rope = q[..., : self.layout.value_dims], q[..., self.layout.value_dims :]
             o = flash.attend(q, q_rope, kv)  # type: ignore[attr-defined]
             if not b.mixed:
                 return o
+            if q_rope is None:  # the Triton kernel reads the two parts of the whole query in place
+                q, q_rope = q[..., : self.layout.value_dims], q[..., self.layout.value_dims :]
+                args = (q, kv, b.pages, b.first, b.lo, b.pos)
         # the Triton kernel reads q and q_rope through their strides
         t = mla_paged_attention(*args, kv_lora=self.layout.value_dims, q_rope=q_rope, **common)  # type: ignore[arg-type]
         if flash is None:
@@ -125,6 +135,9 @@ class DenseContext:
         self, ctx: Callable[[int], torch.Tensor], mask: torch.Tensor, layout: TokenLayout, scale: float
     ) -> None:
         self.ctx, self.mask, self.layout, self.scale = ctx, mask, layout, scale
+
+    def query_buffer(self, n: int) -> torch.Tensor | None:
+        return None
 
     def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
         if isinstance(q, tuple):

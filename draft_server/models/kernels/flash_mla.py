@@ -277,10 +277,14 @@ class FlashMLA:
         )  # fmt: skip
         self.kernel.plan(self.seqlens[:n], self.rows, self.buf.sched, self.buf.num_splits[: n + 1])
 
-    def attend(self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """One layer: out [n, rows, heads, dv] of the block over ``kv`` [pages, page, dk] (``prepare`` ran)."""
-        n = q_lat.shape[0]
-        q = torch.cat((q_lat, q_rope), dim=-1, out=self.q[:n])
+    def attend(self, q: torch.Tensor, q_rope: torch.Tensor | None, kv: torch.Tensor) -> torch.Tensor:
+        """One layer: out [n, rows, heads, dv] of the block over ``kv`` [pages, page, dk] (``prepare`` ran).
+        ``q``: the whole query in ``self.q[:n]`` (q_rope None), or its latent part beside ``q_rope``."""
+        n = q.shape[0]
+        if q_rope is not None:
+            q = torch.cat((q, q_rope), dim=-1, out=self.q[:n])
+        elif q.data_ptr() != self.q.data_ptr() or not q.is_contiguous():
+            raise ValueError("FlashMLA reads the whole query from its buffer (PagedContext.query_buffer)")
         out = self.out[:n]
         b, parts = self.buf, self.buf.sched.shape[0]
         kc = kv.view(kv.shape[0], self.page, 1, kv.shape[-1])

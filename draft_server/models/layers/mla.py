@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from draft_server.models.attention import AttentionContext, TokenLayout
+from draft_server.models.attention import AttentionContext, Query, TokenLayout
 from draft_server.models.config import DSparkConfig
 from draft_server.models.layers.ops import rms_norm
 from draft_server.models.model import DSparkModel
@@ -80,7 +80,16 @@ class K3DSpark(DSparkModel):
         )
         q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)
         q_pe = self.rope.apply(q[..., nope:], cos[:, :, None], sin[:, :, None])
-        q_lat = torch.einsum("nbhd,hdc->nbhc", q[..., :nope], self.w_uk[i])
+        q_nope = q.view(N * B, nh, -1)[..., :nope].transpose(0, 1)  # [nh, N*B, nope], read in place
+        whole = ctx.query_buffer(N)
+        if whole is None:
+            query: Query = (torch.bmm(q_nope, self.w_uk[i]).view(nh, N, B, self.lat).permute(1, 2, 0, 3), q_pe)
+        else:  # the kernel reads [q_lat; q_pe] as one row: both land in its buffer, W_UK's product in place
+            torch.bmm(q_nope, self.w_uk[i], out=whole.view(N * B, nh, -1)[..., : self.lat].transpose(0, 1))
+            whole[..., self.lat :].copy_(q_pe)
+            query = whole
         blk = self._latent(qkv_a[..., cfg.q_lora_rank :], w[p + "kv_a_layernorm.weight"], cos, sin)
-        o = ctx.attend(i, (q_lat, q_pe), blk)  # [N, B, nh, 512]
-        return torch.einsum("nbhc,hvc->nbhv", o, self.w_uv[i]).reshape(N, B, nh * cfg.v_head_dim)
+        o = ctx.attend(i, query, blk)  # [N, B, nh, 512] (head-major or row-major: read through its strides)
+        out = torch.empty(N * B, nh, cfg.v_head_dim, dtype=o.dtype, device=o.device)
+        torch.bmm(o.reshape(N * B, nh, self.lat).transpose(0, 1), self.w_uv[i].transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(N, B, nh * cfg.v_head_dim)
