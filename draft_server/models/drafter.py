@@ -17,6 +17,7 @@ sessions (their block rows always see themselves, so no row is fully masked).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,8 @@ from protocol.wire import FORMATS, row_layout
 
 if TYPE_CHECKING:
     from draft_server.models.step import FastStep
+
+log = logging.getLogger(__name__)
 
 INGEST_CHUNK_ROWS = 4096
 DEFAULT_CPU_KV_BYTES = 256 << 20
@@ -148,6 +151,12 @@ class DSparkDrafter(Drafter):
             width=self.width,
         )
         report = fast.capture()
+        if self.model.layout.mla:
+            from draft_server.models.kernels import flash_mla as fm
+
+            report["mla_flashmla"] = float(fast.flash is not None)
+            if fast.flash is None and self.model.device.type == "cuda" and fm.why_not() != "not loaded yet":
+                log.info("MLA attention: Triton kernels (FlashMLA: %s)", fm.why_not())
         self.fast = fast
         report.update(self._self_test(fast))
         return report
