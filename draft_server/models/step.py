@@ -14,6 +14,10 @@ copy into pinned memory and one wait. Context ingest has its own graphs, per wir
 bucket (``protocol.wire``: bf16 or fp8 taps, or projected context rows); the formats share one
 pinned staging buffer and one device buffer (ingests run one at a time, in stream order).
 
+MLA in bf16 on a Hopper GPU with 64-token pages runs through FlashMLA (``kernels/flash_mla.py``):
+its table, lengths and split plan are made inside the body; a batch holding a session whose context
+starts mid-page runs eagerly with the Triton kernel beside it (``_mid_page``).
+
 Start-up tuning (CUDA, before any capture): every GEMM shape the buckets meet picks its fastest
 form (``gemm``); the choices are fixed before the first graph is captured.
 
