@@ -150,3 +150,29 @@ def test_a_poisoned_session_never_reaches_its_neighbours_through_flash(tmp_path,
             clean = got
         else:
             assert got[1:] == clean[1:]
+
+
+def test_sampled_batches_go_through_the_flash_path_too(tmp_path, monkeypatch) -> None:
+    """A batch with sampled sessions (the eager block forward of ``FastStep.hidden``) reads its context
+    through FlashMLA as well, one session restarted mid-page among them, and draws what the dense
+    reference draws."""
+    from protocol import Sampling
+
+    dense, fast = _drafters(tmp_path, monkeypatch, True)
+    flash_calls = _count(monkeypatch, fm.ReferenceKernel, "attend")
+    W, B = dense.contract.tap_width, dense.cfg.block_size
+    rng = np.random.default_rng(4)
+    spans = {0: (0, 40), 1: (0, 9), 2: (6, 70)}
+    for key, (a, b) in spans.items():
+        taps = _bits(rng, b - a, W)
+        for d in (dense, fast):
+            assert d.reserve(key, a, b + B)
+            d.ingest([IngestItem(key, a, a, taps)])
+    hot = Sampling(temperature=0.8, top_p=0.95, seed=11, return_probs=3)
+    items = [DraftItem(k, a, b, 3 + k, B, GREEDY if k == 1 else hot) for k, (a, b) in spans.items()]
+    got, want = fast.draft(items), dense.draft(items)
+    assert flash_calls[0] == dense.cfg.num_layers
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    for a, b in zip(got, want, strict=True):
+        if a.probs is not None:
+            np.testing.assert_allclose(a.probs, b.probs, rtol=1e-4, atol=1e-6)
