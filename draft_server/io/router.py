@@ -370,8 +370,17 @@ class Router:
                     now = time.monotonic()
                     if self._engine_owns and not self._engine_polling and now - self._engine_left >= _RECLAIM_S:
                         self._engine_owns = False  # a batch longer than expected: the socket is this thread's again
-                    # a timer's look while the idle engine watches reads nothing: the message is the engine's
-                    more = self._serve() if ready or not (self._engine_owns and self._engine_polling) else False
+                    if self._engine_owns and self._engine_polling:
+                        # the idle engine watches: a message is the engine's, even when this thread was
+                        # woken (its wake pipe) as it arrived; only replies queued while the socket was
+                        # busy go out here, and a message whose FD edge that send took rings the engine
+                        more = False
+                        if ready and self._outbox:
+                            self._flush_outbox()
+                            if self._sock.get(_EVENTS) & _POLLIN:
+                                self.engine.wake()
+                    else:
+                        more = self._serve()
                     self.rings.sweep(now)  # under the lock: a reply's ack reads the rings and buffers
                     self.cuda_ipc.sweep(now)
                 timeout = 0 if more else (_RECLAIM_MS if self._engine_owns else _POLL_MS)
