@@ -421,6 +421,17 @@ def test_speculative_class_and_plugin_entry_point() -> None:
     assert "target_client.vllm.plugin:register" in eps.get("vllm.general_plugins", {}).values()
 
 
+def test_run_time_sources_ship_as_package_data() -> None:
+    """Sources built at run time (the FlashMLA binding's .cu) are in the installed package: an image
+    built with ``pip install .`` without them would fall back to Triton silently."""
+    import fnmatch
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for src in (ROOT / "draft_server").rglob("*.cu"):
+        rel = src.relative_to(ROOT / "draft_server").as_posix()
+        assert any(fnmatch.fnmatch(rel, pat) for pat in data.get("draft_server", [])), f"{rel} is not package data"
+
+
 def test_prometheus_scrapes_what_compose_runs() -> None:
     c = compose()
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
