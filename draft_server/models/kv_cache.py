@@ -3,11 +3,15 @@
 Owns page allocation (``reserve`` / ``release``), the position -> slot map, writes of context
 rows and the per-layer gather of a batch's context for the block forward.
 
-Addressing is absolute: position t lives in the session's page for logical page t // P at
-offset t % P, so a rewrite of position t (a resend, a rejected block's overwrite) simply lands
-in the same slot; there is no rollback bookkeeping. ``reserve(key, start, end)`` makes the
-session hold exactly the pages covering [start, end), freeing the rest, or returns False and
-changes nothing. Capacity and use are counted in page-granular tokens (pages x P).
+Addressing is by position from the span's start: a session's span begins at ``base`` (its start
+when the span was made), and position t lives in its logical page (t - base) // P at offset
+(t - base) % P, so a rewrite of position t (a resend, a rejected block's overwrite) simply lands
+in the same slot; there is no rollback bookkeeping. Every context therefore starts on a page
+boundary, whatever position it starts at (a restart mid-sequence too), which is what a kernel
+that reads a sequence from its table's first token needs (FlashMLA). ``reserve(key, start, end)``
+makes the session hold exactly the pages covering [start, end), freeing the rest, or returns False
+and changes nothing; the same start keeps every row it still covers, another start is a new span
+(a restart: rows are not kept). Capacity and use are counted in page-granular tokens (pages x P).
 
 Scratch: the paged attention path writes a draft block's own rows at [pos, pos + block) before it
 attends (the engine reserves them: ``Drafter.scratch_rows``); they lie past the committed
@@ -28,7 +32,7 @@ import torch
 
 @dataclass(slots=True)
 class _Session:
-    first_lp: int = 0  # logical page number of pages[0]
+    base: int = 0  # the position at offset 0 of pages[0] (the span's start)
     pages: list[int] = field(default_factory=list)
     array: np.ndarray | None = None  # ``pages`` as int64, made when asked for, dropped when they change
 
@@ -81,32 +85,27 @@ class PagedKVCache:
     # -- allocation -------------------------------------------------------------------------
     def reserve(self, key: int, start: int, end: int) -> bool:
         P = self.page_size
-        lo, hi = (start // P, (end - 1) // P + 1) if end > start else (0, 0)
+        n = (end - start - 1) // P + 1 if end > start else 0
         s = self._sessions.get(key)
-        if s is not None and s.first_lp == lo and len(s.pages) == hi - lo:
-            return True  # already exactly this span (the common case: a decode step within its page)
-        if s is not None and s.first_lp == lo:  # the span grows or shrinks at its end: no rebuild
+        if s is not None and s.base == start:  # the span grows or shrinks at its end: rows kept
             have = len(s.pages)
-            if hi - lo > have:
-                if hi - lo - have > len(self._free):
+            if n == have:
+                return True  # the common case: a decode step within its page
+            if n > have:
+                if n - have > len(self._free):
                     return False
-                s.pages.extend(self._free.pop() for _ in range(hi - lo - have))
+                s.pages.extend(self._free.pop() for _ in range(n - have))
             else:
-                self._free.extend(s.pages[hi - lo :])
-                del s.pages[hi - lo :]
+                self._free.extend(s.pages[n:])
+                del s.pages[n:]
             s.array = None
             return True
-        s = s or _Session(first_lp=lo)
-        keep = {s.first_lp + i: p for i, p in enumerate(s.pages) if lo <= s.first_lp + i < hi}
-        if (hi - lo) - len(keep) > len(self._free) + (len(s.pages) - len(keep)):
+        held = len(s.pages) if s is not None else 0
+        if n > len(self._free) + held:
             return False
-        for i, p in enumerate(s.pages):
-            if not lo <= s.first_lp + i < hi:
-                self._free.append(p)
-        s.pages = [keep[lp] if lp in keep else self._free.pop() for lp in range(lo, hi)]
-        s.array = None
-        s.first_lp = lo
-        self._sessions[key] = s
+        if s is not None:
+            self._free.extend(s.pages)
+        self._sessions[key] = _Session(base=start, pages=[self._free.pop() for _ in range(n)])
         return True
 
     def release(self, key: int) -> None:
@@ -119,11 +118,12 @@ class PagedKVCache:
         """Flat slot of each absolute position; raises if the session does not hold it."""
         s = self._sessions.get(key)
         P = self.page_size
-        lp = positions // P - (s.first_lp if s else 0)
+        rel = positions - (s.base if s else 0)
+        lp = rel // P
         if s is None or (len(positions) and (lp.min() < 0 or lp.max() >= len(s.pages))):
             span = f"[{positions.min()}, {positions.max() + 1})" if len(positions) else "[]"
             raise RuntimeError(f"KV cache: session {key} has no pages reserved for positions {span}")
-        return _array(s)[lp] * P + positions % P
+        return _array(s)[lp] * P + rel % P
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
@@ -134,15 +134,17 @@ class PagedKVCache:
         self._flat[layer].index_copy_(0, slots, rows.to(self.data.dtype))
 
     def pages(self, key: int, start: int, end: int) -> tuple[int, np.ndarray]:
-        """(first logical page, physical pages: a read-only int64 view) covering positions
-        [start, end); raises if not held. A step asks for the same pages step after step: the
-        array is kept until the session's pages change."""
+        """(origin, physical pages: a read-only int64 view) covering positions [start, end), where
+        position t is at offset (t - origin) % P of page (t - origin) // P of the list (origin: the
+        position at offset 0 of its first page); raises if not held. A step asks for the same pages
+        step after step: the array is kept until the session's pages change."""
         P = self.page_size
-        lo, hi = start // P, (end - 1) // P + 1
         s = self._sessions.get(key)
-        if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
+        base = s.base if s is not None else 0
+        lo, hi = (start - base) // P, (end - 1 - base) // P + 1
+        if s is None or lo < 0 or hi > len(s.pages):
             raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
-        return lo, _array(s)[lo - s.first_lp : hi - s.first_lp]
+        return base + lo * P, _array(s)[lo:hi]
 
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's pages: [num_pages + 1, page_size, *token_shape] (the last is the trash page)."""
@@ -161,9 +163,10 @@ class PagedKVCache:
                 firsts.append(0)
                 counts.append(0)
                 continue
-            lo, hi = start // P, (pos - 1) // P + 1
             s = self._sessions.get(key)
-            if s is None or lo < s.first_lp or hi > s.first_lp + len(s.pages):
+            base = s.base if s is not None else 0
+            lo, hi = (start - base) // P, (pos - 1 - base) // P + 1
+            if s is None or lo < 0 or hi > len(s.pages):
                 raise RuntimeError(f"KV cache: session {key} has no pages reserved for context [{start}, {pos})")
             firsts.append(lo)
             counts.append(hi - lo)
@@ -174,8 +177,8 @@ class PagedKVCache:
             if not cnt:
                 continue
             s = self._sessions[key]
-            table[n, :cnt] = s.pages[lo - s.first_lp : lo - s.first_lp + cnt]
-            abs_pos = lo * P + np.arange(cnt * P)
+            table[n, :cnt] = s.pages[lo : lo + cnt]
+            abs_pos = s.base + lo * P + np.arange(cnt * P)
             mask[n, : cnt * P] = (abs_pos >= start) & (abs_pos < pos)
         dev = self.data.device
         return torch.from_numpy(table).to(dev), torch.from_numpy(mask).to(dev)

@@ -15,8 +15,9 @@ bucket (``protocol.wire``: bf16 or fp8 taps, or projected context rows); the for
 pinned staging buffer and one device buffer (ingests run one at a time, in stream order).
 
 MLA in bf16 on a Hopper GPU with 64-token pages runs through FlashMLA (``kernels/flash_mla.py``):
-its table, lengths and split plan are made inside the body; a batch holding a session whose context
-starts mid-page runs eagerly with the Triton kernel beside it (``_mid_page``).
+its table, lengths and split plan are made inside the body. The kernels see each session's positions
+from its first page (the cache's ``origin``: every span starts at offset 0 of a page); a draft asked
+from a later start than its span's runs eagerly with the Triton kernel beside FlashMLA (``_mid_page``).
 
 Start-up tuning (CUDA, before any capture): every GEMM shape the buckets meet picks its fastest
 form (``gemm``); the choices are fixed before the first graph is captured.
@@ -197,6 +198,7 @@ class FastStep:
             )
         )  # fmt: skip
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._mid = False  # the batch last staged holds a context starting mid-page (``_mid_page``)
         self.capture_s = 0.0
         self.graph_steps = 0
         self.eager_steps = 0
@@ -531,19 +533,19 @@ class FastStep:
     def _slots(self, keys: Sequence[int], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Cache slots of positions firsts[i] .. firsts[i] + counts[i] - 1 of session keys[i], concatenated."""
         P = self.P
-        page_lists, lp0s = [], []
+        page_lists, origins = [], []
         for key, a, c in zip(keys, firsts.tolist(), counts.tolist(), strict=True):
-            lp0, pg = self.cache.pages(key, a, a + c)
+            origin, pg = self.cache.pages(key, a, a + c)
             page_lists.append(pg)
-            lp0s.append(lp0)
+            origins.append(origin)
         pages = np.concatenate(page_lists)
         offs = np.zeros(len(page_lists), dtype=np.int64)
         np.cumsum([len(pg) for pg in page_lists[:-1]], out=offs[1:])
         row_sess = np.repeat(np.arange(len(keys)), counts)
         starts = np.cumsum(counts) - counts
         t = firsts[row_sess] + (np.arange(int(counts.sum())) - starts[row_sess])
-        idx = t // P - np.asarray(lp0s, dtype=np.int64)[row_sess] + offs[row_sess]
-        return pages[idx] * P + t % P
+        rel = t - np.asarray(origins, dtype=np.int64)[row_sess]  # from the first page's offset 0
+        return pages[rel // P + offs[row_sess]] * P + rel % P
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
@@ -576,9 +578,11 @@ class FastStep:
         return self._block(nb, self._eager_batch(n, nb, lens, self._mid_page(items)))[:n]
 
     def _mid_page(self, items: Sequence[DraftItem]) -> bool:
-        """Whether FlashMLA serves this batch only with the Triton kernel beside it: some session's
-        context starts mid-page (FlashMLA reads a sequence from its table's first token)."""
-        return self.flash is not None and any(it.start % self.P for it in items)
+        """Whether FlashMLA serves the batch just staged only with the Triton kernel beside it: some
+        session's context starts mid-page (FlashMLA reads a sequence from its table's first token).
+        The cache starts every span on a page boundary, so only a draft asked from a later start
+        than its span's (never the server's engine) does."""
+        return self._mid
 
     def _eager_batch(self, n: int, nb: int, lens: list[int], mixed: bool = False) -> PagedBatch:
         chunk = self._chunk(sum(lens) + n * self.B, n)
@@ -601,21 +605,26 @@ class FastStep:
         pages = h[self._pages_at :]
         starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
         anchor_pos = np.fromiter((it.pos for it in items), dtype=np.int64, count=n)
+        origins = np.empty(n, dtype=np.int64)
         used = 0
         for i, it in enumerate(items):  # the ragged page list: each session's pages over [start, pos + B)
-            lp0, pg = self.cache.pages(it.key, it.start, it.pos + B)
+            origins[i], pg = self.cache.pages(it.key, it.start, it.pos + B)
             if used + len(pg) > self.pages_cap:
                 raise RuntimeError("a batch's pages exceed the fast path's page list")
             pages[used : used + len(pg)] = pg
-            first[i] = lp0 - used  # row stride 0: the offset is folded into first
+            first[i] = -used  # row stride 0: the offset is folded into first
             used += len(pg)
+        # the kernels see positions from each session's first page (the cache's origin): a context
+        # starts at 0 there, on a page boundary, wherever it starts in the sequence
         t = anchor_pos[:, None] + np.arange(B)
-        idx = t // P - (first[:n, None].astype(np.int64))  # index into the ragged list
-        slots[:n] = pages[idx] * P + t % P
+        rel = t - origins[:, None]
+        idx = rel // P - (first[:n, None].astype(np.int64))  # index into the ragged list
+        slots[:n] = pages[idx] * P + rel % P
         ids[:n, 0] = np.fromiter((it.anchor for it in items), dtype=np.int64, count=n)
         ids[:n, 1:] = self.m.cfg.mask_token_id
-        positions[:n] = t
-        lo[:n], pos[:n] = starts, anchor_pos
+        positions[:n] = t  # RoPE: absolute positions
+        lo[:n], pos[:n] = starts - origins, anchor_pos - origins
+        self._mid = self.flash is not None and bool((lo[:n] % P).any())
         width[:n] = np.fromiter((self.width(it.k) for it in items), dtype=np.int64, count=n)
         lens = (anchor_pos - starts).tolist()
         ids[n:nb] = 0  # padding sessions

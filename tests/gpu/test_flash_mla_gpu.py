@@ -4,7 +4,8 @@
    cache, with NaN in every page tail and unused page: bf16-close, never NaN.
 2. A K3-dims drafter on 64-token pages takes FlashMLA (its start-up self-test replays every captured
    bucket against eager), drafts what it drafts eagerly, keeps a NaN-tapped session's neighbours
-   exactly as they are with clean taps, and serves a session restarted mid-page (the mixed eager body).
+   exactly as they are with clean taps, keeps a session starting mid-sequence on the graph, and serves
+   a draft asked from a later start than its span's (the mixed eager body).
 FlashMLA's split plan depends on the whole batch, so unlike the float32 Triton path its bf16 rows are
 not bitwise independent of the other sessions (neither are bf16 GEMMs across buckets).
 """
@@ -117,16 +118,21 @@ def test_poisoned_taps_never_reach_the_neighbours_and_graphs_equal_eager(flash_d
     assert got[True][1:] == got[False][1:]
 
 
-def test_a_session_restarted_mid_page_takes_the_mixed_body(flash_drafter) -> None:
+def test_a_session_starting_mid_sequence_stays_on_the_graph(flash_drafter) -> None:
+    """A span made at 37 starts on a page boundary in the cache: FlashMLA reads it in the captured
+    step. A draft asked from a later start than its span's (40) takes the mixed eager body."""
     d = flash_drafter
     W, B = d.contract.tap_width, d.cfg.block_size
     rng = np.random.default_rng(6)
-    spans = {10: (0, 90), 11: (37, 150)}  # session 11 starts mid-page
+    spans = {10: (0, 90), 11: (37, 150)}
     for k, (a, b) in spans.items():
         d.release(k)
         assert d.reserve(k, a, b + B)
         d.ingest([IngestItem(k, a, a, _bits(rng, b - a, W))])
     before = d.fast.eager_steps
     outs = d.draft([DraftItem(k, a, b, 2, B, GREEDY) for k, (a, b) in spans.items()])
-    assert d.fast.eager_steps == before + 1
+    assert d.fast.eager_steps == before
     assert all(len(o.tokens) == B and all(0 <= t < d.cfg.vocab_size for t in o.tokens) for o in outs)
+    later = d.draft([DraftItem(10, 0, 90, 2, B, GREEDY), DraftItem(11, 40, 150, 2, B, GREEDY)])
+    assert d.fast.eager_steps == before + 1
+    assert all(len(o.tokens) == B for o in later)

@@ -53,20 +53,40 @@ def test_reserve_holds_exactly_the_span():
 
 def test_growing_and_shrinking_at_the_end_keeps_every_held_row_in_place():
     """The decode path: a span that only moves its end keeps the slots of the positions it still
-    holds, frees exactly the pages past the new end, and takes new pages only for the new tail."""
+    holds, frees exactly the pages past the new end, and takes new pages only for the new tail.
+    Pages count from the span's start (5): position t is at offset (t - 5) % P."""
     P = 4
     kv = PagedKVCache(1, (1,), num_pages=8, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
-    assert kv.reserve(1, 5, 13)  # logical pages 1, 2, 3
+    assert kv.reserve(1, 5, 13)  # pages for [5, 9), [9, 13)
     first = kv.slots(1, np.arange(5, 13))
-    assert kv.reserve(1, 5, 24) and kv.used_tokens() == 5 * P  # grows by pages 4, 5
+    assert np.array_equal(first % P, (np.arange(5, 13) - 5) % P)  # the span starts at offset 0
+    assert kv.reserve(1, 5, 24) and kv.used_tokens() == 5 * P  # grows by 3 pages, to [5, 25)
     assert np.array_equal(kv.slots(1, np.arange(5, 13)), first)
     grown = kv.slots(1, np.arange(5, 24))
-    assert kv.reserve(1, 6, 9) and kv.used_tokens() == 2 * P  # shrinks to pages 1, 2
-    assert np.array_equal(kv.slots(1, np.arange(6, 9)), grown[1:4])
-    assert not kv.reserve(1, 6, 6 + 9 * P)  # more than the pool: refused, nothing changed
-    assert np.array_equal(kv.slots(1, np.arange(6, 9)), grown[1:4]) and kv.used_tokens() == 2 * P
-    assert kv.reserve(2, 0, 6 * P)  # the freed pages are all handed out again, none twice
-    assert len(set(kv.slots(2, np.arange(6 * P)) // P) | set(kv.slots(1, np.arange(6, 9)) // P)) == 8
+    assert kv.reserve(1, 5, 9) and kv.used_tokens() == 1 * P  # shrinks to its first page
+    assert np.array_equal(kv.slots(1, np.arange(5, 9)), grown[:4])
+    assert not kv.reserve(1, 5, 5 + 9 * P)  # more than the pool: refused, nothing changed
+    assert np.array_equal(kv.slots(1, np.arange(5, 9)), grown[:4]) and kv.used_tokens() == 1 * P
+    assert kv.reserve(2, 0, 7 * P)  # the freed pages are all handed out again, none twice
+    assert len(set(kv.slots(2, np.arange(7 * P)) // P) | set(kv.slots(1, np.arange(5, 9)) // P)) == 8
+
+
+def test_a_new_start_is_a_new_span_from_a_page_boundary() -> None:
+    """A restart (another start) frees the old span's pages and lays the new one out from offset 0;
+    a refused one changes nothing."""
+    P = 4
+    kv = PagedKVCache(1, (1,), num_pages=4, page_size=P, dtype=torch.float32, device=torch.device("cpu"))
+    assert kv.reserve(1, 0, 10) and kv.used_tokens() == 3 * P
+    assert kv.reserve(1, 7, 13) and kv.used_tokens() == 2 * P  # [7, 13): 2 pages, not 3
+    assert kv.slots(1, np.array([7]))[0] % P == 0
+    with pytest.raises(RuntimeError):
+        kv.slots(1, np.array([6]))  # before the new start: not held
+    assert kv.reserve(2, 0, 2 * P)
+    held = kv.slots(1, np.arange(7, 13))
+    assert not kv.reserve(1, 1, 1 + 3 * P + 1)  # 4 pages with 2 free + its own 2: refused
+    assert np.array_equal(kv.slots(1, np.arange(7, 13)), held)
+    origin, pages = kv.pages(1, 9, 13)
+    assert origin == 7 and len(pages) == 2  # position t at offset (t - 7) % P of page (t - 7) // P
 
 
 ops = st.lists(
@@ -85,7 +105,7 @@ def test_reserve_release_invariants(seq):
 
     def npages(span: tuple[int, int]) -> int:
         a, b = span
-        return 0 if b <= a else (b - 1) // P - a // P + 1
+        return 0 if b <= a else (b - a - 1) // P + 1
 
     for op, key, start, length in seq:
         if op == "release":
@@ -95,7 +115,8 @@ def test_reserve_release_invariants(seq):
             span = (start, start + length)
             others = sum(npages(s) for k, s in held.items() if k != key)
             before = held.get(key, (0, 0))
-            kept = np.arange(max(before[0], span[0]), min(before[1], span[1]))  # positions in both spans
+            same_start = key in held and before[0] == span[0]
+            kept = np.arange(span[0], min(before[1], span[1])) if same_start else np.arange(0)  # rows kept
             old_slots = kv.slots(key, kept) if len(kept) else None
             ok = kv.reserve(key, *span)
             assert ok == (others + npages(span) <= pages)
@@ -109,9 +130,9 @@ def test_reserve_release_invariants(seq):
             if b > a:
                 slots = kv.slots(k, np.arange(a, b))
                 assert len(set(slots.tolist())) == b - a  # distinct slots, no sharing across positions
-                lo, pg = kv.pages(k, a, b)  # the array it keeps between calls follows every change
-                t = np.arange(a, b)
-                assert np.array_equal(pg[t // P - lo] * P + t % P, slots)
+                origin, pg = kv.pages(k, a, b)  # the array it keeps between calls follows every change
+                t = np.arange(a, b) - origin
+                assert origin == a and np.array_equal(pg[t // P] * P + t % P, slots)
         all_pages = [p for k in held for p in kv._sessions[k].pages]
         assert len(all_pages) == len(set(all_pages))  # no page owned twice
 

@@ -90,17 +90,20 @@ def _count(monkeypatch, obj, name: str) -> list[int]:
 
 
 @pytest.mark.parametrize("over", [{}, {"is_causal": True}])
-@pytest.mark.parametrize("mid_page", [False, True])
-def test_the_flash_path_drafts_what_the_dense_reference_drafts(tmp_path, monkeypatch, over, mid_page) -> None:
-    """Sessions of several lengths (one empty) drafted over 3 steps through the FlashMLA path equal
-    the dense reference token for token. With a session restarted mid-page the step takes the eager
-    body with the Triton kernel beside FlashMLA; without one FlashMLA alone serves every layer."""
+@pytest.mark.parametrize("later_start", [False, True])
+def test_the_flash_path_drafts_what_the_dense_reference_drafts(tmp_path, monkeypatch, over, later_start) -> None:
+    """Sessions of several lengths (one empty, two starting mid-sequence, at 5 and 9) drafted over 3
+    steps through the FlashMLA path equal the dense reference token for token; the cache starts
+    every span on a page boundary, so FlashMLA alone serves every layer. A draft asked from a later
+    start than its span's (``later_start``: session 1 drafts from 6 over a span made at 5) takes the
+    eager body with the Triton kernel beside FlashMLA."""
     dense, fast = _drafters(tmp_path, monkeypatch, True, **over)
     flash_calls = _count(monkeypatch, fm.ReferenceKernel, "attend")
     triton_calls = _count(monkeypatch, pa, "mla_paged_attention")
-    spans = [(0, 3), (8, 37), (4, 4), (0, 1), (0, 70)]
-    if mid_page:
-        spans[1] = (5, 37)
+    spans = [(0, 3), (5, 37), (4, 4), (0, 1), (9, 70)]
+    draft_from = {k: a for k, (a, _) in enumerate(spans)}
+    if later_start:
+        draft_from[1] = 6
     rng = np.random.default_rng(0)
     W, B = dense.contract.tap_width, dense.cfg.block_size
     ends = {}
@@ -117,14 +120,14 @@ def test_the_flash_path_drafts_what_the_dense_reference_drafts(tmp_path, monkeyp
         for d in (dense, fast):
             d.ingest([IngestItem(k, spans[k][0], ends[k], new[k]) for k in ends])
             outs.append(
-                d.draft([DraftItem(k, spans[k][0], ends[k] + len(new[k]), 3 + k, B - k % 2, GREEDY) for k in ends])
+                d.draft([DraftItem(k, draft_from[k], ends[k] + len(new[k]), 3 + k, B - k % 2, GREEDY) for k in ends])
             )
         for k in ends:
             ends[k] += len(new[k])
         assert [o.tokens for o in outs[1]] == [o.tokens for o in outs[0]]
     layers = dense.cfg.num_layers
     assert flash_calls[0] == 3 * layers
-    assert triton_calls[0] == (3 * layers if mid_page else 0)
+    assert triton_calls[0] == (3 * layers if later_start else 0)
 
 
 def test_a_poisoned_session_never_reaches_its_neighbours_through_flash(tmp_path, monkeypatch) -> None:
@@ -154,7 +157,7 @@ def test_a_poisoned_session_never_reaches_its_neighbours_through_flash(tmp_path,
 
 def test_sampled_batches_go_through_the_flash_path_too(tmp_path, monkeypatch) -> None:
     """A batch with sampled sessions (the eager block forward of ``FastStep.hidden``) reads its context
-    through FlashMLA as well, one session restarted mid-page among them, and draws what the dense
+    through FlashMLA as well, one session starting mid-sequence among them, and draws what the dense
     reference draws."""
     from protocol import Sampling
 

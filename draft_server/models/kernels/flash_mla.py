@@ -19,11 +19,11 @@ so stale NaN/Inf there never reach an output.
 sliced per bucket, and the per-step preparation inside the captured body: ``prepare`` turns the
 step's ragged page list (``attention.PagedBatch``: pages, first, lo, pos, width) into FlashMLA's
 ``[b, max_pages]`` table and ``seqlens`` (a Triton kernel, so the interpreter runs it on the CPU too)
-and plans the splits, once per step; ``attend`` is one layer. A session whose context does not start
-on a 64-token page boundary (a restart mid-page) cannot be read by FlashMLA, whose sequences start
-at their table's first token: the step routes batches holding one to the eager body, where
-``attend(..., mixed=True)`` also runs the Triton kernel and takes its rows for those sessions, so
-every session's drafts depend only on its own inputs. ``ReferenceKernel`` is the torch oracle of the
+and plans the splits, once per step; ``attend`` is one layer. FlashMLA reads a sequence from its
+table's first token, so a context must start on a page boundary: the cache lays every span out from
+its start (``kv_cache``), so one restarted mid-sequence does too. A draft asked from a later start
+than its span's would not: the step routes such a batch to the eager body, where the attention
+(``PagedBatch.mixed``) also runs the Triton kernel and takes its rows for those sessions. ``ReferenceKernel`` is the torch oracle of the
 binding's contract (any dims, any float dtype) for tests on the CPU.
 """
 
