@@ -23,8 +23,9 @@ and plans the splits, once per step; ``attend`` is one layer. FlashMLA reads a s
 table's first token, so a context must start on a page boundary: the cache lays every span out from
 its start (``kv_cache``), so one restarted mid-sequence does too. A draft asked from a later start
 than its span's would not: the step routes such a batch to the eager body, where the attention
-(``PagedBatch.mixed``) also runs the Triton kernel and takes its rows for those sessions. ``ReferenceKernel`` is the torch oracle of the
-binding's contract (any dims, any float dtype) for tests on the CPU.
+(``PagedBatch.mixed``) also runs the Triton kernel and takes its rows for those sessions.
+``ReferenceKernel`` is the torch oracle of the binding's contract (any dims, any float dtype) for
+tests on the CPU.
 """
 
 from __future__ import annotations
