@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# FlashMLA (K3's MLA on Hopper, README "MLA through FlashMLA") on a GPU box in one call: unpack the
+# sources, build our binding (about 90 s on 16 cores, into .torch_extensions/, which a still-warm
+# machine keeps), run a task, results under $OUT.
+#
+#   test    tests/gpu (the FlashMLA tests and the ingest tests)
+#   probe   draft_tools.bench.flash_mla_probe: attention alone, FlashMLA vs our Triton kernel -> $OUT/flash_mla_probe.json
+#   step    draft_tools.bench.flash_step: the K3 step, FlashMLA vs Triton drafter, one process -> $OUT/flash_step.json
+#   bench   draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact -> $OUT/draft_step.json
+#   all     test, then step
+#   pack SRC CUTLASS   (here, not on the device) .flashmla/flashmla_src.tgz from a deepseek-ai/FlashMLA
+#           checkout and a CUTLASS checkout at FlashMLA's submodule pin (only what the build reads)
+# Extra arguments after the task go to its Python module.
+#
+# Device tool (one H200; .whl holds the msgspec and pyzmq wheels):
+#   run(kind="nvidia-h200", carry=[".whl", ".flashmla"], timeout_s=600, command="bash draft_tools/flashmla_gpu.sh all")
+set -uo pipefail
+task=${1:-all}
+shift || true
+cd "$(dirname "$0")/.."
+
+if [ "$task" = pack ]; then
+    src=${1:?FlashMLA checkout}
+    cutlass=${2:?CUTLASS checkout}
+    tmp=$(mktemp -d)
+    mkdir -p "$tmp/FlashMLA/csrc/cutlass/tools/util" .flashmla
+    cp -r "$src"/csrc/{smxx,sm90,kerutils,params.h,utils.h,defines.h} "$tmp/FlashMLA/csrc/"
+    cp "$src/LICENSE" "$tmp/FlashMLA/"
+    cp -r "$cutlass/include" "$tmp/FlashMLA/csrc/cutlass/"
+    cp -r "$cutlass/tools/util/include" "$tmp/FlashMLA/csrc/cutlass/tools/util/"
+    cp "$cutlass/LICENSE.txt" "$tmp/FlashMLA/csrc/cutlass/"
+    tar czf .flashmla/flashmla_src.tgz -C "$tmp" FlashMLA && rm -rf "$tmp" && ls -l .flashmla/flashmla_src.tgz
+    exit $?
+fi
+
+OUT=${OUT:-$PWD/out/flashmla}
+mkdir -p "$OUT"
+limit=${FLASHMLA_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the copy back
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+if [ -z "${DRAFT_FLASHMLA_SRC:-}" ]; then
+    [ -f .flashmla/flashmla_src.tgz ] || { echo "no .flashmla/flashmla_src.tgz (bash $0 pack SRC CUTLASS)"; exit 1; }
+    mkdir -p /tmp/flashmla && tar xzf .flashmla/flashmla_src.tgz -C /tmp/flashmla || exit 1
+    export DRAFT_FLASHMLA_SRC=/tmp/flashmla/FlashMLA
+fi
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
+mkdir -p "$TORCH_EXTENSIONS_DIR"
+python3 -c "
+from draft_server.models.kernels import flash_mla as fm
+assert fm.load() is not None, fm.why_not()" 2>&1 | tee "$OUT/build.log" || exit 1
+echo "build done at ${SECONDS}s"
+
+left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
+run_test() { timeout "$(left)" python3 -m pytest -q -x tests/gpu "$@" 2>&1 | tail -20 | tee "$OUT/test.log"; }
+run_probe() { timeout "$(left)" python3 -m draft_tools.bench.flash_mla_probe --out "$OUT/flash_mla_probe.json" "$@"; }
+run_step() { timeout "$(left)" python3 -m draft_tools.bench.flash_step --out "$OUT/flash_step.json" "$@" 2>&1 | grep -v Warn; }
+run_bench() {
+    timeout "$(left)" python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact \
+        --out "$OUT/draft_step.json" "$@" 2>&1 | grep -v Warn | tail -40
+}
+case "$task" in
+    test) run_test "$@" ;;
+    probe) run_probe "$@" ;;
+    step) run_step "$@" ;;
+    bench) run_bench "$@" ;;
+    all) run_test && run_step "$@" ;;
+    *) echo "unknown task $task (test, probe, step, bench, all, pack)"; exit 2 ;;
+esac
+rc=$?
+echo "$task rc=$rc at ${SECONDS}s"
+exit $rc
