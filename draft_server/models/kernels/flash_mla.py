@@ -120,12 +120,11 @@ def load() -> ModuleType | None:
                 "-lineinfo",
                 "-DFLASH_MLA_DISABLE_FP16",
             ],
-            verbose=bool(os.environ.get("DRAFT_FLASHMLA_VERBOSE")),
         )
     except Exception as e:  # a compiler or toolkit problem: say it once, keep the Triton kernel
         last = str(e).strip().splitlines()[-1:] or [""]
         _why_not = f"FlashMLA build failed: {type(e).__name__}: {last[0]}"
-        log.warning("%s", _why_not)
+        log.warning("%s (the Triton kernels serve MLA); the build said:\n%s", _why_not, e)
         return None
     finally:
         if arch is None:
