@@ -372,10 +372,12 @@ class Router:
                         self._engine_owns = False  # a batch longer than expected: the socket is this thread's again
                     if self._engine_owns and self._engine_polling:
                         # the idle engine watches: a message is the engine's, even when this thread was
-                        # woken (its wake pipe) as it arrived; only replies queued while the socket was
-                        # busy go out here, and a message whose FD edge that send took rings the engine
+                        # woken (its wake pipe) as it arrived. Replies queued while the socket was busy
+                        # go out here; a message waiting behind an FD edge already taken (by that send,
+                        # or by a reply sent before the engine went idle, which woke this thread for
+                        # it) rings the engine, which reads it on its own thread
                         more = False
-                        if ready and self._outbox:
+                        if ready:
                             self._flush_outbox()
                             if self._sock.get(_EVENTS) & _POLLIN:
                                 self.engine.wake()
