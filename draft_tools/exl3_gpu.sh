@@ -32,13 +32,7 @@ OUT=${OUT:-$PWD/out/exl3}
 mkdir -p "$OUT"
 limit=${EXL3_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the copy back
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+source draft_tools/device_env.sh || exit 1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)} EXL3_INT8_GEMV=0
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export EXLLAMAV3_TUNE_CACHE=${EXLLAMAV3_TUNE_CACHE:-$TORCH_EXTENSIONS_DIR/exl3_autotune.bin}

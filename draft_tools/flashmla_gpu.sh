@@ -36,13 +36,7 @@ fi
 OUT=${OUT:-$PWD/out/flashmla}
 mkdir -p "$OUT"
 limit=${FLASHMLA_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the copy back
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+source draft_tools/device_env.sh || exit 1
 if [ -z "${DRAFT_FLASHMLA_SRC:-}" ]; then
     [ -f .flashmla/flashmla_src.tgz ] || { echo "no .flashmla/flashmla_src.tgz (bash $0 pack SRC CUTLASS)"; exit 1; }
     mkdir -p /tmp/flashmla && tar xzf .flashmla/flashmla_src.tgz -C /tmp/flashmla || exit 1

@@ -17,7 +17,7 @@ pinned staging buffer and one device buffer (ingests run one at a time, in strea
 MLA in bf16 on a Hopper GPU with 64-token pages runs through FlashMLA (``kernels/flash_mla.py``):
 its table, lengths and split plan are made inside the body. The kernels see each session's positions
 from its first page (the cache's ``origin``: every span starts at offset 0 of a page); a draft asked
-from a later start than its span's runs eagerly with the Triton kernel beside FlashMLA (``_mid_page``).
+from a later start than its span's runs eagerly with the Triton kernel beside FlashMLA (``_stage``'s ``mid``).
 
 Start-up tuning (CUDA, before any capture): every GEMM shape the buckets meet picks its fastest
 form (``gemm``); the choices are fixed before the first graph is captured.
@@ -198,7 +198,6 @@ class FastStep:
             )
         )  # fmt: skip
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._mid = False  # the batch last staged holds a context starting mid-page (``_mid_page``)
         self.capture_s = 0.0
         self.graph_steps = 0
         self.eager_steps = 0
@@ -549,9 +548,8 @@ class FastStep:
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
-        n, nb, lens = self._stage(items)
+        n, nb, lens, mixed = self._stage(items)
         B = self.B
-        mixed = self._mid_page(items)
         g = self._draft_graphs.get(nb)
         fits = g is not None and (
             self.flash is not None or pa.max_work_items(lens, rows=B, chunk=g.chunk, page_size=self.P) <= g.capacity
@@ -573,16 +571,9 @@ class FastStep:
     def hidden(self, items: Sequence[DraftItem]) -> torch.Tensor:
         """The final-normed block states z [N, B, H] of a batch through the paged kernels, eagerly:
         what sampled batches draw from (``Sampler``), at the cost of the sum of their contexts."""
-        n, nb, lens = self._stage(items)
+        n, nb, lens, mid = self._stage(items)
         self.eager_steps += 1
-        return self._block(nb, self._eager_batch(n, nb, lens, self._mid_page(items)))[:n]
-
-    def _mid_page(self, items: Sequence[DraftItem]) -> bool:
-        """Whether FlashMLA serves the batch just staged only with the Triton kernel beside it: some
-        session's context starts mid-page (FlashMLA reads a sequence from its table's first token).
-        The cache starts every span on a page boundary, so only a draft asked from a later start
-        than its span's (never the server's engine) does."""
-        return self._mid
+        return self._block(nb, self._eager_batch(n, nb, lens, mid))[:n]
 
     def _eager_batch(self, n: int, nb: int, lens: list[int], mixed: bool = False) -> PagedBatch:
         chunk = self._chunk(sum(lens) + n * self.B, n)
@@ -591,9 +582,12 @@ class FastStep:
         batch.mixed = mixed
         return batch
 
-    def _stage(self, items: Sequence[DraftItem]) -> tuple[int, int, list[int]]:
+    def _stage(self, items: Sequence[DraftItem]) -> tuple[int, int, list[int], bool]:
         """Fill the packed step inputs of ``items`` (padded to their session bucket) and copy them to
-        the device; returns (sessions, bucket, context lengths)."""
+        the device; returns (sessions, bucket, context lengths, mid). ``mid``: FlashMLA serves the batch
+        only with the Triton kernel beside it, because some session's context starts mid-page (FlashMLA
+        reads a sequence from its table's first token). The cache starts every span on a page boundary,
+        so only a draft asked from a later start than its span's (never the server's engine) does."""
         n = len(items)
         B, P = self.B, self.P
         nb = _bucket(n, self.session_buckets)
@@ -624,7 +618,7 @@ class FastStep:
         ids[:n, 1:] = self.m.cfg.mask_token_id
         positions[:n] = t  # RoPE: absolute positions
         lo[:n], pos[:n] = starts - origins, anchor_pos - origins
-        self._mid = self.flash is not None and bool((lo[:n] % P).any())
+        mid = self.flash is not None and bool((lo[:n] % P).any())
         width[:n] = np.fromiter((self.width(it.k) for it in items), dtype=np.int64, count=n)
         lens = (anchor_pos - starts).tolist()
         ids[n:nb] = 0  # padding sessions
@@ -633,7 +627,7 @@ class FastStep:
         lo[n:nb], pos[n:nb], first[n:nb], width[n:nb] = 1, 0, 0, B
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
-        return n, nb, lens
+        return n, nb, lens, mid
 
     # ------------------------------------------------------------------ start-up check
 

@@ -227,6 +227,29 @@ def timed(fn: Any, iters: int, warm: int = 3) -> dict[str, float]:
     return {"median_ms": statistics.median(ts), "p90_ms": float(np.percentile(ts, 90)), "min_ms": min(ts)}
 
 
+def interleaved(
+    sessions: dict[str, Sessions], n: int, rounds: int, steps: int
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    """Drafters side by side in one process: per mode (a key of ``sessions``), ms per step over
+    ``steps`` steps of its first n sessions at CTX context, ``rounds`` times, the rounds alternating
+    which mode goes first; and each mode's drafts of its first (untimed) step."""
+    times: dict[str, list[float]] = {m: [] for m in sessions}
+    drafts: dict[str, list[list[int]]] = {}
+    for r in range(rounds):
+        for mode in list(sessions) if r % 2 == 0 else list(reversed(sessions)):
+            S, ks = sessions[mode], list(range(n))
+            S.rewind(ks, CTX)
+            S.turn = 0
+            drafts.setdefault(mode, S.step(ks))
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                S.step(ks)
+            _sync()
+            times[mode].append((time.perf_counter() - t0) * 1e3 / steps)
+    return times, drafts
+
+
 def profile_counts(fn: Any) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 

@@ -32,6 +32,7 @@ from draft_tools.bench.draft_step_gpu import (
     NEW_ROWS,
     Sessions,
     floor_ms,
+    interleaved,
     log,
     measure_floors,
     profile_counts,
@@ -90,21 +91,7 @@ def main() -> int:
         log(f"{mode}: pages of {d.cache.page_size}, ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     for n in SIZES:
-        times: dict[str, list[float]] = {m: [] for m in drafters}
-        drafts: dict[str, list[list[int]]] = {}
-        for r in range(args.rounds):
-            for mode in list(drafters) if r % 2 == 0 else list(reversed(drafters)):
-                S, ks = sessions[mode], list(range(n))
-                S.rewind(ks, CTX)
-                S.turn = 0
-                first = S.step(ks)
-                drafts.setdefault(mode, first)
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                for _ in range(args.steps):
-                    S.step(ks)
-                torch.cuda.synchronize()
-                times[mode].append((time.perf_counter() - t1) * 1e3 / args.steps)
+        times, drafts = interleaved(sessions, n, args.rounds, args.steps)
         row: dict[str, Any] = {
             "sessions": n,
             **floor_ms(step_cost(drafters["triton"], n, [CTX] * n, n * NEW_ROWS), report["floors"]),

@@ -11,9 +11,7 @@
 set -euo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/*.whl $(ls .whl2/*.whl 2>/dev/null || true) >/dev/null 2>&1 || true
-export PYTHONPATH=/tmp/site:$PWD
+source draft_tools/device_env.sh
 common=(--drafter dspark --model random:k3 --device cuda --server-arg=--kv-budget-mib=8192 --max-message-mib 256
   --prefill-rows 8,32 --long-prefill-rows 256 --engines 2 --sessions 16 --budget-ms 50 --pause-every-s 30
   --flood-every-s 40 --rogue-every-s 20 --vanish-every-s 20 --max-sessions 256 --session-ttl-s 10 --sample-s 1

@@ -20,7 +20,16 @@ import torch
 
 from draft_server.models import step
 from draft_server.models.presets import PRESETS, random_drafter
-from draft_tools.bench.draft_step_gpu import CTX, NEW_ROWS, Sessions, floor_ms, log, measure_floors, step_cost
+from draft_tools.bench.draft_step_gpu import (
+    CTX,
+    NEW_ROWS,
+    Sessions,
+    floor_ms,
+    interleaved,
+    log,
+    measure_floors,
+    step_cost,
+)
 
 
 def main() -> int:
@@ -52,21 +61,7 @@ def main() -> int:
     step.ONE_SESSION_MLA_CHUNK, step.FastStep._one_session_shape = rule, shape  # type: ignore[method-assign]
     rows = []
     for n in (1, 2):
-        times: dict[str, list[float]] = {m: [] for m in drafters}
-        drafts = {}
-        for r in range(args.rounds):
-            for mode in list(drafters) if r % 2 == 0 else list(reversed(drafters)):
-                S, ks = sessions[mode], list(range(n))
-                S.rewind(ks, CTX)
-                S.turn = 0
-                first = S.step(ks)
-                drafts.setdefault(mode, first)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    S.step(ks)
-                torch.cuda.synchronize()
-                times[mode].append((time.perf_counter() - t0) * 1e3 / args.steps)
+        times, drafts = interleaved(sessions, n, args.rounds, args.steps)
         row: dict[str, Any] = {
             "sessions": n,
             **floor_ms(step_cost(drafters["before"], n, [CTX] * n, n * NEW_ROWS), report["floors"]),

@@ -1,0 +1,12 @@
+# Sourced by the device scripts (bash, run from the repository root): the wheels the GPU machine lacks
+# (.whl/, and .whl2/ where present: pyzmq, msgspec, ...) into /tmp/site, and PYTHONPATH set to them
+# and this checkout. Returns 1 when wheels are there but do not install.
+wheels=$(shopt -s nullglob; echo .whl/*.whl .whl2/*.whl)
+if [ -n "$wheels" ]; then
+    # shellcheck disable=SC2086  # one word per wheel
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+        || return 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
