@@ -10,7 +10,9 @@ block_size drafts wanted. For every B (default 1, 2, 4, ..., 64), in the same ru
   and ``shm`` (ipc + the shared-memory ring) take host rows, so the device-to-host copy a target
   needs first is timed apart (``prep``); ``cuda_ipc`` (ipc + the CUDA IPC buffer) takes the device
   rows themselves and copies them device to device. Reported: the client's wait, the server's
-  compute (``Timing.compute_ms``), overhead = wait - compute (p50, p99), and prep.
+  compute (``Timing.compute_ms``), overhead = wait - compute (p50, p99), and prep, two ways each
+  step: ``prep`` into a fresh pageable tensor (``.cpu()``), ``prep_pinned`` into page-locked memory
+  (``target_client.vllm.wire.PinnedRows``, what the vLLM plugin does; these rows are the ones sent).
 * **floor**: the same bytes through the same CUDA IPC primitives without the protocol, server or
   scheduler: the producer copies them into its exported buffer (``target_client.cuda.ipc.CudaRing``)
   and sends a small message over a ZeroMQ ipc socket; a second process on the server's GPU
@@ -43,6 +45,7 @@ import numpy as np
 import zmq
 
 from draft_tools.common import free_port
+from target_client.vllm.wire import PinnedRows
 
 ROWS = 3
 SESSIONS = (1, 2, 4, 8, 16, 32, 64)
@@ -145,22 +148,28 @@ def product(
     taps_dev = torch.randn(n * ROWS, width, device=f"cuda:{device}").to(torch.bfloat16)
     # every step overwrites positions [0, ROWS): context stays small, so compute stays flat
     reqs = [StepRequest(f"{transport}-{n}-{i}", 0, ROWS, 1, k) for i in range(n)]
-    waits, compute, server, prep = [], [], [], []
+    pinned = PinnedRows(256 << 20)
+    waits, compute, server, prep, prep_pinned = [], [], [], [], []
     try:
         for it in range(warmup + iters):
             t0 = time.perf_counter()
             if transport == "cuda_ipc":
                 taps: Any = taps_dev  # stays on the GPU
-            else:  # the device-to-host copy a target needs before a host transport
-                taps = taps_dev.view(torch.int16).cpu().numpy().view(np.uint16)
+            else:  # the device-to-host copy a target needs before a host transport, both ways
+                taps_dev.view(torch.int16).cpu().numpy().view(np.uint16)
+                t0p = time.perf_counter()
+                taps = pinned.host_rows(taps_dev)
+                if it >= warmup:
+                    prep_pinned.append((time.perf_counter() - t0p) * 1000)
+                    prep.append((t0p - t0) * 1000)
             t1 = time.perf_counter()
             replies = client.step(reqs, taps)
             t2 = time.perf_counter()
             assert all(len(r.tokens) == k for r in replies), [(r.status, r.message) for r in replies]
             timing = client.last_timing
             assert timing is not None
+            del taps  # the client alone holds host rows now (PinnedRows reuses them once it lets go)
             if it >= warmup:
-                prep.append((t1 - t0) * 1000)
                 waits.append((t2 - t1) * 1000)
                 compute.append(timing.compute_ms)
                 server.append(timing.server_ms)
@@ -172,8 +181,10 @@ def product(
             "server_p50_ms": pct(server, 50),
             "overhead_p50_ms": pct(over, 50),
             "overhead_p99_ms": pct(over, 99),
-            "prep_p50_ms": pct(prep, 50),
         }
+        if prep:
+            out |= {"prep_p50_ms": pct(prep, 50), "prep_pinned_p50_ms": pct(prep_pinned, 50)}
+            out["pinned_steps"], out["pinned_fallbacks"] = pinned.taken, pinned.fallbacks
         if transport == "shm":
             out["steps_in_ring"] = reg.get_sample_value("draft_client_shm_steps_total")
         if transport == "cuda_ipc":
@@ -325,9 +336,12 @@ def main(argv: list[str] | None = None) -> int:
             parts = [f"B={n:3d} {row['mb_per_step']:6.2f} MB | floor {row['floor']['p50_ms']:6.3f}"]
             for t in transports:
                 r = row[t]
+                prep = ""
+                if "prep_p50_ms" in r:
+                    prep = f" prep {r['prep_p50_ms']:5.3f} pinned {r['prep_pinned_p50_ms']:5.3f}"
                 parts.append(
                     f"{t} wait {r['wait_p50_ms']:6.3f} compute {r['compute_p50_ms']:6.3f} "
-                    f"over {r['overhead_p50_ms']:6.3f}" + (f" prep {r['prep_p50_ms']:5.3f}" if t != "cuda_ipc" else "")
+                    f"over {r['overhead_p50_ms']:6.3f}" + prep
                 )
             print(" | ".join(parts), flush=True)
     finally:
@@ -355,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "notes": (
             "overhead = client wait - server compute (Timing.compute_ms); prep = the device-to-host copy "
-            "a host transport needs before step() (not in wait); floor = CudaRing.put + a ZeroMQ ipc message + "
+            "a host transport needs before step() (not in wait), into a fresh pageable tensor; prep_pinned = the "
+            "same into PinnedRows (page-locked, the rows sent); floor = CudaRing.put + a ZeroMQ ipc message + "
             "the importer's event wait, device-to-device copy and synchronize + a 64-byte answer"
         ),
         "seconds": round(time.time() - t_start, 1),

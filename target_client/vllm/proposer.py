@@ -62,6 +62,9 @@ Configuration (environment variables, read in the worker process):
                            else start-up fails with one line).
 ``DRAFT_SHM_RING_MIB``     the ring's size with ``shm``/``auto`` (default 64; 2-4x a decode step's rows).
 ``DRAFT_CUDA_IPC_MIB``     the CUDA IPC buffer's size on this GPU with ``cuda_ipc`` (default 64).
+``DRAFT_PINNED_MIB``       page-locked host memory the rows of GPU taps are copied into with ``frames``/``shm``
+                           (default 256; 0: a fresh pageable copy per step, several times slower):
+                           ``wire.PinnedRows``; a step's region is reused once the client lets go of its rows.
 ``DRAFT_TRIM``             ``0``: send every draft to verification (default: load-aware trimming, below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
@@ -207,7 +210,8 @@ SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 
 def wire_encoder() -> WireEncoder:
     """The encoder ``DRAFT_WIRE_FORMAT`` names (with ``DRAFT_MODEL_DIR``'s projection for projected
-    rows); ValueError in one line for a setting that cannot work."""
+    rows; ``DRAFT_PINNED_MIB`` of page-locked host memory for the rows of GPU taps, 0: none);
+    ValueError in one line for a setting that cannot work."""
     fmt = os.environ.get("DRAFT_WIRE_FORMAT", "").strip() or WireFormat.BF16.value
     if fmt not in FORMATS:
         raise ValueError(f"DRAFT_WIRE_FORMAT={fmt!r} is not one of {', '.join(FORMATS)}")
@@ -220,7 +224,7 @@ def wire_encoder() -> WireEncoder:
                 "context projection the target applies"
             )
         projection = Projection.load(model_dir)
-    return WireEncoder(fmt, projection)
+    return WireEncoder(fmt, projection, pinned_mib=int(_env_number("DRAFT_PINNED_MIB", 256, int)))
 
 
 def _env_number(name: str, default: float, kind: type = float) -> Any:
@@ -798,6 +802,9 @@ class RemoteDSparkProposer:
         d["role"] = "driver"
         d["layout"] = self._layout_text()
         d["draft_probs_top_n"] = self._probs_top_n
+        pinned = self._wire.pinned
+        d["pinned_steps"] = pinned.taken if pinned is not None else 0  # GPU taps' rows in page-locked memory
+        d["pinned_fallbacks"] = pinned.fallbacks if pinned is not None else 0  # ... in a pageable copy
         d["verify"] = self.verifier.stats()
         d["client"] = self.client.stats()
         return d

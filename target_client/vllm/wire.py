@@ -14,12 +14,18 @@ after one device-to-host copy of the (reduced) rows:
   Welcome asks for (bf16; f32 when the drafter computes in f32/f64, where projected rows then give
   exactly the drafts raw taps give).
 
+Also owns ``PinnedRows``: page-locked host memory that copy lands in, reused once the client lets go
+of a step's rows (a copy into pageable memory runs at a fraction of the bus: 10.6 ms for 64 sessions
+of K3 taps on the H200 host, ``bench/results/cuda_ipc_h200.json`` ``prep``).
+
 Lives under ``vllm/`` because it needs torch, which the client imports inside functions only.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,7 +41,9 @@ if TYPE_CHECKING:
 class WireEncoder:
     """Encodes taps into rows of one wire format (see the module docstring)."""
 
-    def __init__(self, fmt: str, projection: Projection | None = None) -> None:
+    def __init__(self, fmt: str, projection: Projection | None = None, pinned_mib: int = 0) -> None:
+        """``pinned_mib``: page-locked host memory for the rows of device taps (``PinnedRows``, made at
+        the first such call); 0: each step's rows go to a fresh pageable tensor."""
         if fmt not in FORMATS:
             raise ValueError(f"unknown wire format {fmt!r} (one of {', '.join(FORMATS)})")
         if fmt == WireFormat.PROJECTED and projection is None:
@@ -43,10 +51,17 @@ class WireEncoder:
         self.fmt = fmt
         self.projection = projection
         self._weights: dict[tuple[str, Any], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pinned_bytes = pinned_mib << 20
+        self.pinned: PinnedRows | None = None
 
     def __call__(self, taps: torch.Tensor, projected_dtype: DType = DType.BF16) -> np.ndarray:
         """Rows on the host for ``taps`` (``projected_dtype``: the Welcome's ``wire.projected_dtype``)."""
-        return to_host(self.device_rows(taps, projected_dtype))
+        rows = self.device_rows(taps, projected_dtype)
+        if rows.device.type == "cpu" or not self._pinned_bytes:
+            return to_host(rows)
+        if self.pinned is None:
+            self.pinned = PinnedRows(self._pinned_bytes)
+        return self.pinned.host_rows(rows)
 
     def device_rows(self, taps: torch.Tensor, projected_dtype: DType = DType.BF16) -> torch.Tensor:
         """The rows in wire storage, still on the taps' device (bf16 and f32 as such, fp8 as uint8),
@@ -103,12 +118,100 @@ def to_host(rows: torch.Tensor) -> np.ndarray:
 
     Into a fresh host tensor: the client keeps the frame by reference until the server has
     acknowledged its rows, so a reused staging buffer would need acknowledgement tracking."""
+    return _numpy(rows if rows.device.type == "cpu" else rows.to("cpu"))
+
+
+def _numpy(host: torch.Tensor) -> np.ndarray:
+    """A host tensor as numpy in wire storage (bf16 as uint16 bit patterns)."""
     import torch
 
-    host = rows if rows.device.type == "cpu" else rows.to("cpu")
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(np.uint16)
     return host.numpy()
+
+
+class PinnedRows:
+    """Page-locked host memory for the rows of device taps, each step's rows in a region of it.
+
+    The client keeps a step's rows by reference until the server acknowledges them (its resend
+    buffer, frames in flight), so a region is free again when no array views it any more: Python's
+    reference count is the acknowledgement tracking (a finalizer on the root object every view of
+    the region holds). Regions are placed next-fit: after the last one, else in the first gap that
+    holds them, so rows one lagging session keeps do not stop the others. Rows that do not fit
+    (more than half the buffer, or no gap) go to a fresh pageable tensor as without it (counted in
+    ``fallbacks``): it never blocks and never overwrites rows still held. Any thread may take or
+    free (one lock)."""
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int, pin: bool = True) -> None:
+        """``pin``: page-lock the buffer (needs CUDA; False: plain memory, for tests on the CPU)."""
+        import torch
+
+        self.size = nbytes
+        self._slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._lock = threading.Lock()
+        self._live: dict[int, tuple[int, int]] = {}  # region id -> [start, end)
+        self._ids = 0
+        self._next = 0  # where the last region ended
+        self.taken = 0  # steps whose rows landed here
+        self.fallbacks = 0  # steps whose rows did not fit: a pageable copy
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self.size - sum(b - a for a, b in self._live.values())
+
+    def _take(self, nbytes: int) -> tuple[int, int] | None:
+        """A region of ``nbytes``: (id, offset), or None (lock held)."""
+        if not 0 < nbytes <= self.size // 2:
+            return None
+        need = -(-nbytes // self.ALIGN) * self.ALIGN
+        gaps, end = [], 0
+        for a, b in sorted(self._live.values()):
+            if a - end >= need:
+                gaps.append(end)
+            end = max(end, b)
+        if self.size - end >= need:
+            gaps.append(end)
+        if not gaps:
+            return None
+        start = next((g for g in gaps if g >= self._next), gaps[0])
+        self._ids += 1
+        self._live[self._ids] = (start, start + need)
+        self._next = start + need
+        return self._ids, start
+
+    def host_rows(self, rows: torch.Tensor) -> np.ndarray:
+        """``rows`` (contiguous, any device) copied to the host: into a free region, else a fresh
+        tensor; returns once the copy is done, as numpy in wire storage."""
+        import torch
+
+        with self._lock:
+            got = self._take(rows.numel() * rows.element_size())
+        if got is None:
+            self.fallbacks += 1
+            return to_host(rows)
+        region, off = got
+        try:
+            dst = self._slab[off : off + rows.numel() * rows.element_size()].view(rows.dtype).view(rows.shape)
+            dst.copy_(rows, non_blocking=rows.is_cuda)
+            if rows.is_cuda:
+                torch.cuda.current_stream(rows.device).synchronize()
+            out = _numpy(dst)
+        except BaseException:
+            self._free(region)
+            raise
+        owner: Any = out
+        while isinstance(owner, np.ndarray) and owner.base is not None:  # every view of ``out`` holds it
+            owner = owner.base
+        weakref.finalize(owner, self._free, region).atexit = False
+        self.taken += 1
+        return out
+
+    def _free(self, region: int) -> None:
+        with self._lock:
+            self._live.pop(region, None)
 
 
 def _tensor(a: np.ndarray, stored: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
