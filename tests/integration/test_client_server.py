@@ -63,6 +63,24 @@ class Context:
         return expected_drafts(self.rows, self.start, end, anchor, k, VOCAB)
 
 
+def check_step(
+    ctx: dict[str, Context], end: dict[str, int], reqs: list[StepRequest], taps: np.ndarray, out: list[DraftReply]
+) -> tuple[int, list[str]]:
+    """Add each request's rows to its session's context; returns (answered replies, their drafts that
+    differ from ``expected_drafts``, described)."""
+    answered, wrong, off = 0, [], 0
+    for r, o in zip(reqs, out, strict=True):
+        ctx[r.session].add(r.pos, taps[off : off + r.rows])
+        off += r.rows
+        end[r.session] += r.rows
+        if o.status is not None:
+            want = ctx[r.session].drafts(r.anchor, r.k)
+            if o.tokens != want:
+                wrong.append(f"{r.session} at {r.pos}: {o.tokens} != {want}")
+            answered += 1
+    return answered, wrong
+
+
 def test_two_clients_concurrent_sessions_get_exact_drafts(server) -> None:
     # Two engines (two DraftClients, one thread each, the same session names on purpose: the
     # server keys sessions by client identity), staggered, several sessions per step.
@@ -89,17 +107,9 @@ def test_two_clients_concurrent_sessions_get_exact_drafts(server) -> None:
                         for s, r in zip(names, rows, strict=True)
                     ]
                     taps = random_taps(rng, sum(rows))
-                    out = timed_step(client, reqs, taps)
-                    off = 0
-                    for r, o in zip(reqs, out, strict=True):
-                        ctx[r.session].add(r.pos, taps[off : off + r.rows])
-                        off += r.rows
-                        end[r.session] += r.rows
-                        if o.status is not None:
-                            want = ctx[r.session].drafts(r.anchor, r.k)
-                            if o.tokens != want:
-                                errors.append(f"client {ci} step {it} {r.session}: {o.tokens} != {want}")
-                            served[ci] += 1
+                    answered, wrong = check_step(ctx, end, reqs, taps, timed_step(client, reqs, taps))
+                    served[ci] += answered
+                    errors.extend(f"client {ci} step {it} {w}" for w in wrong)
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(f"client {ci}: {exc!r}")
 

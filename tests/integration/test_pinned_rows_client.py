@@ -19,7 +19,7 @@ import torch
 from target_client import StepRequest
 from target_client.vllm.wire import PinnedRows
 from tests.conftest import random_taps, wait_for
-from tests.integration.test_client_server import MISS_BUDGET, VOCAB, Context, make_client, timed_step
+from tests.integration.test_client_server import MISS_BUDGET, VOCAB, Context, check_step, make_client, timed_step
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
@@ -59,16 +59,9 @@ def test_two_clients_through_small_pinned_buffers_keep_exact_drafts_across_a_pau
                     out = timed_step(client, reqs, host, budget)
                     del host  # only the client holds the rows now
                     src.fill_(float("nan"))  # the target reuses its buffer at once
-                    off = 0
-                    for r, o in zip(reqs, out, strict=True):
-                        ctx[r.session].add(r.pos, taps[off : off + r.rows])
-                        off += r.rows
-                        end[r.session] += r.rows
-                        if o.tokens:
-                            want = ctx[r.session].drafts(r.anchor, r.k)
-                            if o.tokens != want:
-                                errors.append(f"client {ci} step {it} {r.session}: {o.tokens} != {want}")
-                            served[ci] += 1
+                    answered, wrong = check_step(ctx, end, reqs, taps, out)
+                    served[ci] += answered
+                    errors.extend(f"client {ci} step {it} {w}" for w in wrong)
             except Exception as exc:  # pragma: no cover - reported below
                 errors.append(f"client {ci}: {exc!r}")
 
