@@ -160,6 +160,11 @@ class DraftStepContext:
     # per row (temperature, top_k, top_p, seed) of the request's SamplingParams; temperature < 1e-5
     # is greedy, top_k <= 0 and top_p >= 1 are off. None: not known (all greedy).
     sampling: list[RowSampling] | None = None
+    # early taps only (None otherwise, or unknown): per row, the drafts this step verifies and the
+    # argmax of the target's raw logits at each of its sampled positions (one per draft, then the
+    # bonus): what greedy sampling will pick unless logits processors or a grammar change it
+    draft_ids: list[list[int]] | None = None
+    raw_argmax: list[list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +350,9 @@ def build_context(
     aux_hidden_states: Sequence[Any] | None,
     spec_decode_metadata: Any,
     common_attn_metadata: Any,
+    logits: Any = None,
 ) -> DraftStepContext:
+    """The drafter's view of this step (``logits``: the early taps' call, before sampling)."""
     batch = runner.input_batch
     req_ids = list(batch.req_ids)
     n = len(req_ids)
@@ -374,6 +381,9 @@ def build_context(
                 sampling.append(
                     (float(sp.temperature), int(sp.top_k or 0), float(sp.top_p), None if seed is None else int(seed))
                 )
+    draft_ids = raw_argmax = None
+    if logits is not None:
+        draft_ids, raw_argmax = _greedy_view(req_ids, num_draft, scheduler_output, logits)
     return DraftStepContext(
         req_ids=req_ids,
         query_start_loc=qsl,
@@ -387,7 +397,31 @@ def build_context(
         num_tokens=num_tokens,
         num_spec_tokens=int(runner.speculative_config.num_speculative_tokens),
         sampling=sampling,
+        draft_ids=draft_ids,
+        raw_argmax=raw_argmax,
     )
+
+
+def _greedy_view(
+    req_ids: list[str], num_draft: list[int], scheduler_output: Any, logits: Any
+) -> tuple[list[list[int]], list[list[int]]] | tuple[None, None]:
+    """Per row: the drafts it verifies (``scheduled_spec_decode_tokens``) and the argmax of its
+    logits rows (vLLM's ``_calc_spec_decode_metadata``: each row owns ``num_draft + 1`` consecutive
+    rows of the step's logits, one per draft, then the bonus). (None, None) when they do not line up."""
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    sizes = [d + 1 for d in num_draft]
+    if getattr(logits, "dim", lambda: 0)() != 2 or logits.shape[0] != sum(sizes):
+        return None, None
+    flat = logits.argmax(dim=-1).tolist()  # one device-to-host copy of a few ints
+    draft_ids, argmax, off = [], [], 0
+    for rid, d, m in zip(req_ids, num_draft, sizes, strict=True):
+        drafts = [int(t) for t in spec.get(rid, ())]
+        if len(drafts) != d:
+            return None, None
+        draft_ids.append(drafts)
+        argmax.append(flat[off : off + m])
+        off += m
+    return draft_ids, argmax
 
 
 def register() -> None:
@@ -445,11 +479,8 @@ def register() -> None:
             if send is not None and out is None and state is not None and state.aux_hidden_states is not None:
                 cm = state.spec_decode_common_attn_metadata
                 if cm is not None:  # early taps: sampling has not started yet
-                    send(
-                        build_context(
-                            self, state.scheduler_output, None, state.aux_hidden_states, state.spec_decode_metadata, cm
-                        )
-                    )
+                    so, spec = state.scheduler_output, state.spec_decode_metadata
+                    send(build_context(self, so, None, state.aux_hidden_states, spec, cm, logits=state.logits))
             return out
 
         return wrapper

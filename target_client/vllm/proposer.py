@@ -72,6 +72,8 @@ Configuration (environment variables, read in the worker process):
                            rely on the ``vllm.general_plugins`` entry point alone (tests).
 ``DRAFT_EARLY_TAPS``       ``0``: send each step's rows with its drafts request after sampling (the single
                            message). Default: early taps, when the server offers them (below).
+``DRAFT_PREDICTED_COMMIT`` ``0``: with early taps, commit only after sampling. Default: commit greedy
+                           requests right after the taps too, at the outcome the raw logits predict (below).
 
 Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1]``):
 
@@ -95,6 +97,17 @@ k): the rejected rows are cut by that position on the server. A step whose rows 
 early (no offer, the plugin's hook did not run) sends the single message as above.
 ``step_phases()``: per step forward, sampling, taps and commit-to-drafts times (ms) and the
 server's compute for the reply (bench/``draft_tools.bench.early_taps``).
+
+Predicted commits (``DRAFT_PREDICTED_COMMIT``, on with early taps; ``DraftClient`` only): the logits
+exist when the taps go, so for each greedy request that will sample the plugin hands over the argmax
+of its raw logits at every sampled position and the drafts being verified. Greedy rejection accepts
+the drafts up to the first that differs from that argmax and samples the argmax there, so the commit
+it will make (end, anchor) is known before sampling: it goes right after the taps, and the server
+drafts while the target samples. After sampling, a request whose real commit is the predicted one
+takes that call's drafts (computed from exactly the context the late commit would name: the same
+drafts) and sends nothing; the others (a logits processor or a grammar changed the pick) commit as
+usual, and one that accepted more than predicted sends the rows past the predicted end again with
+its commit (the server cut them at that end, as it cuts every commit's rejected rows).
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
 
@@ -167,6 +180,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -178,6 +192,7 @@ from target_client import (
     ConnectTimeoutError,
     ContractMismatchError,
     DraftClient,
+    DraftReply,
     FleetClient,
     StepRequest,
 )
@@ -239,6 +254,26 @@ def _env_number(name: str, default: float, kind: type = float) -> Any:
     if not (value >= 0 if kind is int else value > 0):
         raise ValueError(f"{name}={raw!r} must be {'>= 0' if kind is int else '> 0'}")
     return value
+
+
+@dataclass(slots=True)
+class _Predicted:
+    """A step's predicted commits (``RemoteDSparkProposer._predicted``): the call in flight, its
+    requests, per request id (index, first flat row, its position), and the step's rows."""
+
+    ticket: Any
+    requests: list[StepRequest]
+    where: dict[str, tuple[int, int, int]]
+    rows: Any
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Row slices as one array (host numpy, or torch on the device with cuda_ipc)."""
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+    import torch
+
+    return torch.cat(parts).contiguous()
 
 
 class RemoteDSparkProposer:
@@ -363,6 +398,8 @@ class RemoteDSparkProposer:
             self._anchor_vocab = min(self.vocab_size, int(welcome.contract.vocab_size))
 
         self._early = os.environ.get("DRAFT_EARLY_TAPS", "1").strip() != "0"
+        self._predict = os.environ.get("DRAFT_PREDICTED_COMMIT", "1").strip() != "0"
+        self._guess: _Predicted | None = None  # this step's predicted commits, in flight
         self._tapped = False  # this step's rows went out as early taps (commit after sampling)
         self._marks: list[float] = [0.0, 0.0, 0.0]  # this step: forward start, forward end, taps sent
         self._phases: collections.deque[tuple[float, ...]] = collections.deque(maxlen=1 << 16)
@@ -491,7 +528,11 @@ class RemoteDSparkProposer:
         if not self._contract_checked or not getattr(client, "early_taps", False):
             return
         try:
-            self._tapped = self._send_taps(ctx)
+            self._guess = None
+            rows = self._send_taps(ctx)
+            self._tapped = rows is not None
+            if rows is not None and self._predict:
+                self._guess = self._predicted(ctx, rows)
         except Exception:
             self._counts["internal_errors"] += 1
             if self.debug:
@@ -500,7 +541,9 @@ class RemoteDSparkProposer:
                 logger.exception("RemoteDSparkProposer: internal error in early taps (logged once)")
         self._marks[2] = time.perf_counter()
 
-    def _send_taps(self, ctx: DraftStepContext) -> bool:
+    def _send_taps(self, ctx: DraftStepContext) -> Any:
+        """Every scheduled row of the step as early taps; returns the rows sent (in flat token
+        order, on the host or with cuda_ipc the device), or None when they did not go."""
         import torch
 
         n = len(ctx.req_ids)
@@ -512,14 +555,88 @@ class RemoteDSparkProposer:
             if qsl[i + 1] > qsl[i]
         ]
         if not requests:
-            return False
+            return None
         parts = [ctx.aux_hidden_states[j][:total] for j in self._aux_pick]  # every row: one slice
-        rows = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-        sent = bool(self.client.send_taps(requests, self._encode(rows)))
-        if sent:
-            self._counts["taps_steps"] += 1
-            self._counts["taps_rows"] += total
-        return sent
+        rows = self._encode(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
+        if not self.client.send_taps(requests, rows):
+            return None
+        self._counts["taps_steps"] += 1
+        self._counts["taps_rows"] += total
+        return rows
+
+    def _predicted(self, ctx: DraftStepContext, rows: Any) -> _Predicted | None:
+        """Commit now what greedy sampling will commit (module docstring, "Predicted commits"): for
+        every greedy request that samples this step, the end and anchor its raw logits give."""
+        if ctx.raw_argmax is None or ctx.draft_ids is None or not hasattr(self.client, "submit_commit"):
+            return None
+        advised = self.client.advised_k
+        k = self.k if advised < 0 else min(self.k, advised)
+        if k <= 0:
+            return None
+        qsl = ctx.query_start_loc
+        requests: list[StepRequest] = []
+        where: dict[str, tuple[int, int, int]] = {}  # request id -> (index, first flat row, its position)
+        for i, rid in enumerate(ctx.req_ids):
+            s, e = int(qsl[i]), int(qsl[i + 1])
+            nd = int(ctx.num_draft_tokens[i]) if i < len(ctx.num_draft_tokens) else 0
+            pos = int(ctx.num_computed_tokens[i])
+            if e <= s or pos + (e - s) - nd != int(ctx.num_tokens_no_spec[i]):  # a prefill chunk that samples nothing
+                continue
+            if ctx.sampling is not None and ctx.sampling[i][0] >= SAMPLING_EPS:  # sampled: not known in advance
+                continue
+            drafts, top = ctx.draft_ids[i], ctx.raw_argmax[i]
+            a = 0
+            while a < nd and drafts[a] == top[a]:
+                a += 1
+            if not 0 <= top[a] < self._anchor_vocab:
+                continue
+            where[rid] = (len(requests), s, pos)
+            requests.append(StepRequest(rid, pos + (e - s) - nd + a, 0, int(top[a]), k))
+        if not requests:
+            return None
+        self._counts["predicted_commits"] += len(requests)
+        return _Predicted(self.client.submit_commit(requests), requests, where, rows)
+
+    def _commit(self, commits: list[StepRequest]) -> list[Any]:
+        """Replies for this step's commits after its early taps: a request committed as predicted
+        takes the predicted call's drafts; the others commit now (module docstring)."""
+        guess, self._guess = self._guess, None
+        if guess is None:
+            return self.client.commit(commits) if commits else []
+        hit: list[tuple[int, int]] = []  # (commit, its index in the predicted call)
+        plain: list[int] = []
+        again: list[tuple[int, StepRequest]] = []  # accepted past the prediction: (commit, predicted)
+        for j, c in enumerate(commits):
+            w = guess.where.get(c.session)
+            p = guess.requests[w[0]] if w is not None else None
+            if p is not None and c.sampling == GREEDY and (c.pos, c.anchor) == (p.pos, p.anchor):
+                hit.append((j, w[0]))  # type: ignore[index]
+            elif p is not None and c.pos > p.pos:
+                again.append((j, p))
+            else:
+                plain.append(j)
+        self._counts["predicted_hits"] += len(hit)
+        self._counts["predicted_misses"] += len(again) + sum(1 for j in plain if commits[j].session in guess.where)
+        tickets = []
+        if plain:
+            tickets.append(([j for j in plain], self.client.submit_commit([commits[j] for j in plain])))
+        if again:  # the rows from the predicted end to the real one, with the real commit
+            reqs, parts = [], []
+            for j, p in again:
+                c = commits[j]
+                _, s, pos = guess.where[c.session]
+                reqs.append(StepRequest(c.session, p.pos, c.pos - p.pos, c.anchor, c.k, c.sampling))
+                parts.append(guess.rows[s + p.pos - pos : s + c.pos - pos])
+            tickets.append(([j for j, _ in again], self.client.submit_step(reqs, _cat(parts))))
+        out: list[Any] = [DraftReply([]) for _ in commits]
+        if hit:
+            got = guess.ticket.collect()
+            for j, gi in hit:
+                out[j] = got[gi]
+        for idx, ticket in tickets:
+            for j, r in zip(idx, ticket.collect(), strict=True):
+                out[j] = r
+        return out
 
     def _encode(self, rows: Any) -> Any:
         """The step's rows in the wire format: on the host (one device-to-host copy), or with
@@ -609,7 +726,7 @@ class RemoteDSparkProposer:
                 if r.k
             ]
             want = [i for _, i in commits]
-            replies = self.client.commit([c for c, _ in commits]) if commits else []
+            replies = self._commit([c for c, _ in commits])
         else:
             if all_valid and len(requests) == n and starts[0] == 0 and total == int(qsl[n]):
                 idx = None  # every scheduled row is committed: one contiguous slice

@@ -346,3 +346,87 @@ def test_lifecycle_and_faults(proposer: Any) -> None:
     proposer.client.step = lambda reqs, taps: [SimpleNamespace(tokens=[VOCAB + 1, 1, 2]) for _ in reqs]
     assert proposer.propose_remote(_ctx(["r"], [0, 1], [0], [[5]], [0], table)) == [[]]
     assert proposer.stats()["bad_drafts"] == 1
+
+
+class EarlyClient(FakeClient):
+    """A fake client that takes early taps: records each call; a commit's drafts name its
+    request's (pos, anchor), a step's its rows too, so a test sees which call each came from."""
+
+    early_taps = True
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.log: list[tuple[str, list[Any], Any]] = []
+        self._next = "commit"  # what the next submit_commit is: right after the taps, the predicted one
+
+    def send_taps(self, requests: list[Any], taps: Any) -> bool:
+        self.log.append(("taps", list(requests), taps.copy()))
+        self._next = "predicted"
+        return True
+
+    def _ticket(self, kind: str, requests: list[Any], taps: Any = None) -> Any:
+        self.log.append((kind, list(requests), None if taps is None else taps.copy()))
+        tag = {"predicted": 1, "commit": 2, "step": 3}[kind]
+        replies = [SimpleNamespace(tokens=[tag, r.pos, r.anchor][: r.k], status=None) for r in requests]
+        return SimpleNamespace(collect=lambda: replies)
+
+    def submit_commit(self, requests: list[Any]) -> Any:
+        kind, self._next = self._next, "commit"
+        return self._ticket(kind, requests)
+
+    def submit_step(self, requests: list[Any], taps: Any) -> Any:
+        return self._ticket("step", requests, taps)
+
+
+def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from target_client.vllm import proposer as vllm_proposer
+
+    monkeypatch.setattr(vllm_proposer, "DraftClient", EarlyClient)
+    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
+    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
+    monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
+    monkeypatch.delenv("DRAFT_PREDICTED_COMMIT", raising=False)
+    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+    try:
+        c = p.client
+        table = np.zeros((6, 64), dtype=np.int32)
+        # five rows, each 3 drafts (4 tokens) but e (a middle prefill chunk of 4, no sample):
+        # a: argmax [5, 6, 9, 1] vs drafts [5, 6, 7]: 2 accepted, anchor 9 predicted; real: the same
+        # b: predicted 0 accepted (anchor 8), real 2 accepted (a processor changed the pick), anchor 4
+        # c: predicted 2 accepted (anchor 3), real 1 accepted, anchor 12
+        # d: sampled (temperature 0.8): no prediction
+        # e: a prefill chunk that samples nothing (its rows end below the prompt's length)
+        ids = ["a", "b", "c", "d", "e"]
+        qsl, nd, pos = [0, 4, 8, 12, 16, 20], [3, 3, 3, 3, 0], [10, 20, 30, 40, 0]
+        ctx = _ctx(ids, qsl, nd, None, pos, table)  # type: ignore[arg-type]
+        ctx.num_tokens_no_spec = np.array([11, 21, 31, 41, 9], dtype=np.int32)
+        ctx.sampling = [(0.0, 0, 1.0, None)] * 3 + [(0.8, 0, 1.0, None), (0.0, 0, 1.0, None)]
+        ctx.draft_ids = [[5, 6, 7], [1, 2, 3], [7, 7, 7], [1, 1, 1], []]
+        ctx.raw_argmax = [[5, 6, 9, 1], [8, 2, 3, 4], [7, 7, 3, 0], [1, 1, 1, 1], [4]]
+        p.on_scheduler_output(SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None))
+        p.send_taps(ctx)
+        kinds = [e[0] for e in c.log]
+        assert kinds == ["taps", "predicted"], kinds
+        predicted = [(r.session, r.pos, r.anchor, r.k) for r in c.log[1][1]]
+        assert predicted == [("a", 13, 9, K), ("b", 21, 8, K), ("c", 33, 3, K)]  # pos + 1 + accepted
+        taps_rows = c.log[0][2]
+        sampled = [[5, 6, 9], [1, 2, 4], [7, 12], [1, 9], []]
+        out = p.propose_remote(_ctx(ids, qsl, nd, sampled, pos, table))
+        assert out[0] == [1, 13, 9]  # a: the predicted call's drafts, nothing sent for it
+        assert out[1] == [3, 21, 4]  # b: rows 21..22 again with the real commit (anchor 4 at 23)
+        assert out[2] == [2, 32, 12]  # c: an ordinary commit at its real end
+        assert out[3] == [2, 42, 9]  # d: sampled, committed after sampling as before
+        assert out[4] == []
+        later = c.log[2:]
+        assert sorted(e[0] for e in later) == ["commit", "step"]
+        commit = next(e for e in later if e[0] == "commit")
+        assert [(r.session, r.pos, r.rows, r.anchor) for r in commit[1]] == [("c", 32, 0, 12), ("d", 42, 0, 9)]
+        step = next(e for e in later if e[0] == "step")
+        assert [(r.session, r.pos, r.rows, r.anchor) for r in step[1]] == [("b", 21, 2, 4)]
+        np.testing.assert_array_equal(step[2], taps_rows[5:7])  # b's flat rows 5, 6: positions 21, 22
+        s = p.stats()
+        assert s["predicted_commits"] == 3 and s["predicted_hits"] == 1 and s["predicted_misses"] == 2
+    finally:
+        p.close()

@@ -108,6 +108,69 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
         client.close()
 
 
+def predicted_step(eng: Engine, hit: bool) -> tuple[str, DraftReply]:
+    """One verify step as the vLLM proposer runs it with predicted commits: taps, then at once the
+    commit the step is predicted to make; after "sampling", the real outcome: the predicted call's
+    drafts when it matches (``hit``), else a commit at the real end, or, when more rows were
+    accepted than predicted, those rows again with it (the server cut them at the predicted end)."""
+    n = K + 1
+    pos, arr = eng.taps(n)
+    acc_p, anchor_p = int(eng.rng.integers(1, n + 1)), int(eng.rng.integers(0, VOCAB))
+    ticket = eng.client.submit_commit([StepRequest(eng.session, pos + acc_p, 0, anchor_p, K)])
+    acc, anchor = acc_p, anchor_p
+    while not hit and (acc, anchor) == (acc_p, anchor_p):
+        acc, anchor = (
+            int(eng.rng.integers(1, n + 1)),
+            anchor_p if eng.rng.random() < 0.3 else int(eng.rng.integers(0, VOCAB)),
+        )
+    for i in range(acc):
+        eng.rows[pos + i] = arr[i].tobytes()
+    eng.end, eng.anchor = pos + acc, anchor
+    if hit:
+        return "hit", ticket.collect()[0]
+    if acc > acc_p:
+        req = StepRequest(eng.session, pos + acc_p, acc - acc_p, anchor, K)
+        return "rows again", eng.client.step([req], arr[acc_p:acc])[0]
+    return "commit", eng.client.commit([StepRequest(eng.session, pos + acc, 0, anchor, K)])[0]
+
+
+def test_predicted_commits_draft_exactly_and_a_wrong_prediction_is_corrected(server) -> None:
+    # two engines (clients) in threads, staggered, two requests each; every step either keeps its
+    # predicted commit or corrects it in one of the three ways, and every draft is checked
+    clients = [make_client(server.endpoint) for _ in range(2)]
+    errors: list[str] = []
+    seen: dict[str, int] = {}
+
+    def engine(ci: int) -> None:
+        engines = [Engine(clients[ci], f"r{j}", seed=10 * ci + j) for j in range(2)]
+        try:
+            time.sleep(0.005 * ci)
+            for e in engines:
+                r = e.step(n=9, accepted=9)  # a prompt
+                if r.tokens != e.want():
+                    errors.append(f"client {ci} {e.session} prompt: {r}")
+            for it in range(30):
+                for e in engines:
+                    how, r = predicted_step(e, hit=bool(e.rng.random() < 0.5))
+                    seen[how] = seen.get(how, 0) + 1
+                    if r.status != Status.OK or r.tokens != e.want():
+                        errors.append(f"client {ci} {e.session} step {it} ({how}): {r.status} {r.tokens} != {e.want()}")
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(f"client {ci}: {exc!r}")
+
+    threads = [threading.Thread(target=engine, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not errors, errors[:5]
+        assert set(seen) == {"hit", "rows again", "commit"} and min(seen.values()) >= 10, seen
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_span_over_the_size_limit_is_declined_and_the_single_message_drafts(server) -> None:
     """``early_taps_max_mib``: a span larger than the limit (rows in frames) is not sent (send_taps
     False, counted; a commit then finds no rows: MISSING_ROWS), the caller's single message of the
