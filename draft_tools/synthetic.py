@@ -9,7 +9,10 @@ for the demo, the benchmark and the soak. Uses the client only: no server code.
 ``early_taps`` (when the server offers them): each step first sends its whole verified span as
 early taps (the committed rows and the rejected drafts' rows after them), then spends
 ``sample_ms`` as the target's sampling would, then commits; the record's wait is the commit's
-(the critical path). ``draft_tools.bench.early_taps_gpu`` compares both ways at K3 size.
+(the critical path). With ``predicted`` the commit goes right after the taps (the outcome is
+known in advance, as greedy rejection's is from the raw logits: the vLLM proposer's predicted
+commits) and the wait is from the end of sampling to its drafts in hand.
+``draft_tools.bench.early_taps_gpu`` compares the ways at K3 size.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class SyntheticTarget:
     pool_rows: int = 8192
     early_taps: bool = False  # taps right after the "forward", a commit after sample_ms
     sample_ms: float = 0.0  # the target's sampling between its forward and the commit (busy wait)
+    predicted: bool = False  # with early taps: commit right after the taps, collect after sampling
     records: list[CallRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -133,11 +137,13 @@ class SyntheticTarget:
         total_rows = sum(r.rows for r in reqs)
         early = self.early_taps and getattr(self.client, "early_taps", False)
         if early and self.client.send_taps(spans, self._taps(sum(r.rows for r in spans))):
+            commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
+            ticket = self.client.submit_commit(commits) if self.predicted else None
             until = time.perf_counter() + self.sample_ms / 1000.0
             while time.perf_counter() < until:  # the target samples meanwhile
                 pass
             start = time.perf_counter()
-            replies = self.client.commit([StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs])
+            replies = ticket.collect() if ticket is not None else self.client.commit(commits)
         else:
             taps = self._taps(total_rows)
             start = time.perf_counter()

@@ -1,10 +1,11 @@
 """Early taps vs the single message in a real vLLM engine (CPU, the tiny trained pair): per step.
 
-One run starts `draft-server serve` on the shipped tiny DSpark drafter, then three vLLM engines
+One run starts `draft-server serve` on the shipped tiny DSpark drafter, then four vLLM engines
 in turn (each its own subprocess, ``draft_tools.demo.part_vllm --worker``) on the same greedy
-prompts: remote drafts with early taps (``DRAFT_EARLY_TAPS=1``), remote drafts with the single
-message (``DRAFT_EARLY_TAPS=0``), and no speculation. From the proposer's ``step_phases()`` it
-reports, per mode, the distribution over engine steps of
+prompts: remote drafts with early taps and predicted commits (the default), with early taps
+committing only after sampling (``DRAFT_PREDICTED_COMMIT=0``), with the single message
+(``DRAFT_EARLY_TAPS=0``), and no speculation. From the proposer's ``step_phases()`` it reports,
+per mode, the distribution over engine steps of
 
 * ``forward``: scheduler output to the end of the target's forward (``execute_model``),
 * ``taps``: sending the early taps (gather-free slice, encode, hand to the I/O thread),
@@ -13,7 +14,8 @@ reports, per mode, the distribution over engine steps of
 * ``server``: the server's compute for that reply (``Timing.compute_ms``),
 * ``overhead``: wait - server, what the hop adds above the server's compute,
 
-plus vLLM's acceptance counters and whether every output equals plain decoding. Writes JSON
+plus vLLM's acceptance counters, the predicted commits kept and missed, and whether every output
+equals plain decoding. Writes JSON
 (with the command and the machine) to ``--out``. Timings on a shared 2-core CPU show the shape,
 not GPU speed.
 
@@ -36,6 +38,8 @@ from draft_tools.demo.part_vllm import PROMPTS, _acceptance, _run_worker
 from draft_tools.tiny_pair.pair import ASSET_DIR as ASSETS
 
 PHASES = ("forward", "taps", "sample", "wait", "server", "overhead")
+# (name, DRAFT_EARLY_TAPS, DRAFT_PREDICTED_COMMIT)
+MODES = (("predicted_commit", "1", "1"), ("early_taps", "1", "0"), ("single_message", "0", "0"))
 
 
 def summarize(phases: list[dict[str, float]]) -> dict[str, Any]:
@@ -63,14 +67,17 @@ def run(k: int, max_tokens: int, budget_ms: float) -> dict[str, Any]:
     cfg = {"target": str(target), "prompts": PROMPTS, "max_tokens": max_tokens}
     modes: dict[str, Any] = {}
     try:
-        for name, early in (("early_taps", "1"), ("single_message", "0")):
-            res = _run_worker({**cfg, "k": k, "phases": True}, {**env, "DRAFT_EARLY_TAPS": early})
+        for name, early, predicted in MODES:
+            mode_env = {**env, "DRAFT_EARLY_TAPS": early, "DRAFT_PREDICTED_COMMIT": predicted}
+            res = _run_worker({**cfg, "k": k, "phases": True}, mode_env)
             drafts, rate, mal = _acceptance(res)
+            d = res.get("drafter", {})
             modes[name] = {
                 "ids": res["ids"],
                 "acceptance": {"drafts": drafts, "rate": round(rate, 4), "mean_acceptance_length": round(mal, 4)},
                 "per_step_ms": summarize(res.get("phases", [])),
                 "early_steps": sum(int(p["early"]) for p in res.get("phases", [])),
+                "predicted": {k: d.get(f"predicted_{k}", 0) for k in ("commits", "hits", "misses")},
                 "phases": res.get("phases", []),
             }
         plain = _run_worker(cfg, env)
@@ -101,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in modes.items():
         s = m["per_step_ms"]
         line = ", ".join(f"{p} p50 {s[p]['p50']:.2f}" for p in PHASES if p in s)
-        print(f"{name}: equal to plain {m['equal_to_plain']}, MAL {m['acceptance']['mean_acceptance_length']}: {line}")
+        print(
+            f"{name}: equal to plain {m['equal_to_plain']}, MAL {m['acceptance']['mean_acceptance_length']}, "
+            f"predicted {m['predicted']}: {line}"
+        )
     return 0 if all(m["equal_to_plain"] for m in modes.values()) else 1
 
 

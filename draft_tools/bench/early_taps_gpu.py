@@ -1,11 +1,13 @@
 """Early taps vs the single message at K3 size on one GPU (H200), B = 1..64: the synthetic engine.
 
 Starts `draft-server serve --model random:k3` (full-size K3 DSpark, random weights) on the GPU,
-then for each batch size B drives it with ``draft_tools.synthetic.SyntheticTarget`` twice, with
-early taps (each step's span sent first, ``--sample-ms`` of target sampling, then a commit) and
-with the single message, and records per step the critical-path wait (commit, or step, to
-drafts in hand) and the server's compute for that reply. The issue's goal: wait - compute at
-most 0.5 ms with early taps at every B. ``--transport shm`` runs both modes over ipc with the rows in
+then for each batch size B drives it with ``draft_tools.synthetic.SyntheticTarget`` three times:
+with early taps (each step's span sent first, ``--sample-ms`` of target sampling, then a commit),
+with early taps and predicted commits (the commit right after the taps, its drafts collected after
+sampling: what the vLLM proposer does for greedy requests), and with the single message, and
+records per step the critical-path wait (end of sampling, or the step, to drafts in hand) and the
+server's compute for that reply. The issue's goal: wait - compute at
+most 0.5 ms with early taps at every B. ``--transport shm`` runs every mode over ipc with the rows in
 a shared-memory ring (spans of any size go early: the 4 MiB rule is for rows in frames). Writes
 JSON (command, machine, GPU) and prints a table.
 
@@ -40,8 +42,11 @@ from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
 
+# (name, early taps, predicted commits): the commit after sampling, the commit right after the taps
+MODES = (("early_taps", True, False), ("predicted_commit", True, True), ("single_message", False, False))
 
-def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace) -> dict[str, Any]:
+
+def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace, predicted: bool = False) -> dict[str, Any]:
     cfg = ClientConfig(
         endpoint=endpoint,
         budget_ms=args.budget_ms,
@@ -65,6 +70,7 @@ def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace) -> dic
             seed=b,
             early_taps=early,
             sample_ms=args.sample_ms,
+            predicted=predicted,
         )
         t0 = time.perf_counter()
         n = 0
@@ -152,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = ipc if a.transport == "shm" else endpoint
     try:
         for b in (int(x) for x in a.batches.split(",")):
-            for early in (True, False):
-                r = {"B": b, "mode": "early_taps" if early else "single_message", **measure(endpoint, b, early, a)}
+            for mode, early, predicted in MODES:
+                r = {"B": b, "mode": mode, **measure(endpoint, b, early, a, predicted)}
                 rows.append(r)
                 write()
                 print(

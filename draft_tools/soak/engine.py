@@ -17,7 +17,11 @@ sends its span as an early Taps (``send_taps``: the committed rows plus the step
 drafts' rows, random ones the commit's position cuts off), then the drafts request as a commit
 (``commit``: no rows, pos = the committed end); the call record's wait is the commit's. A
 MISSING_ROWS answer (its Taps was lost) is a miss like any other, and the checksum check is the
-same: OK drafts must be those of exactly the context the reply names.
+same: OK drafts must be those of exactly the context the reply names. With ``mispredict_p`` >= 0
+(one server) the commits also go right after the taps as predicted commits
+(``target_client.client.predicted``), a ``mispredict_p`` share of them at another end or anchor
+(their own generator: the sessions' rows and anchors stay those of the reference), and are settled
+after the call's start as the vLLM proposer settles them.
 
 Determinism: every random choice of a session (length, prompt, taps, anchors, acceptance,
 k=0 steps) comes from that session's own generator seeded by (seed, engine, session number),
@@ -104,6 +108,8 @@ class EngineSpec:
     breaker_backoff_ms: float = 500.0
     connect_timeout_s: float = 60.0
     early_taps: bool = False  # taps right after the "forward", then a commit (see the module docstring)
+    # with early taps (one server): predicted commits right after the taps, this share of them wrong
+    mispredict_p: float = -1.0  # -1: no predicted commits
     # Dump every thread's stack for a call still waiting at budget + 5 ms (the ``.stacks`` file the
     # soak reads; ``LateStacks``). Off for runs that never read the stacks.
     late_stacks: bool = True
@@ -358,12 +364,33 @@ def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None, 
     os.replace(tmp, spec.out_path)
 
 
+def _predict(
+    cls: Any, client: Any, reqs: list, spans: list, rng: np.random.Generator, wrong_p: float, vocab: int
+) -> Any:
+    """The step's predicted commits (``PredictedCommits.send``): each drafting request's real commit,
+    or with probability ``wrong_p`` another end within its span or another anchor."""
+    from target_client import StepRequest
+
+    predicted, at = [], {}
+    for q, span in zip(reqs, spans, strict=True):
+        at[q.session] = (q.pos, span)
+        if not q.k:
+            continue
+        rows, anchor = q.rows, q.anchor
+        if rng.random() < wrong_p:
+            rows = int(rng.integers(1, len(span) + 1))
+            anchor = anchor if rng.random() < 0.5 else int(rng.integers(0, vocab))
+        predicted.append(StepRequest(q.session, q.pos + rows, 0, anchor, q.k))
+    return cls.send(client, predicted, lambda sid, lo, hi: at[sid][1][lo - at[sid][0] : hi - at[sid][0]])
+
+
 def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, progress: Any) -> None:
     from prometheus_client import CollectorRegistry
 
     from draft_server.drafters.checksum import drafts_from_digests, row_digest
     from protocol import Status
     from target_client import ClientConfig, DraftReply, FleetClient, StepRequest, make_client
+    from target_client.client.predicted import PredictedCommits
 
     client = make_client(
         ClientConfig(
@@ -412,6 +439,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
         if go is not None and not go.wait(spec.connect_timeout_s + 120.0):
             raise RuntimeError("the soak never gave the start signal")
         epoch_idx: dict[str, int] = {}
+        guess_rng = np.random.default_rng([spec.seed, spec.index, 1 << 30])  # predictions only
         active: list[_Session] = []
         started = 0
         step_no = 0
@@ -465,10 +493,19 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                     np.ascontiguousarray(np.concatenate(spans)),
                 )
             )
+            guess = None
+            if early and spec.mispredict_p >= 0 and fleet is None:
+                guess = _predict(PredictedCommits, client, reqs, spans, guess_rng, spec.mispredict_p, vocab)
             t0 = time.monotonic()
             if early:
                 wanted = [(i, q) for i, q in enumerate(reqs) if q.k]
-                got = client.commit([StepRequest(q.session, q.pos + q.rows, 0, q.anchor, q.k) for _, q in wanted])
+                commits = [StepRequest(q.session, q.pos + q.rows, 0, q.anchor, q.k) for _, q in wanted]
+                got = guess.settle(client, commits) if guess is not None else client.commit(commits)
+                if guess is not None:  # a predicted call lost (or answered MISSING_ROWS) is a miss of its session
+                    lost = (None, Status.MISSING_ROWS)  # EXPIRED: superseded by the corrected commit, by design
+                    failed = {sid for sid, r in guess.predicted_replies().items() if r.status in lost}
+                    for s in active:
+                        s.all_ok = s.all_ok and s.sid not in failed
                 replies = [DraftReply([], Status.OK) for _ in reqs]  # an ingest-only step: acknowledged early
                 for (i, _), g in zip(wanted, got, strict=True):
                     replies[i] = g

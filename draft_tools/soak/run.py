@@ -510,6 +510,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
                 max_steps=max_steps[i] if max_steps else 0,
                 reconnect_ivl_ms=args.reconnect_ivl_ms,
                 early_taps="taps" in args.modes,  # in the fault-free pass too: the same drafts
+                mispredict_p=0.25 if "taps" in args.modes else -1.0,  # predicted commits, a quarter wrong
             )
             specs.append(spec)
             ready = ctx.Event()

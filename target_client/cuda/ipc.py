@@ -213,6 +213,13 @@ class CudaRing:
         self._buf = None
 
 
+def cat_rows(parts: list[Any]) -> Any:
+    """Row slices of one device (torch tensors) as one contiguous tensor there."""
+    import torch
+
+    return torch.cat(parts).contiguous()
+
+
 def host_rows(parts: list[Any], ready: Any = None, stream: Any = None) -> np.ndarray:
     """``parts`` (device tensors or host arrays) as one C-contiguous host array in wire storage (bf16
     as uint16 bit patterns): one device-to-host copy per device part, after ``ready``."""

@@ -180,7 +180,6 @@ import socket
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -192,10 +191,10 @@ from target_client import (
     ConnectTimeoutError,
     ContractMismatchError,
     DraftClient,
-    DraftReply,
     FleetClient,
     StepRequest,
 )
+from target_client.client.predicted import PredictedCommits
 from target_client.fleet.endpoints import is_fleet
 from target_client.projection import Projection
 from target_client.trim import Verifier
@@ -254,26 +253,6 @@ def _env_number(name: str, default: float, kind: type = float) -> Any:
     if not (value >= 0 if kind is int else value > 0):
         raise ValueError(f"{name}={raw!r} must be {'>= 0' if kind is int else '> 0'}")
     return value
-
-
-@dataclass(slots=True)
-class _Predicted:
-    """A step's predicted commits (``RemoteDSparkProposer._predicted``): the call in flight, its
-    requests, per request id (index, first flat row, its position), and the step's rows."""
-
-    ticket: Any
-    requests: list[StepRequest]
-    where: dict[str, tuple[int, int, int]]
-    rows: Any
-
-
-def _cat(parts: list[Any]) -> Any:
-    """Row slices as one array (host numpy, or torch on the device with cuda_ipc)."""
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts) if len(parts) > 1 else np.ascontiguousarray(parts[0])
-    import torch
-
-    return torch.cat(parts).contiguous()
 
 
 class RemoteDSparkProposer:
@@ -399,7 +378,7 @@ class RemoteDSparkProposer:
 
         self._early = os.environ.get("DRAFT_EARLY_TAPS", "1").strip() != "0"
         self._predict = os.environ.get("DRAFT_PREDICTED_COMMIT", "1").strip() != "0"
-        self._guess: _Predicted | None = None  # this step's predicted commits, in flight
+        self._guess: PredictedCommits | None = None  # this step's predicted commits, in flight
         self._tapped = False  # this step's rows went out as early taps (commit after sampling)
         self._marks: list[float] = [0.0, 0.0, 0.0]  # this step: forward start, forward end, taps sent
         self._phases: collections.deque[tuple[float, ...]] = collections.deque(maxlen=1 << 16)
@@ -564,10 +543,10 @@ class RemoteDSparkProposer:
         self._counts["taps_rows"] += total
         return rows
 
-    def _predicted(self, ctx: DraftStepContext, rows: Any) -> _Predicted | None:
+    def _predicted(self, ctx: DraftStepContext, rows: Any) -> PredictedCommits | None:
         """Commit now what greedy sampling will commit (module docstring, "Predicted commits"): for
         every greedy request that samples this step, the end and anchor its raw logits give."""
-        if ctx.raw_argmax is None or ctx.draft_ids is None or not hasattr(self.client, "submit_commit"):
+        if ctx.raw_argmax is None or ctx.draft_ids is None or not isinstance(self.client, DraftClient):
             return None
         advised = self.client.advised_k
         k = self.k if advised < 0 else min(self.k, advised)
@@ -575,7 +554,7 @@ class RemoteDSparkProposer:
             return None
         qsl = ctx.query_start_loc
         requests: list[StepRequest] = []
-        where: dict[str, tuple[int, int, int]] = {}  # request id -> (index, first flat row, its position)
+        first: dict[str, int] = {}  # request id -> its first flat row minus its first position
         for i, rid in enumerate(ctx.req_ids):
             s, e = int(qsl[i]), int(qsl[i + 1])
             nd = int(ctx.num_draft_tokens[i]) if i < len(ctx.num_draft_tokens) else 0
@@ -590,53 +569,22 @@ class RemoteDSparkProposer:
                 a += 1
             if not 0 <= top[a] < self._anchor_vocab:
                 continue
-            where[rid] = (len(requests), s, pos)
+            first[rid] = s - pos
             requests.append(StepRequest(rid, pos + (e - s) - nd + a, 0, int(top[a]), k))
-        if not requests:
-            return None
+        guess = PredictedCommits.send(self.client, requests, lambda r, lo, hi: rows[first[r] + lo : first[r] + hi])
         self._counts["predicted_commits"] += len(requests)
-        return _Predicted(self.client.submit_commit(requests), requests, where, rows)
+        return guess
 
     def _commit(self, commits: list[StepRequest]) -> list[Any]:
-        """Replies for this step's commits after its early taps: a request committed as predicted
-        takes the predicted call's drafts; the others commit now (module docstring)."""
+        """Replies for this step's commits after its early taps (``PredictedCommits.settle`` when
+        some were predicted)."""
         guess, self._guess = self._guess, None
         if guess is None:
             return self.client.commit(commits) if commits else []
-        hit: list[tuple[int, int]] = []  # (commit, its index in the predicted call)
-        plain: list[int] = []
-        again: list[tuple[int, StepRequest]] = []  # accepted past the prediction: (commit, predicted)
-        for j, c in enumerate(commits):
-            w = guess.where.get(c.session)
-            p = guess.requests[w[0]] if w is not None else None
-            if p is not None and c.sampling == GREEDY and (c.pos, c.anchor) == (p.pos, p.anchor):
-                hit.append((j, w[0]))  # type: ignore[index]
-            elif p is not None and c.pos > p.pos:
-                again.append((j, p))
-            else:
-                plain.append(j)
-        self._counts["predicted_hits"] += len(hit)
-        self._counts["predicted_misses"] += len(again) + sum(1 for j in plain if commits[j].session in guess.where)
-        tickets = []
-        if plain:
-            tickets.append(([j for j in plain], self.client.submit_commit([commits[j] for j in plain])))
-        if again:  # the rows from the predicted end to the real one, with the real commit
-            reqs, parts = [], []
-            for j, p in again:
-                c = commits[j]
-                _, s, pos = guess.where[c.session]
-                reqs.append(StepRequest(c.session, p.pos, c.pos - p.pos, c.anchor, c.k, c.sampling))
-                parts.append(guess.rows[s + p.pos - pos : s + c.pos - pos])
-            tickets.append(([j for j, _ in again], self.client.submit_step(reqs, _cat(parts))))
-        out: list[Any] = [DraftReply([]) for _ in commits]
-        if hit:
-            got = guess.ticket.collect()
-            for j, gi in hit:
-                out[j] = got[gi]
-        for idx, ticket in tickets:
-            for j, r in zip(idx, ticket.collect(), strict=True):
-                out[j] = r
-        return out
+        replies = guess.settle(self.client, commits)
+        self._counts["predicted_hits"] += guess.hits
+        self._counts["predicted_misses"] += guess.misses
+        return replies
 
     def _encode(self, rows: Any) -> Any:
         """The step's rows in the wire format: on the host (one device-to-host copy), or with

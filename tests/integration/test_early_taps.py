@@ -22,6 +22,7 @@ from draft_server.drafters.checksum import expected_drafts
 from draft_tools.chaos.proxy import ChaosProxy, ProxyConfig
 from protocol import Status
 from target_client import ClientConfig, DraftClient, DraftReply, StepRequest
+from target_client.client.predicted import PredictedCommits
 from tests.conftest import CHECKSUM_CONTRACT, free_port, random_taps, wait_for
 
 BUDGET = 500.0  # a real server in a subprocess on a shared 2-core machine
@@ -109,29 +110,27 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
 
 
 def predicted_step(eng: Engine, hit: bool) -> tuple[str, DraftReply]:
-    """One verify step as the vLLM proposer runs it with predicted commits: taps, then at once the
-    commit the step is predicted to make; after "sampling", the real outcome: the predicted call's
-    drafts when it matches (``hit``), else a commit at the real end, or, when more rows were
-    accepted than predicted, those rows again with it (the server cut them at the predicted end)."""
+    """One verify step as the vLLM proposer runs it with predicted commits (``PredictedCommits``):
+    taps, then at once the commit the step is predicted to make; after "sampling", the real outcome
+    settled: the predicted call's drafts when it matches (``hit``), else a commit at the real end or,
+    when more rows were accepted than predicted, those rows again with it."""
     n = K + 1
     pos, arr = eng.taps(n)
     acc_p, anchor_p = int(eng.rng.integers(1, n + 1)), int(eng.rng.integers(0, VOCAB))
-    ticket = eng.client.submit_commit([StepRequest(eng.session, pos + acc_p, 0, anchor_p, K)])
+    guess = PredictedCommits.send(
+        eng.client, [StepRequest(eng.session, pos + acc_p, 0, anchor_p, K)], lambda _, lo, hi: arr[lo - pos : hi - pos]
+    )
+    assert guess is not None
     acc, anchor = acc_p, anchor_p
     while not hit and (acc, anchor) == (acc_p, anchor_p):
-        acc, anchor = (
-            int(eng.rng.integers(1, n + 1)),
-            anchor_p if eng.rng.random() < 0.3 else int(eng.rng.integers(0, VOCAB)),
-        )
+        acc = int(eng.rng.integers(1, n + 1))
+        anchor = anchor_p if eng.rng.random() < 0.3 else int(eng.rng.integers(0, VOCAB))
     for i in range(acc):
         eng.rows[pos + i] = arr[i].tobytes()
     eng.end, eng.anchor = pos + acc, anchor
-    if hit:
-        return "hit", ticket.collect()[0]
-    if acc > acc_p:
-        req = StepRequest(eng.session, pos + acc_p, acc - acc_p, anchor, K)
-        return "rows again", eng.client.step([req], arr[acc_p:acc])[0]
-    return "commit", eng.client.commit([StepRequest(eng.session, pos + acc, 0, anchor, K)])[0]
+    reply = guess.settle(eng.client, [StepRequest(eng.session, pos + acc, 0, anchor, K)])[0]
+    assert (guess.hits, guess.misses) == ((1, 0) if hit else (0, 1))
+    return ("hit" if hit else "rows again" if acc > acc_p else "commit"), reply
 
 
 def test_predicted_commits_draft_exactly_and_a_wrong_prediction_is_corrected(server) -> None:
