@@ -365,20 +365,22 @@ def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None, 
 
 
 def _predict(
-    cls: Any, client: Any, reqs: list, spans: list, rng: np.random.Generator, wrong_p: float, vocab: int
+    cls: Any, client: Any, reqs: list, spans: list, verified: list, rng: np.random.Generator, wrong_p: float, vocab: int
 ) -> Any:
     """The step's predicted commits (``PredictedCommits.send``): each drafting request's real commit,
-    or with probability ``wrong_p`` another end within its span or another anchor."""
+    or with probability ``wrong_p`` another anchor or another end among the span's verified rows (the
+    last ``verified`` rows: a prediction errs only in how many drafts are accepted, a prefill's end is
+    known)."""
     from target_client import StepRequest
 
     predicted, at = [], {}
-    for q, span in zip(reqs, spans, strict=True):
+    for q, span, v in zip(reqs, spans, verified, strict=True):
         at[q.session] = (q.pos, span)
         if not q.k:
             continue
         rows, anchor = q.rows, q.anchor
         if rng.random() < wrong_p:
-            rows = int(rng.integers(1, len(span) + 1))
+            rows = int(rng.integers(len(span) - v + 1, len(span) + 1))
             anchor = anchor if rng.random() < 0.5 else int(rng.integers(0, vocab))
         predicted.append(StepRequest(q.session, q.pos + rows, 0, anchor, q.k))
     return cls.send(client, predicted, lambda sid, lo, hi: at[sid][1][lo - at[sid][0] : hi - at[sid][0]])
@@ -495,7 +497,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             )
             guess = None
             if early and spec.mispredict_p >= 0 and fleet is None:
-                guess = _predict(PredictedCommits, client, reqs, spans, guess_rng, spec.mispredict_p, vocab)
+                verified = [len(a) if s.steps else 1 for s, a in zip(active, spans, strict=True)]  # prefill: its end
+                guess = _predict(PredictedCommits, client, reqs, spans, verified, guess_rng, spec.mispredict_p, vocab)
             t0 = time.monotonic()
             if early:
                 wanted = [(i, q) for i, q in enumerate(reqs) if q.k]
