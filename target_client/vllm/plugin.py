@@ -35,6 +35,9 @@ hidden states) and returns None; then the core computes the grammar bitmask and 
 of sampling has run: the wrapper hands the drafter a context built from that state (with
 ``sampled_token_ids`` None), and sampling overlaps the server's ingest. On a GPU the rows'
 device-to-host copy there waits for the forward's kernels, which sampling would wait for anyway.
+That context also carries, per row, the drafts it verifies and the argmax of its raw logits
+(``execute_model_state.logits``: ``num_draft + 1`` rows per request, vLLM's
+``_calc_spec_decode_metadata`` layout), from which the proposer predicts greedy commits.
 
 Every wrapper acts only when ``speculative_config.method == "custom_class"`` and the drafter
 (for ``compute_hash``: the class named by ``speculative_config.model``) has
