@@ -83,7 +83,6 @@ class PredictedCommits:
                 out[j] = r
         return out
 
-
     def predicted_replies(self) -> dict[str, DraftReply]:
         """Every predicted commit's own reply, by session (waits for the predicted call, at most until
         its deadline): a caller that accounts for each call (the soak) sees one that failed although

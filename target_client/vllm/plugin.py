@@ -483,7 +483,8 @@ def register() -> None:
                 cm = state.spec_decode_common_attn_metadata
                 if cm is not None:  # early taps: sampling has not started yet
                     so, spec = state.scheduler_output, state.spec_decode_metadata
-                    send(build_context(self, so, None, state.aux_hidden_states, spec, cm, logits=state.logits))
+                    logits = state.logits if getattr(drafter, "predicts_commits", False) else None
+                    send(build_context(self, so, None, state.aux_hidden_states, spec, cm, logits=logits))
             return out
 
         return wrapper

@@ -377,7 +377,8 @@ class RemoteDSparkProposer:
             self._anchor_vocab = min(self.vocab_size, int(welcome.contract.vocab_size))
 
         self._early = os.environ.get("DRAFT_EARLY_TAPS", "1").strip() != "0"
-        self._predict = os.environ.get("DRAFT_PREDICTED_COMMIT", "1").strip() != "0"
+        # predicted commits (module docstring): the plugin then hands send_taps the greedy view
+        self.predicts_commits = self._early and os.environ.get("DRAFT_PREDICTED_COMMIT", "1").strip() != "0"
         self._guess: PredictedCommits | None = None  # this step's predicted commits, in flight
         self._tapped = False  # this step's rows went out as early taps (commit after sampling)
         self._marks: list[float] = [0.0, 0.0, 0.0]  # this step: forward start, forward end, taps sent
@@ -510,7 +511,7 @@ class RemoteDSparkProposer:
             self._guess = None
             rows = self._send_taps(ctx)
             self._tapped = rows is not None
-            if rows is not None and self._predict:
+            if rows is not None and self.predicts_commits:
                 self._guess = self._predicted(ctx, rows)
         except Exception:
             self._counts["internal_errors"] += 1

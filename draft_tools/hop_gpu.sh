@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The hop and the critical path on a GPU box in one call (issues 12 and 17), results under $OUT:
+#
+#   early   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 16, 64: early taps, predicted
+#           commits and the single message side by side -> $OUT/early_taps.json
+#   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
+#           device-to-host copy into pageable and into page-locked memory (PinnedRows) -> $OUT/cuda_ipc.json
+#   all     early, then prep in the time left
+# Extra arguments after the task go to its Python module.
+#
+# Device tool (one H200; .whl holds the msgspec and pyzmq wheels):
+#   run(kind="nvidia-h200", carry=[".whl"], timeout_s=600, command="bash draft_tools/hop_gpu.sh all")
+set -uo pipefail
+task=${1:-all}
+shift || true
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out/hop}
+mkdir -p "$OUT"
+limit=${HOP_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the copy back
+source draft_tools/device_env.sh || exit 1
+export PYTHONUNBUFFERED=1
+left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
+early() {
+    timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,16,64 --steps 100 \
+        --out "$OUT/early_taps.json" "$@" 2>&1 | grep -v Warn | tee "$OUT/early.log" | grep "^B="
+}
+prep() {
+    timeout "$(left)" python3 -m draft_tools.bench.cuda_ipc --iters 60 --sessions 1,8,64 \
+        --out "$OUT/cuda_ipc.json" "$@" 2>&1 | grep -v Warn | tail -12
+}
+case "$task" in
+    early) early "$@" ;;
+    prep) prep "$@" ;;
+    all) early; prep ;;
+    *) echo "usage: draft_tools/hop_gpu.sh early|prep|all [args]" >&2; exit 2 ;;
+esac
+rc=$?
+echo "$task rc=$rc at ${SECONDS}s"
+exit $rc
