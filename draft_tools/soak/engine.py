@@ -18,7 +18,7 @@ drafts' rows, random ones the commit's position cuts off), then the drafts reque
 (``commit``: no rows, pos = the committed end); the call record's wait is the commit's. A
 MISSING_ROWS answer (its Taps was lost) is a miss like any other, and the checksum check is the
 same: OK drafts must be those of exactly the context the reply names. With ``mispredict_p`` >= 0
-(one server) the commits also go right after the taps as predicted commits
+the commits also go right after the taps as predicted commits
 (``target_client.client.predicted``), a ``mispredict_p`` share of them at another end or anchor
 (their own generator: the sessions' rows and anchors stay those of the reference), and are settled
 after the call's start as the vLLM proposer settles them.
@@ -108,7 +108,7 @@ class EngineSpec:
     breaker_backoff_ms: float = 500.0
     connect_timeout_s: float = 60.0
     early_taps: bool = False  # taps right after the "forward", then a commit (see the module docstring)
-    # with early taps (one server): predicted commits right after the taps, this share of them wrong
+    # with early taps: predicted commits right after the taps, this share of them wrong
     mispredict_p: float = -1.0  # -1: no predicted commits
     # Dump every thread's stack for a call still waiting at budget + 5 ms (the ``.stacks`` file the
     # soak reads; ``LateStacks``). Off for runs that never read the stacks.
@@ -496,7 +496,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 )
             )
             guess = None
-            if early and spec.mispredict_p >= 0 and fleet is None:
+            if early and spec.mispredict_p >= 0:
                 verified = [len(a) if s.steps else 1 for s, a in zip(active, spans, strict=True)]  # prefill: its end
                 guess = _predict(PredictedCommits, client, reqs, spans, verified, guess_rng, spec.mispredict_p, vocab)
             t0 = time.monotonic()

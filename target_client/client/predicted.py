@@ -13,8 +13,9 @@ samples. After sampling, ``settle`` answers the step's real commits:
   cuts every commit's rejected rows);
 * every other one (fewer rows, another anchor, sampled, not predicted) commits as usual.
 
-The calls of the last two go out together, before the predicted call's reply is awaited. Used by
-the vLLM proposer and the soak's synthetic engines.
+The calls of the last two go out together, before the predicted call's reply is awaited. Works
+with a ``DraftClient`` or a ``FleetClient`` (each session's commit goes to its server). Used by the
+vLLM proposer and the soak's synthetic engines.
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ import numpy as np
 
 from protocol import GREEDY
 from target_client.api import DraftReply, StepRequest
-from target_client.client.facade import DraftClient, StepTicket
 from target_client.client.regions import is_device
 
 RowsOf = Callable[[str, int, int], Any]  # (session, first position, end position) -> the span's rows there
+Client = Any  # a DraftClient or a FleetClient: submit_commit / submit_step, tickets with collect()
 
 
 class PredictedCommits:
-    def __init__(self, ticket: StepTicket, requests: Sequence[StepRequest], rows_of: RowsOf) -> None:
+    def __init__(self, ticket: Any, requests: Sequence[StepRequest], rows_of: RowsOf) -> None:
         self.ticket = ticket
         self.predicted = {r.session: (i, r) for i, r in enumerate(requests)}
         self.rows_of = rows_of
@@ -41,14 +42,14 @@ class PredictedCommits:
         self.misses = 0
 
     @classmethod
-    def send(cls, client: DraftClient, requests: Sequence[StepRequest], rows_of: RowsOf) -> PredictedCommits | None:
+    def send(cls, client: Client, requests: Sequence[StepRequest], rows_of: RowsOf) -> PredictedCommits | None:
         """The predicted commits (no rows; greedy) go now; None when there are none. ``rows_of`` gives
         rows of the span the early taps carried, for a commit that accepts past its prediction."""
         if not requests:
             return None
         return cls(client.submit_commit(list(requests)), requests, rows_of)
 
-    def settle(self, client: DraftClient, commits: Sequence[StepRequest]) -> list[DraftReply]:
+    def settle(self, client: Client, commits: Sequence[StepRequest]) -> list[DraftReply]:
         """Replies for the step's real commits, in order (module docstring)."""
         hit: list[tuple[int, int]] = []  # (commit, its index in the predicted call)
         plain: list[int] = []
@@ -66,7 +67,7 @@ class PredictedCommits:
             else:
                 plain.append(j)
         self.hits += len(hit)
-        tickets: list[tuple[list[int], StepTicket]] = []
+        tickets: list[tuple[list[int], Any]] = []
         if plain:
             tickets.append((plain, client.submit_commit([commits[j] for j in plain])))
         if again:

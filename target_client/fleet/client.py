@@ -115,6 +115,28 @@ class _Group:
     ticket: StepTicket
 
 
+class FleetTicket:
+    """A step (or commit) sent over the fleet by ``submit_step`` / ``submit_commit``: ``collect()``
+    waits for every server's part, at most until its deadline, reroutes as ``step()`` does and
+    returns the replies in request order (once; later calls return the same)."""
+
+    __slots__ = ("_call", "_fleet", "_pending", "replies")
+
+    def __init__(self, fleet: FleetClient, replies: list[DraftReply | None], call: tuple | None = None) -> None:
+        """``call``: what ``FleetClient._collect`` waits on (None: ``replies`` are the answers)."""
+        self._fleet = fleet
+        self._call = call
+        self._pending = replies  # filled in as the servers answer
+        self.replies: list[DraftReply] | None = None if call is not None else replies  # type: ignore[assignment]
+
+    def collect(self) -> list[DraftReply]:
+        if self.replies is None:
+            assert self._call is not None
+            self.replies = self._fleet._collect(self._pending, self._call)
+            self._call = None
+        return self.replies
+
+
 class FleetClient:
     """Client of several draft servers for one engine. Thread-safe; see the module docstring."""
 
@@ -325,19 +347,34 @@ class FleetClient:
         moved since its taps is answered MISSING_ROWS there, and its next step resends."""
         return self._call(requests, None, budget_ms, Phase.COMMIT)
 
+    def submit_commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> FleetTicket:
+        """commit() in two halves: the commits go now, ``collect()`` on the ticket waits for them
+        (as ``DraftClient.submit_commit``; for ``target_client.client.predicted``)."""
+        return self._begin(requests, None, budget_ms, Phase.COMMIT)
+
+    def submit_step(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+    ) -> FleetTicket:
+        """step() in two halves (as ``DraftClient.submit_step``)."""
+        return self._begin(requests, taps, budget_ms, Phase.WHOLE)
+
     def _call(
         self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, phase: Phase
     ) -> list[DraftReply]:
+        return self._begin(requests, taps, budget_ms, phase).collect()
+
+    def _begin(
+        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None, phase: Phase
+    ) -> FleetTicket:
+        """Route and send one step (or commit) over the fleet; its ticket waits for the answers."""
         t0 = time.monotonic()
         if budget_ms is not None:
             budget_ms = check_budget(budget_ms)
         # caller bugs, before any send
         _entries, taps = prepare(requests, taps, self.contract, self.limits, self.row_layout, phase)
         n = len(requests)
-        if n == 0:
-            return []
-        if self._closed:
-            return [DraftReply([]) for _ in range(n)]
+        if n == 0 or self._closed:
+            return FleetTicket(self, [DraftReply([]) for _ in range(n)])
         if not self._connect_requested:
             self.connect(wait=False)
         offsets = _offsets(requests)
@@ -346,6 +383,10 @@ class FleetClient:
             self._submit(members, key, idx, requests, taps, offsets, budget_ms, t0, phase)
             for key, idx in by_key.items()
         ]
+        return FleetTicket(self, replies, (groups, requests, taps, offsets, budget_ms, t0, members, phase))
+
+    def _collect(self, replies: list[DraftReply | None], call: tuple) -> list[DraftReply]:
+        groups, requests, taps, offsets, budget_ms, t0, members, phase = call
         finished = self._wait(groups, requests, taps, offsets, budget_ms, t0, replies, members, phase)
         self._settle(finished, requests, replies, members)
         self._m.step_duration.observe(time.monotonic() - t0)

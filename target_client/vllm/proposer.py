@@ -547,7 +547,7 @@ class RemoteDSparkProposer:
     def _predicted(self, ctx: DraftStepContext, rows: Any) -> PredictedCommits | None:
         """Commit now what greedy sampling will commit (module docstring, "Predicted commits"): for
         every greedy request that samples this step, the end and anchor its raw logits give."""
-        if ctx.raw_argmax is None or ctx.draft_ids is None or not isinstance(self.client, DraftClient):
+        if ctx.raw_argmax is None or ctx.draft_ids is None:
             return None
         advised = self.client.advised_k
         k = self.k if advised < 0 else min(self.k, advised)

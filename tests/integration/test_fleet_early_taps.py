@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from draft_server.drafters.checksum import expected_drafts
 from protocol import Status
 from target_client import ClientConfig, DraftReply, StepRequest
+from target_client.client.predicted import PredictedCommits
 from target_client.fleet import FleetClient
 from tests.conftest import CHECKSUM_CONTRACT, assert_on_time, random_taps, wait_for
 
@@ -91,6 +92,50 @@ def test_fleet_taps_and_commits_draft_exactly_on_each_sessions_server(server_fac
         for s in sessions:  # the commits carried no rows: each server acknowledged every span early
             c = fleet._members[fleet.server_of(s.name)]
             assert wait_for(lambda c=c, s=s: c._io.sessions[s.name].rows == 0, 5)
+    finally:
+        fleet.close()
+
+
+def test_predicted_commits_over_the_fleet_draft_exactly_kept_or_corrected(server_factory) -> None:
+    # every step: taps, then at once each session's predicted commit (PredictedCommits over the fleet:
+    # each to its session's server); after "sampling" some predictions hold, others are corrected by
+    # a commit at the real end or, accepted past the prediction, by the rows again
+    servers = [server_factory(), server_factory()]
+    fleet = make_fleet([s.endpoint for s in servers])
+    rng = np.random.default_rng(7)
+    seen: dict[str, int] = {}
+    try:
+        sessions = [Session(f"s{i}", seed=40 + i) for i in range(4)]
+        n = K + 1
+        for step in range(16):
+            spans = [random_taps(s.rng, n) for s in sessions]
+            at = {s.name: (s.end, arr) for s, arr in zip(sessions, spans, strict=True)}
+            assert fleet.send_taps([StepRequest(s.name, s.end, n, 0, 0) for s in sessions], np.concatenate(spans))
+            predicted, commits = [], []
+            for s, arr in zip(sessions, spans, strict=True):
+                acc_p, anchor_p = int(rng.integers(1, n + 1)), int(rng.integers(0, VOCAB))
+                predicted.append(StepRequest(s.name, s.end + acc_p, 0, anchor_p, K))
+                acc, anchor = acc_p, anchor_p
+                if rng.random() < 0.5:  # wrong: another accepted count, or another anchor
+                    acc, anchor = (
+                        (int(rng.integers(1, n + 1)), anchor_p) if rng.random() < 0.7 else (acc_p, anchor_p + 1)
+                    )
+                how = "hit" if (acc, anchor) == (acc_p, anchor_p) else "rows again" if acc > acc_p else "commit"
+                seen[how] = seen.get(how, 0) + 1
+                for i in range(acc):
+                    s.rows[s.end + i] = arr[i].tobytes()
+                s.end += acc
+                s.anchor = anchor
+                commits.append(StepRequest(s.name, s.end, 0, anchor, K))
+            guess = PredictedCommits.send(
+                fleet, predicted, lambda sid, lo, hi, at=at: at[sid][1][lo - at[sid][0] : hi - at[sid][0]]
+            )
+            assert guess is not None
+            out = guess.settle(fleet, commits)
+            for s, r in zip(sessions, out, strict=True):
+                assert r.status == Status.OK and r.start == 0 and r.tokens == s.want(), (step, s.name, r)
+        assert len(fleet.loads()) == 2 and set(seen) == {"hit", "rows again", "commit"}, (fleet.loads(), seen)
+        assert fleet.stats()["bad_replies"] == 0
     finally:
         fleet.close()
 
