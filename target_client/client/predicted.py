@@ -34,6 +34,8 @@ Client = Any  # a DraftClient or a FleetClient: submit_commit / submit_step, tic
 
 
 class PredictedCommits:
+    """One step's predicted commits in flight (``send``) and their settlement (``settle``)."""
+
     def __init__(self, ticket: Any, requests: Sequence[StepRequest], rows_of: RowsOf) -> None:
         self.ticket = ticket
         self.predicted = {r.session: (i, r) for i, r in enumerate(requests)}
@@ -56,13 +58,15 @@ class PredictedCommits:
         again: list[tuple[int, StepRequest]] = []  # (commit, the request carrying its rows again)
         for j, c in enumerate(commits):
             got = self.predicted.get(c.session)
-            p = got[1] if got is not None else None
-            if got is not None and p is not None and c.sampling == GREEDY and (c.pos, c.anchor) == (p.pos, p.anchor):
-                hit.append((j, got[0]))
+            if got is None:  # not predicted (sampled, say)
+                plain.append(j)
                 continue
-            if p is not None:
-                self.misses += 1
-            if p is not None and c.pos > p.pos:
+            i, p = got
+            if c.sampling == GREEDY and (c.pos, c.anchor) == (p.pos, p.anchor):  # k may differ: advice moved
+                hit.append((j, i))
+                continue
+            self.misses += 1
+            if c.pos > p.pos:
                 again.append((j, StepRequest(c.session, p.pos, c.pos - p.pos, c.anchor, c.k, c.sampling)))
             else:
                 plain.append(j)
