@@ -117,7 +117,7 @@ def to_host(rows: torch.Tensor) -> np.ndarray:
     """One device-to-host copy (none on the CPU) and a numpy view in wire storage (bf16 as uint16).
 
     Into a fresh host tensor: the client keeps the frame by reference until the server has
-    acknowledged its rows, so a reused staging buffer would need acknowledgement tracking."""
+    acknowledged its rows (``PinnedRows`` is the reused buffer that tracks that)."""
     return _numpy(rows if rows.device.type == "cpu" else rows.to("cpu"))
 
 
