@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The hop and the critical path on a GPU box in one call (issues 12 and 17), results under $OUT:
 #
+#   test    tests/gpu/test_pinned_rows_gpu.py (PinnedRows with real device rows)
 #   early   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 16, 64: early taps, predicted
 #           commits and the single message side by side -> $OUT/early_taps.json
 #   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
 #           device-to-host copy into pageable and into page-locked memory (PinnedRows) -> $OUT/cuda_ipc.json
-#   all     early, then prep in the time left
+#   all     test, early, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
 # Device tool (one H200; .whl holds the msgspec and pyzmq wheels):
@@ -20,6 +21,7 @@ limit=${HOP_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the 
 source draft_tools/device_env.sh || exit 1
 export PYTHONUNBUFFERED=1
 left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
+run_test() { timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pinned_rows_gpu.py "$@" 2>&1 | tail -5; }
 early() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,16,64 --steps 100 \
         --out "$OUT/early_taps.json" "$@" 2>&1 | grep -v Warn | tee "$OUT/early.log" | grep "^B="
@@ -29,10 +31,11 @@ prep() {
         --out "$OUT/cuda_ipc.json" "$@" 2>&1 | grep -v Warn | tail -12
 }
 case "$task" in
+    test) run_test "$@" ;;
     early) early "$@" ;;
     prep) prep "$@" ;;
-    all) early; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh early|prep|all [args]" >&2; exit 2 ;;
+    all) run_test; early; prep ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|prep|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"
