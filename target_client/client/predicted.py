@@ -42,6 +42,7 @@ class PredictedCommits:
         self.rows_of = rows_of
         self.hits = 0
         self.misses = 0
+        self.missed: set[str] = set()  # sessions whose real commit was not the predicted one
 
     @classmethod
     def send(cls, client: Client, requests: Sequence[StepRequest], rows_of: RowsOf) -> PredictedCommits | None:
@@ -66,6 +67,7 @@ class PredictedCommits:
                 hit.append((j, i))
                 continue
             self.misses += 1
+            self.missed.add(c.session)
             if c.pos > p.pos:
                 again.append((j, StepRequest(c.session, p.pos, c.pos - p.pos, c.anchor, c.k, c.sampling)))
             else:

@@ -98,7 +98,7 @@ early (no offer, the plugin's hook did not run) sends the single message as abov
 ``step_phases()``: per step forward, sampling, taps and commit-to-drafts times (ms) and the
 server's compute for the reply (bench/``draft_tools.bench.early_taps``).
 
-Predicted commits (``DRAFT_PREDICTED_COMMIT``, on with early taps; ``DraftClient`` only): the logits
+Predicted commits (``DRAFT_PREDICTED_COMMIT``, on with early taps; ``target_client.client.predicted``): the logits
 exist when the taps go, so for each greedy request that will sample the plugin hands over the argmax
 of its raw logits at every sampled position and the drafts being verified. Greedy rejection accepts
 the drafts up to the first that differs from that argmax and samples the argmax there, so the commit
@@ -107,7 +107,8 @@ drafts while the target samples. After sampling, a request whose real commit is 
 takes that call's drafts (computed from exactly the context the late commit would name: the same
 drafts) and sends nothing; the others (a logits processor or a grammar changed the pick) commit as
 usual, and one that accepted more than predicted sends the rows past the predicted end again with
-its commit (the server cut them at that end, as it cuts every commit's rejected rows).
+its commit (the server cut them at that end, as it cuts every commit's rejected rows). A request that
+missed ``MISS_BACKOFF`` steps in a row is predicted only every ``MISS_RETRY``-th step after that.
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
 
@@ -220,6 +221,10 @@ if os.environ.get("DRAFT_VLLM_REGISTER_ON_IMPORT", "1") != "0":
 
 CLASS_PATH = f"{__name__}.RemoteDSparkProposer"
 SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
+# A request whose commit missed its prediction this many steps in a row (logits processors or a
+# grammar decide its tokens, not the raw argmax) is predicted again only every MISS_RETRY-th step:
+# a wrong prediction costs the server a draft.
+MISS_BACKOFF, MISS_RETRY = 2, 16
 
 
 def wire_encoder() -> WireEncoder:
@@ -380,6 +385,7 @@ class RemoteDSparkProposer:
         # predicted commits (module docstring): the plugin then hands send_taps the greedy view
         self.predicts_commits = self._early and os.environ.get("DRAFT_PREDICTED_COMMIT", "1").strip() != "0"
         self._guess: PredictedCommits | None = None  # this step's predicted commits, in flight
+        self._misses: dict[str, int] = {}  # request id -> predictions missed in a row (MISS_BACKOFF)
         self._tapped = False  # this step's rows went out as early taps (commit after sampling)
         self._marks: list[float] = [0.0, 0.0, 0.0]  # this step: forward start, forward end, taps sent
         self._phases: collections.deque[tuple[float, ...]] = collections.deque(maxlen=1 << 16)
@@ -465,6 +471,8 @@ class RemoteDSparkProposer:
                 self._preempted.add(rid)
                 self._counts["preempted"] += 1
             self._counts["resumed"] += len(resumed)
+        for rid in finished:
+            self._misses.pop(rid, None)
         if finished and not self._closed:
             self.client.free(finished)
         self._tapped = False  # set again by send_taps once this step's forward has run
@@ -564,6 +572,9 @@ class RemoteDSparkProposer:
                 continue
             if ctx.sampling is not None and ctx.sampling[i][0] >= SAMPLING_EPS:  # sampled: not known in advance
                 continue
+            missed = self._misses.get(rid, 0)
+            if missed >= MISS_BACKOFF and self._counts["taps_steps"] % MISS_RETRY:  # its processors decide
+                continue
             drafts, top = ctx.draft_ids[i], ctx.raw_argmax[i]
             a = 0
             while a < nd and drafts[a] == top[a]:
@@ -585,6 +596,11 @@ class RemoteDSparkProposer:
         replies = guess.settle(self.client, commits)
         self._counts["predicted_hits"] += guess.hits
         self._counts["predicted_misses"] += guess.misses
+        for rid in guess.predicted:
+            if rid in guess.missed:
+                self._misses[rid] = self._misses.get(rid, 0) + 1
+            else:
+                self._misses.pop(rid, None)
         return replies
 
     def _encode(self, rows: Any) -> Any:

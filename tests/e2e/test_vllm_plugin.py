@@ -430,3 +430,36 @@ def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
         assert s["predicted_commits"] == 3 and s["predicted_hits"] == 1 and s["predicted_misses"] == 2
     finally:
         p.close()
+
+
+def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from target_client.vllm import proposer as vllm_proposer
+
+    monkeypatch.setattr(vllm_proposer, "DraftClient", EarlyClient)
+    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
+    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
+    monkeypatch.delenv("DRAFT_PREDICTED_COMMIT", raising=False)
+    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+    try:
+        c = p.client
+        table = np.zeros((2, 64), dtype=np.int32)
+        predicted: list[list[str]] = []
+        for step in range(4):  # "a" always samples 1 where its raw argmax says 9 (a processor); "b" as predicted
+            pos = [10 + step, 30 + step]
+            ctx = _ctx(["a", "b"], [0, 1, 2], [0, 0], None, pos, table)  # type: ignore[arg-type]
+            ctx.num_tokens_no_spec = np.array([11 + step, 31 + step], dtype=np.int32)
+            ctx.draft_ids, ctx.raw_argmax = [[], []], [[9], [5]]
+            p.on_scheduler_output(
+                SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None)
+            )
+            n = len(c.log)
+            p.send_taps(ctx)
+            predicted.append([r.session for kind, reqs, _ in c.log[n:] if kind == "predicted" for r in reqs])
+            out = p.propose_remote(_ctx(["a", "b"], [0, 1, 2], [0, 0], [[1], [5]], pos, table))
+            assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
+        assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
+        assert p.stats()["predicted_misses"] == 2
+    finally:
+        p.close()
