@@ -378,9 +378,9 @@ class EarlyClient(FakeClient):
         return self._ticket("step", requests, taps)
 
 
-def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.fixture
+def early_proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A proposer over ``EarlyClient``, early taps and predicted commits on."""
     from target_client.vllm import proposer as vllm_proposer
 
     monkeypatch.setattr(vllm_proposer, "DraftClient", EarlyClient)
@@ -389,77 +389,67 @@ def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
     monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
     monkeypatch.delenv("DRAFT_PREDICTED_COMMIT", raising=False)
     p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
-    try:
-        c = p.client
-        table = np.zeros((6, 64), dtype=np.int32)
-        # five rows, each 3 drafts (4 tokens) but e (a middle prefill chunk of 4, no sample):
-        # a: argmax [5, 6, 9, 1] vs drafts [5, 6, 7]: 2 accepted, anchor 9 predicted; real: the same
-        # b: predicted 0 accepted (anchor 8), real 2 accepted (a processor changed the pick), anchor 4
-        # c: predicted 2 accepted (anchor 3), real 1 accepted, anchor 12
-        # d: sampled (temperature 0.8): no prediction
-        # e: a prefill chunk that samples nothing (its rows end below the prompt's length)
-        ids = ["a", "b", "c", "d", "e"]
-        qsl, nd, pos = [0, 4, 8, 12, 16, 20], [3, 3, 3, 3, 0], [10, 20, 30, 40, 0]
-        ctx = _ctx(ids, qsl, nd, None, pos, table)  # type: ignore[arg-type]
-        ctx.num_tokens_no_spec = np.array([11, 21, 31, 41, 9], dtype=np.int32)
-        ctx.sampling = [(0.0, 0, 1.0, None)] * 3 + [(0.8, 0, 1.0, None), (0.0, 0, 1.0, None)]
-        ctx.draft_ids = [[5, 6, 7], [1, 2, 3], [7, 7, 7], [1, 1, 1], []]
-        ctx.raw_argmax = [[5, 6, 9, 1], [8, 2, 3, 4], [7, 7, 3, 0], [1, 1, 1, 1], [4]]
+    yield p
+    p.close()
+
+
+def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(early_proposer: Any) -> None:
+    p = early_proposer
+    c = p.client
+    table = np.zeros((6, 64), dtype=np.int32)
+    # five rows, each 3 drafts (4 tokens) but e (a middle prefill chunk of 4, no sample):
+    # a: argmax [5, 6, 9, 1] vs drafts [5, 6, 7]: 2 accepted, anchor 9 predicted; real: the same
+    # b: predicted 0 accepted (anchor 8), real 2 accepted (a processor changed the pick), anchor 4
+    # c: predicted 2 accepted (anchor 3), real 1 accepted, anchor 12
+    # d: sampled (temperature 0.8): no prediction
+    # e: a prefill chunk that samples nothing (its rows end below the prompt's length)
+    ids = ["a", "b", "c", "d", "e"]
+    qsl, nd, pos = [0, 4, 8, 12, 16, 20], [3, 3, 3, 3, 0], [10, 20, 30, 40, 0]
+    ctx = _ctx(ids, qsl, nd, None, pos, table)  # type: ignore[arg-type]
+    ctx.num_tokens_no_spec = np.array([11, 21, 31, 41, 9], dtype=np.int32)
+    ctx.sampling = [(0.0, 0, 1.0, None)] * 3 + [(0.8, 0, 1.0, None), (0.0, 0, 1.0, None)]
+    ctx.draft_ids = [[5, 6, 7], [1, 2, 3], [7, 7, 7], [1, 1, 1], []]
+    ctx.raw_argmax = [[5, 6, 9, 1], [8, 2, 3, 4], [7, 7, 3, 0], [1, 1, 1, 1], [4]]
+    p.on_scheduler_output(SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None))
+    p.send_taps(ctx)
+    kinds = [e[0] for e in c.log]
+    assert kinds == ["taps", "predicted"], kinds
+    predicted = [(r.session, r.pos, r.anchor, r.k) for r in c.log[1][1]]
+    assert predicted == [("a", 13, 9, K), ("b", 21, 8, K), ("c", 33, 3, K)]  # pos + 1 + accepted
+    taps_rows = c.log[0][2]
+    sampled = [[5, 6, 9], [1, 2, 4], [7, 12], [1, 9], []]
+    out = p.propose_remote(_ctx(ids, qsl, nd, sampled, pos, table))
+    assert out[0] == [1, 13, 9]  # a: the predicted call's drafts, nothing sent for it
+    assert out[1] == [3, 21, 4]  # b: rows 21..22 again with the real commit (anchor 4 at 23)
+    assert out[2] == [2, 32, 12]  # c: an ordinary commit at its real end
+    assert out[3] == [2, 42, 9]  # d: sampled, committed after sampling as before
+    assert out[4] == []
+    later = c.log[2:]
+    assert sorted(e[0] for e in later) == ["commit", "step"]
+    commit = next(e for e in later if e[0] == "commit")
+    assert [(r.session, r.pos, r.rows, r.anchor) for r in commit[1]] == [("c", 32, 0, 12), ("d", 42, 0, 9)]
+    step = next(e for e in later if e[0] == "step")
+    assert [(r.session, r.pos, r.rows, r.anchor) for r in step[1]] == [("b", 21, 2, 4)]
+    np.testing.assert_array_equal(step[2], taps_rows[5:7])  # b's flat rows 5, 6: positions 21, 22
+    s = p.stats()
+    assert s["predicted_commits"] == 3 and s["predicted_hits"] == 1 and s["predicted_misses"] == 2
+
+
+def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step(early_proposer: Any) -> None:
+    p = early_proposer
+    c = p.client
+    table = np.zeros((2, 64), dtype=np.int32)
+    predicted: list[list[str]] = []
+    for step in range(4):  # "a" always samples 1 where its raw argmax says 9 (a processor); "b" as predicted
+        pos = [10 + step, 30 + step]
+        ctx = _ctx(["a", "b"], [0, 1, 2], [0, 0], None, pos, table)  # type: ignore[arg-type]
+        ctx.num_tokens_no_spec = np.array([11 + step, 31 + step], dtype=np.int32)
+        ctx.draft_ids, ctx.raw_argmax = [[], []], [[9], [5]]
         p.on_scheduler_output(SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None))
+        n = len(c.log)
         p.send_taps(ctx)
-        kinds = [e[0] for e in c.log]
-        assert kinds == ["taps", "predicted"], kinds
-        predicted = [(r.session, r.pos, r.anchor, r.k) for r in c.log[1][1]]
-        assert predicted == [("a", 13, 9, K), ("b", 21, 8, K), ("c", 33, 3, K)]  # pos + 1 + accepted
-        taps_rows = c.log[0][2]
-        sampled = [[5, 6, 9], [1, 2, 4], [7, 12], [1, 9], []]
-        out = p.propose_remote(_ctx(ids, qsl, nd, sampled, pos, table))
-        assert out[0] == [1, 13, 9]  # a: the predicted call's drafts, nothing sent for it
-        assert out[1] == [3, 21, 4]  # b: rows 21..22 again with the real commit (anchor 4 at 23)
-        assert out[2] == [2, 32, 12]  # c: an ordinary commit at its real end
-        assert out[3] == [2, 42, 9]  # d: sampled, committed after sampling as before
-        assert out[4] == []
-        later = c.log[2:]
-        assert sorted(e[0] for e in later) == ["commit", "step"]
-        commit = next(e for e in later if e[0] == "commit")
-        assert [(r.session, r.pos, r.rows, r.anchor) for r in commit[1]] == [("c", 32, 0, 12), ("d", 42, 0, 9)]
-        step = next(e for e in later if e[0] == "step")
-        assert [(r.session, r.pos, r.rows, r.anchor) for r in step[1]] == [("b", 21, 2, 4)]
-        np.testing.assert_array_equal(step[2], taps_rows[5:7])  # b's flat rows 5, 6: positions 21, 22
-        s = p.stats()
-        assert s["predicted_commits"] == 3 and s["predicted_hits"] == 1 and s["predicted_misses"] == 2
-    finally:
-        p.close()
-
-
-def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from target_client.vllm import proposer as vllm_proposer
-
-    monkeypatch.setattr(vllm_proposer, "DraftClient", EarlyClient)
-    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
-    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
-    monkeypatch.delenv("DRAFT_PREDICTED_COMMIT", raising=False)
-    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
-    try:
-        c = p.client
-        table = np.zeros((2, 64), dtype=np.int32)
-        predicted: list[list[str]] = []
-        for step in range(4):  # "a" always samples 1 where its raw argmax says 9 (a processor); "b" as predicted
-            pos = [10 + step, 30 + step]
-            ctx = _ctx(["a", "b"], [0, 1, 2], [0, 0], None, pos, table)  # type: ignore[arg-type]
-            ctx.num_tokens_no_spec = np.array([11 + step, 31 + step], dtype=np.int32)
-            ctx.draft_ids, ctx.raw_argmax = [[], []], [[9], [5]]
-            p.on_scheduler_output(
-                SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None)
-            )
-            n = len(c.log)
-            p.send_taps(ctx)
-            predicted.append([r.session for kind, reqs, _ in c.log[n:] if kind == "predicted" for r in reqs])
-            out = p.propose_remote(_ctx(["a", "b"], [0, 1, 2], [0, 0], [[1], [5]], pos, table))
-            assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
-        assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
-        assert p.stats()["predicted_misses"] == 2
-    finally:
-        p.close()
+        predicted.append([r.session for kind, reqs, _ in c.log[n:] if kind == "predicted" for r in reqs])
+        out = p.propose_remote(_ctx(["a", "b"], [0, 1, 2], [0, 0], [[1], [5]], pos, table))
+        assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
+    assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
+    assert p.stats()["predicted_misses"] == 2
