@@ -55,7 +55,6 @@ if [ -n "$so" ] && [ ! -e /tmp/exl3_prebuilt/exllamav3_ext.so ]; then  # ship th
     echo "packed at ${SECONDS}s"
 fi
 
-left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
 golden() {
     rm -rf /tmp/exl3_fixtures
     timeout "$(left)" python3 -m draft_tools.exl3_golden --out /tmp/exl3_fixtures \

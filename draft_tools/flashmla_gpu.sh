@@ -50,7 +50,6 @@ from draft_server.models.kernels import flash_mla as fm
 assert fm.load() is not None, fm.why_not()" 2>&1 | tee "$OUT/build.log" || exit 1
 echo "build done at ${SECONDS}s"
 
-left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
 run_test() { timeout "$(left)" python3 -m pytest -q -x tests/gpu "$@" 2>&1 | tail -20 | tee "$OUT/test.log"; }
 run_probe() { timeout "$(left)" python3 -m draft_tools.bench.flash_mla_probe --out "$OUT/flash_mla_probe.json" "$@"; }
 run_step() { timeout "$(left)" python3 -m draft_tools.bench.flash_step --out "$OUT/flash_step.json" "$@" 2>&1 | grep -v Warn; }

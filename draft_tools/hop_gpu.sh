@@ -20,7 +20,6 @@ mkdir -p "$OUT"
 limit=${HOP_GPU_LIMIT_S:-585}  # the device tool's 600 s, less a margin for the copy back
 source draft_tools/device_env.sh || exit 1
 export PYTHONUNBUFFERED=1
-left() { local s=$((limit - SECONDS)); echo $((s > 1 ? s : 1)); }  # timeout 0 would mean none
 run_test() { timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_pinned_rows_gpu.py "$@" 2>&1 | tail -5; }
 early() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,16,64 --steps 100 \

@@ -140,15 +140,20 @@ def _vllm_config() -> Any:
     )
 
 
-@pytest.fixture
-def proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
+def _make_proposer(monkeypatch: pytest.MonkeyPatch, client: type) -> Any:
+    """A RemoteDSparkProposer over the fake ``client`` class, default settings."""
     from target_client.vllm import proposer as vllm_proposer
 
-    monkeypatch.setattr(vllm_proposer, "DraftClient", FakeClient)
+    monkeypatch.setattr(vllm_proposer, "DraftClient", client)
     monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
-    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
-    monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
-    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+    for name in ("DRAFT_TAP_LAYERS", "DRAFT_DEBUG_CHECKS", "DRAFT_PREDICTED_COMMIT"):
+        monkeypatch.delenv(name, raising=False)
+    return vllm_proposer.RemoteDSparkProposer(_vllm_config())
+
+
+@pytest.fixture
+def proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
+    p = _make_proposer(monkeypatch, FakeClient)
     yield p
     p.close()
 
@@ -381,14 +386,7 @@ class EarlyClient(FakeClient):
 @pytest.fixture
 def early_proposer(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A proposer over ``EarlyClient``, early taps and predicted commits on."""
-    from target_client.vllm import proposer as vllm_proposer
-
-    monkeypatch.setattr(vllm_proposer, "DraftClient", EarlyClient)
-    monkeypatch.setenv("DRAFT_SERVER_ENDPOINT", "tcp://127.0.0.1:1")
-    monkeypatch.delenv("DRAFT_TAP_LAYERS", raising=False)
-    monkeypatch.delenv("DRAFT_DEBUG_CHECKS", raising=False)
-    monkeypatch.delenv("DRAFT_PREDICTED_COMMIT", raising=False)
-    p = vllm_proposer.RemoteDSparkProposer(_vllm_config())
+    p = _make_proposer(monkeypatch, EarlyClient)
     yield p
     p.close()
 
