@@ -3,7 +3,8 @@
 #
 #   test    tests/gpu/test_pinned_rows_gpu.py (PinnedRows with real device rows)
 #   early   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 16, 64: early taps, predicted
-#           commits and the single message side by side -> $OUT/early_taps.json
+#           commits over the whole span and over the predicted rows only, and the single message
+#           side by side -> $OUT/early_taps.json
 #   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
 #           device-to-host copy into pageable and into page-locked memory (PinnedRows) -> $OUT/cuda_ipc.json
 #   all     test, early, then prep in the time left

@@ -9,9 +9,9 @@ for the demo, the benchmark and the soak. Uses the client only: no server code.
 ``early_taps`` (when the server offers them): each step first sends its whole verified span as
 early taps (the committed rows and the rejected drafts' rows after them), then spends
 ``sample_ms`` as the target's sampling would, then commits; the record's wait is the commit's
-(the critical path). With ``predicted`` the commit goes right after the taps (the outcome is
-known in advance, as greedy rejection's is from the raw logits: the vLLM proposer's predicted
-commits) and the wait is from the end of sampling to its drafts in hand.
+(the critical path). With ``predicted`` the outcome is known in advance, as greedy rejection's is
+from the raw logits (the vLLM proposer's predicted commits): the taps carry only the committed rows,
+the commit goes right after them, and the wait is from the end of sampling to its drafts in hand.
 ``draft_tools.bench.early_taps_gpu`` compares the ways at K3 size.
 """
 
@@ -45,6 +45,7 @@ class CallRecord:
     statuses: dict[str, int]
     bad_tokens: int = 0  # drafts outside the vocab or of the wrong count (must stay 0)
     compute_ms: float = -1.0  # the server's compute for the reply (Timing.compute_ms; -1: none came)
+    early_rows: int = 0  # rows the step's early taps carried (0: none went early)
 
 
 @dataclass(slots=True)
@@ -72,6 +73,7 @@ class SyntheticTarget:
     early_taps: bool = False  # taps right after the "forward", a commit after sample_ms
     sample_ms: float = 0.0  # the target's sampling between its forward and the commit (busy wait)
     predicted: bool = False  # with early taps: commit right after the taps, collect after sampling
+    whole_spans: bool = False  # predicted, but the taps carry the whole span (as before 2026-12-05: a baseline)
     records: list[CallRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -136,7 +138,11 @@ class SyntheticTarget:
             s.end += rows
         total_rows = sum(r.rows for r in reqs)
         early = self.early_taps and getattr(self.client, "early_taps", False)
-        if early and self.client.send_taps(spans, self._taps(sum(r.rows for r in spans))):
+        trim = self.predicted and not self.whole_spans
+        if trim:  # the outcome is known: the taps carry only the committed rows (exact)
+            spans = [StepRequest(r.session, r.pos, r.rows, 0, 0) for r in reqs]
+        early_rows = sum(r.rows for r in spans)
+        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
             ticket = self.client.submit_commit(commits) if self.predicted else None
             until = time.perf_counter() + self.sample_ms / 1000.0
@@ -145,6 +151,7 @@ class SyntheticTarget:
             start = time.perf_counter()
             replies = ticket.collect() if ticket is not None else self.client.commit(commits)
         else:
+            early_rows = 0
             taps = self._taps(total_rows)
             start = time.perf_counter()
             replies = self.client.step(reqs, taps)
@@ -173,6 +180,7 @@ class SyntheticTarget:
             statuses=statuses,
             bad_tokens=bad,
             compute_ms=timing.compute_ms if (timing := getattr(self.client, "last_timing", None)) and drafted else -1.0,
+            early_rows=early_rows,
         )
         self.records.append(rec)
         finished = []

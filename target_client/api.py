@@ -106,7 +106,8 @@ class ClientConfig:
     # span carries every verified row, (k + 1) per request against the accepted ones, and over a socket
     # those bytes cost more than the sampling they hide. H200 host, tcp, K3 taps, 7 drafts: early taps
     # won up to 4 sessions (2.3 MB spans) and lost from 16 (9.2 MB): bench/results/early_taps_h200_v3.json
-    # and _v2. 0: never decline. Through shm or cuda_ipc the socket carries no rows: never declined.
+    # and _v2. 0: never decline. Through shm or cuda_ipc the socket carries no rows: never declined. A
+    # span the caller marks ``exact`` (only rows the step commits: predicted commits) is never declined.
     early_taps_max_mib: float = 4.0
     shm_ring_mib: int = 64
     cuda_ipc_mib: int = 64

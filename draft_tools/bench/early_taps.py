@@ -14,8 +14,8 @@ per mode, the distribution over engine steps of
 * ``server``: the server's compute for that reply (``Timing.compute_ms``),
 * ``overhead``: wait - server, what the hop adds above the server's compute,
 
-plus vLLM's acceptance counters, the predicted commits kept and missed, and whether every output
-equals plain decoding. Writes JSON
+plus vLLM's acceptance counters, the predicted commits kept and missed, the rows the early taps
+carried against the rows committed, and whether every output equals plain decoding. Writes JSON
 (with the command and the machine) to ``--out``. Timings on a shared 2-core CPU show the shape,
 not GPU speed.
 
@@ -78,6 +78,10 @@ def run(k: int, max_tokens: int, budget_ms: float) -> dict[str, Any]:
                 "per_step_ms": summarize(res.get("phases", [])),
                 "early_steps": sum(int(p["early"]) for p in res.get("phases", [])),
                 "predicted": {k: d.get(f"predicted_{k}", 0) for k in ("commits", "hits", "misses")},
+                # rows the early taps carried (every verified row, or with predictions only up to the
+                # predicted ends) against the rows the steps committed
+                "taps_rows": d.get("taps_rows", 0),
+                "committed_rows": d.get("rows_sent", 0),
                 "phases": res.get("phases", []),
             }
         plain = _run_worker(cfg, env)
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         line = ", ".join(f"{p} p50 {s[p]['p50']:.2f}" for p in PHASES if p in s)
         print(
             f"{name}: equal to plain {m['equal_to_plain']}, MAL {m['acceptance']['mean_acceptance_length']}, "
-            f"predicted {m['predicted']}: {line}"
+            f"predicted {m['predicted']}, taps rows {m['taps_rows']} for {m['committed_rows']} committed: {line}"
         )
     return 0 if all(m["equal_to_plain"] for m in modes.values()) else 1
 

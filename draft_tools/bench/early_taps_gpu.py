@@ -4,7 +4,9 @@ Starts `draft-server serve --model random:k3` (full-size K3 DSpark, random weigh
 then for each batch size B drives it with ``draft_tools.synthetic.SyntheticTarget`` three times:
 with early taps (each step's span sent first, ``--sample-ms`` of target sampling, then a commit),
 with early taps and predicted commits (the commit right after the taps, its drafts collected after
-sampling: what the vLLM proposer does for greedy requests), and with the single message, and
+sampling: what the vLLM proposer does for greedy requests; the taps carrying the whole verified span,
+as the proposer did before, or only the rows up to the predicted end, as it does now), and with the
+single message, and
 records per step the critical-path wait (end of sampling, or the step, to drafts in hand) and the
 server's compute for that reply. The issue's goal: wait - compute at
 most 0.5 ms with early taps at every B. ``--transport shm`` runs every mode over ipc with the rows in
@@ -42,11 +44,20 @@ from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
 
-# (name, early taps, predicted commits): the commit after sampling, the commit right after the taps
-MODES = (("early_taps", True, False), ("predicted_commit", True, True), ("single_message", False, False))
+# (name, early taps, predicted commits, whole spans): the commit after sampling; the commit right after
+# the taps, which carry the whole verified span (the proposer before 2026-12-05) or only the rows up to
+# the predicted end (now); the single message
+MODES = (
+    ("early_taps", True, False, True),
+    ("predicted_whole_span", True, True, True),
+    ("predicted_commit", True, True, False),
+    ("single_message", False, False, True),
+)
 
 
-def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace, predicted: bool = False) -> dict[str, Any]:
+def measure(
+    endpoint: str, b: int, early: bool, args: argparse.Namespace, predicted: bool = False, whole: bool = True
+) -> dict[str, Any]:
     cfg = ClientConfig(
         endpoint=endpoint,
         budget_ms=args.budget_ms,
@@ -71,6 +82,7 @@ def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace, predic
             early_taps=early,
             sample_ms=args.sample_ms,
             predicted=predicted,
+            whole_spans=whole,
         )
         t0 = time.perf_counter()
         n = 0
@@ -106,6 +118,9 @@ def measure(endpoint: str, b: int, early: bool, args: argparse.Namespace, predic
             "wait_minus_compute_ms_p50": q(over, 50),
             "wait_minus_compute_ms_p90": q(over, 90),
             "drafted_share": round(sum(r.drafted for r in measured) / max(1, sum(r.wanted for r in measured)), 4),
+            "early_mib_per_step": round(
+                float(np.mean([r.early_rows for r in measured])) * welcome.contract.tap_width * 2 / 2**20, 3
+            ),
         }
     finally:
         client.close()
@@ -158,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     endpoint = ipc if a.transport == "shm" else endpoint
     try:
         for b in (int(x) for x in a.batches.split(",")):
-            for mode, early, predicted in MODES:
-                r = {"B": b, "mode": mode, **measure(endpoint, b, early, a, predicted)}
+            for mode, early, predicted, whole in MODES:
+                r = {"B": b, "mode": mode, **measure(endpoint, b, early, a, predicted, whole)}
                 rows.append(r)
                 write()
                 print(
-                    f"B={b:3d} {r['mode']:15s} caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
+                    f"B={b:3d} {r['mode']:20s} early {r['early_mib_per_step']:6.2f} MiB  "
+                    f"caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
                     f"wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
                     f"{r['compute_ms_p50']:7.3f} ms  wait-compute p50 {r['wait_minus_compute_ms_p50']:6.3f} "
                     f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  drafted {r['drafted_share']:.3f}",

@@ -18,10 +18,11 @@ drafts' rows, random ones the commit's position cuts off), then the drafts reque
 (``commit``: no rows, pos = the committed end); the call record's wait is the commit's. A
 MISSING_ROWS answer (its Taps was lost) is a miss like any other, and the checksum check is the
 same: OK drafts must be those of exactly the context the reply names. With ``mispredict_p`` >= 0
-the commits also go right after the taps as predicted commits
+the commits are predicted before the taps go, as the vLLM proposer predicts them
 (``target_client.client.predicted``), a ``mispredict_p`` share of them at another end or anchor
-(their own generator: the sessions' rows and anchors stay those of the reference), and are settled
-after the call's start as the vLLM proposer settles them.
+(their own generator: the sessions' rows and anchors stay those of the reference): a predicted
+request's taps stop at its predicted end, its commit goes right after the taps, and the real
+commits are settled after the call's start as the proposer settles them.
 
 Determinism: every random choice of a session (length, prompt, taps, anchors, acceptance,
 k=0 steps) comes from that session's own generator seeded by (seed, engine, session number),
@@ -364,26 +365,24 @@ def engine_main(spec: EngineSpec, stop: Any, ready: Any = None, go: Any = None, 
     os.replace(tmp, spec.out_path)
 
 
-def _predict(
-    cls: Any, client: Any, reqs: list, spans: list, verified: list, rng: np.random.Generator, wrong_p: float, vocab: int
-) -> Any:
-    """The step's predicted commits (``PredictedCommits.send``): each drafting request's real commit,
-    or with probability ``wrong_p`` another anchor or another end among the span's verified rows (the
-    last ``verified`` rows: a prediction errs only in how many drafts are accepted, a prefill's end is
+def _predict(reqs: list, spans: list, verified: list, rng: np.random.Generator, wrong_p: float, vocab: int) -> list:
+    """Each drafting request's predicted commit (None for the others): its real commit, or with
+    probability ``wrong_p`` another anchor or another end among the span's verified rows (the last
+    ``verified`` rows: a prediction errs only in how many drafts are accepted, a prefill's end is
     known)."""
     from target_client import StepRequest
 
-    predicted, at = [], {}
+    out: list = []
     for q, span, v in zip(reqs, spans, verified, strict=True):
-        at[q.session] = (q.pos, span)
         if not q.k:
+            out.append(None)
             continue
         rows, anchor = q.rows, q.anchor
         if rng.random() < wrong_p:
             rows = int(rng.integers(len(span) - v + 1, len(span) + 1))
             anchor = anchor if rng.random() < 0.5 else int(rng.integers(0, vocab))
-        predicted.append(StepRequest(q.session, q.pos + rows, 0, anchor, q.k))
-    return cls.send(client, predicted, lambda sid, lo, hi: at[sid][1][lo - at[sid][0] : hi - at[sid][0]])
+        out.append(StepRequest(q.session, q.pos + rows, 0, anchor, q.k))
+    return out
 
 
 def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, progress: Any) -> None:
@@ -487,18 +486,33 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             psi0 = _psi_cpu_ms()
             if watch is not None:
                 watch.arm()
+            guessed: list = [None] * len(reqs)
+            if spec.early_taps and spec.mispredict_p >= 0:  # as the vLLM proposer: predict, then taps
+                verified = [len(a) if s.steps else 1 for s, a in zip(active, spans, strict=True)]  # prefill: its end
+                guessed = _predict(reqs, spans, verified, guess_rng, spec.mispredict_p, vocab)
+            # a predicted request's taps stop at its predicted end; the others carry the whole span
+            sent = (
+                [a if g is None else a[: g.pos - q.pos] for q, a, g in zip(reqs, spans, guessed, strict=True)]
+                if spec.early_taps
+                else []
+            )
             early = (
                 spec.early_taps
                 and bool(reqs)
                 and client.send_taps(
-                    [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, spans, strict=True)],
-                    np.ascontiguousarray(np.concatenate(spans)),
+                    [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, sent, strict=True)],
+                    np.ascontiguousarray(np.concatenate(sent)),
+                    exact=all(g is not None or len(a) == q.rows for q, a, g in zip(reqs, spans, guessed, strict=True)),
                 )
             )
             guess = None
-            if early and spec.mispredict_p >= 0:
-                verified = [len(a) if s.steps else 1 for s, a in zip(active, spans, strict=True)]  # prefill: its end
-                guess = _predict(PredictedCommits, client, reqs, spans, verified, guess_rng, spec.mispredict_p, vocab)
+            if early and any(g is not None for g in guessed):
+                at = {q.session: (q.pos, a) for q, a in zip(reqs, spans, strict=True)}
+                guess = PredictedCommits.send(
+                    client,
+                    [g for g in guessed if g is not None],
+                    lambda sid, lo, hi, at=at: at[sid][1][lo - at[sid][0] : hi - at[sid][0]],
+                )
             t0 = time.monotonic()
             if early:
                 wanted = [(i, q) for i, q in enumerate(reqs) if q.k]

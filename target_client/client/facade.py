@@ -213,15 +213,21 @@ class DraftClient:
         return ticket
 
     def send_taps(
-        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+        self,
+        requests: Sequence[StepRequest],
+        taps: np.ndarray | None,
+        budget_ms: float | None = None,
+        exact: bool = False,
     ) -> bool:
-        """Early taps: the rows of a verify step (requests with ``k=0``, every row of the span by
-        position, rejected ones included), sent by the I/O thread without waiting; acknowledged
-        within the budget or resent. False, with nothing sent or kept, when the server lacks early
-        taps (``early_taps``), or when the span is larger than ``early_taps_max_mib`` and travels in
-        frames: send the step's accepted rows with ``step()``. ValueError for a caller bug. ``taps`` is
-        kept by reference, as in ``step()``."""
-        if not self.takes_taps(taps):
+        """Early taps: the rows of a verify step (requests with ``k=0``, the span's rows by position,
+        rejected ones included), sent by the I/O thread without waiting; acknowledged within the
+        budget or resent. False, with nothing sent or kept, when the server lacks early taps
+        (``early_taps``), or when the span is larger than ``early_taps_max_mib`` and travels in
+        frames: send the step's accepted rows with ``step()``. ``exact``: the caller knows the span
+        holds only rows the step will commit (predicted commits), so it carries no more bytes than
+        the single message would: never declined for its size. ValueError for a caller bug.
+        ``taps`` is kept by reference, as in ``step()``."""
+        if not self.takes_taps(taps, exact):
             return False
         budget = self.budget_ms if budget_ms is None else check_budget(budget_ms)
         hs = self._io.handshake
@@ -235,12 +241,12 @@ class DraftClient:
             self._io.submit(call)
         return True
 
-    def takes_taps(self, taps: Any) -> bool:
+    def takes_taps(self, taps: Any, exact: bool = False) -> bool:
         """Whether ``send_taps`` would send these rows now: the server takes early taps and the span
-        is not too large for the transport (a decline is counted in ``early_taps_declined``)."""
+        is ``exact`` or not too large for the transport (a decline is counted in ``early_taps_declined``)."""
         if not self.early_taps:
             return False
-        if self._span_too_large(taps):
+        if not exact and self._span_too_large(taps):
             self._taps_declined += 1
             return False
         return True

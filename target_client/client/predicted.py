@@ -1,16 +1,17 @@
 """Predicted commits: a verify step's commits sent before the target samples, settled after it.
 
-Owns ``PredictedCommits``. With early taps the rows of the whole verified span are on their way
-before sampling; when the caller can tell what sampling will commit (greedy rejection from the raw
-logits: the drafts up to the first that differs from the argmax, then the argmax there), it sends
-those commits at once (``send``: one ``submit_commit`` call), so the server drafts while the target
-samples. After sampling, ``settle`` answers the step's real commits:
+Owns ``PredictedCommits``. With early taps a step's rows are on their way before sampling; when the
+caller can tell what sampling will commit (greedy rejection from the raw logits: the drafts up to
+the first that differs from the argmax, then the argmax there), its taps carry a predicted request's
+rows only up to the predicted end, and it sends those commits at once (``send``: one
+``submit_commit`` call), so the server drafts while the target samples. After sampling, ``settle``
+answers the step's real commits:
 
 * a commit that is the predicted one (same end and anchor, greedy) takes the predicted call's
   drafts: the server drafted from exactly the context the late commit would name;
 * one that accepted more rows than predicted sends the rows from the predicted end to the real one
-  again with it (a ``step`` entry with rows: the server cut the span at the predicted end, as it
-  cuts every commit's rejected rows);
+  with it (a ``step`` entry with rows: the taps stopped at the predicted end, or the server cut the
+  span there, as it cuts every commit's rejected rows);
 * every other one (fewer rows, another anchor, sampled, not predicted) commits as usual.
 
 The calls of the last two go out together, before the predicted call's reply is awaited. Works
@@ -47,7 +48,8 @@ class PredictedCommits:
     @classmethod
     def send(cls, client: Client, requests: Sequence[StepRequest], rows_of: RowsOf) -> PredictedCommits | None:
         """The predicted commits (no rows; greedy) go now; None when there are none. ``rows_of`` gives
-        rows of the span the early taps carried, for a commit that accepts past its prediction."""
+        a request's rows at positions [lo, hi) of its span, for a commit that accepts past its
+        prediction (the early taps need not have carried them)."""
         if not requests:
             return None
         return cls(client.submit_commit(list(requests)), requests, rows_of)

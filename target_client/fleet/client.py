@@ -319,12 +319,16 @@ class FleetClient:
         return self._call(requests, taps, budget_ms, Phase.WHOLE)
 
     def send_taps(
-        self, requests: Sequence[StepRequest], taps: np.ndarray | None, budget_ms: float | None = None
+        self,
+        requests: Sequence[StepRequest],
+        taps: np.ndarray | None,
+        budget_ms: float | None = None,
+        exact: bool = False,
     ) -> bool:
-        """Early taps over the fleet (``DraftClient.send_taps``): each session's rows go to its
-        server (new sessions are placed as by step()) without waiting. False, with nothing sent,
-        when ``early_taps`` is off or any server would decline its part (then send the single
-        message with step()). ValueError for a caller bug."""
+        """Early taps over the fleet (``DraftClient.send_taps``, ``exact`` as there): each session's
+        rows go to its server (new sessions are placed as by step()) without waiting. False, with
+        nothing sent, when ``early_taps`` is off or any server would decline its part (then send the
+        single message with step()). ValueError for a caller bug."""
         if budget_ms is not None:
             budget_ms = check_budget(budget_ms)
         _entries, taps = prepare(requests, taps, self.contract, self.limits, self.row_layout, Phase.TAPS)
@@ -335,10 +339,10 @@ class FleetClient:
         offsets = _offsets(requests)
         by_key, _replies, members = self._route(requests, time.monotonic())
         parts = [(members[key], [requests[i] for i in idx], _rows(taps, offsets, idx)) for key, idx in by_key.items()]
-        if not parts or not all(c.takes_taps(rows) for c, _r, rows in parts):
+        if not parts or not all(c.takes_taps(rows, exact) for c, _r, rows in parts):
             return False  # no server for any session, or one would decline its part
         for c, reqs, rows in parts:
-            c.send_taps(reqs, rows, budget_ms)
+            c.send_taps(reqs, rows, budget_ms, exact)
         return True
 
     def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:

@@ -90,11 +90,12 @@ Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1
 Early taps (``DraftClient.send_taps``/``commit``; when the server's Welcome offers them and
 ``DRAFT_EARLY_TAPS`` is not 0): right after the target's forward (``send_taps``, called by the
 plugin's ``execute_model`` wrapper, before sampling) every scheduled row of the step goes out by
-position, drafts and all, as one contiguous slice of the aux hidden states (no gather), without
-waiting: the server ingests them while the target samples and rejects. After sampling,
-``propose_remote`` sends only a commit per request (its committed end ``pos+n_valid``, the anchor,
-k): the rejected rows are cut by that position on the server. A step whose rows did not go out
-early (no offer, the plugin's hook did not run) sends the single message as above.
+position, drafts and all (but see predicted commits below), as one contiguous slice of the aux
+hidden states (no gather), without waiting: the server ingests them while the target samples and
+rejects. After sampling, ``propose_remote`` sends only a commit per request (its committed end
+``pos+n_valid``, the anchor, k): the rejected rows are cut by that position on the server. A step
+whose rows did not go out early (no offer, the plugin's hook did not run) sends the single message
+as above.
 ``step_phases()``: per step forward, sampling, taps and commit-to-drafts times (ms) and the
 server's compute for the reply (bench/``draft_tools.bench.early_taps``).
 
@@ -102,13 +103,16 @@ Predicted commits (``DRAFT_PREDICTED_COMMIT``, on with early taps; ``target_clie
 exist when the taps go, so for each greedy request that will sample the plugin hands over the argmax
 of its raw logits at every sampled position and the drafts being verified. Greedy rejection accepts
 the drafts up to the first that differs from that argmax and samples the argmax there, so the commit
-it will make (end, anchor) is known before sampling: it goes right after the taps, and the server
-drafts while the target samples. After sampling, a request whose real commit is the predicted one
-takes that call's drafts (computed from exactly the context the late commit would name: the same
-drafts) and sends nothing; the others (a logits processor or a grammar changed the pick) commit as
-usual, and one that accepted more than predicted sends the rows past the predicted end again with
-its commit (the server cut them at that end, as it cuts every commit's rejected rows). A request that
-missed ``MISS_BACKOFF`` steps in a row is predicted only every ``MISS_RETRY``-th step after that.
+it will make (end, anchor) is known before sampling. Such a request's early taps then carry only its
+rows up to that end (the rejected drafts' rows would only be cut again), and its commit goes right
+after the taps: the server drafts while the target samples. A span of predicted requests and prefill
+chunks alone carries exactly the single message's rows, so it is never declined for its size
+(``send_taps(exact=True)``). After sampling, a request whose real commit is the predicted one takes
+that call's drafts (computed from exactly the context the late commit would name: the same drafts)
+and sends nothing; the others (a logits processor or a grammar changed the pick) commit as usual,
+and one that accepted more than predicted sends the rows past the predicted end with its commit
+(encoded then from the step's aux hidden states). A request that missed ``MISS_BACKOFF`` steps in a
+row is predicted only every ``MISS_RETRY``-th step after that (its span is then whole again).
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
 
@@ -225,6 +229,29 @@ SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature is greedy
 # grammar decide its tokens, not the raw argmax) is predicted again only every MISS_RETRY-th step:
 # a wrong prediction costs the server a draft.
 MISS_BACKOFF, MISS_RETRY = 2, 16
+
+
+class _Guess:
+    """One step's predictions (``RemoteDSparkProposer._predicted``): per predicted batch row the rows
+    its span keeps (``keep``), the predicted commits, and whether the whole span is exact (no
+    request's rejected rows in it). ``rows_of`` encodes rows of a predicted request from the step's
+    aux hidden states (still the runner's, until the next forward): the rows past a prediction that
+    accepted fewer drafts than sampling did, sent again with the real commit."""
+
+    def __init__(self, ctx: DraftStepContext, proposer: RemoteDSparkProposer) -> None:
+        self.keep: dict[int, int] = {}
+        self.first: dict[str, int] = {}  # request id -> its first flat row minus its first position
+        self.requests: list[StepRequest] = []
+        self.exact = True
+        self._aux = [ctx.aux_hidden_states[j] for j in proposer._aux_pick]
+        self._encode = proposer._encode
+
+    def rows_of(self, rid: str, lo: int, hi: int) -> Any:
+        import torch
+
+        f = self.first[rid]
+        parts = [a[f + lo : f + hi] for a in self._aux]
+        return self._encode(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
 
 
 def wire_encoder() -> WireEncoder:
@@ -507,8 +534,8 @@ class RemoteDSparkProposer:
 
     def send_taps(self, ctx: DraftStepContext) -> None:
         """Early taps, right after the target's forward (the plugin's ``execute_model`` wrapper):
-        every scheduled row of the step by position, sent without waiting. Never raises (unless
-        debugging); a step whose taps did not go out sends the single message after sampling."""
+        the step's rows by position, sent without waiting, then its predicted commits. Never raises
+        (unless debugging); a step whose taps did not go out sends the single message after sampling."""
         self._marks[1] = self._marks[2] = time.perf_counter()
         client = self.client
         if client is None or not self._early or self._closed or self._disabled is not None:
@@ -517,10 +544,11 @@ class RemoteDSparkProposer:
             return
         try:
             self._guess = None
-            rows = self._send_taps(ctx)
-            self._tapped = rows is not None
-            if rows is not None and self.predicts_commits:
-                self._guess = self._predicted(ctx, rows)
+            guess = self._predicted(ctx) if self.predicts_commits else None
+            self._tapped = self._send_taps(ctx, guess)
+            if self._tapped and guess is not None and guess.requests:
+                self._guess = PredictedCommits.send(self.client, guess.requests, guess.rows_of)
+                self._counts["predicted_commits"] += len(guess.requests)
         except Exception:
             self._counts["internal_errors"] += 1
             if self.debug:
@@ -529,32 +557,46 @@ class RemoteDSparkProposer:
                 logger.exception("RemoteDSparkProposer: internal error in early taps (logged once)")
         self._marks[2] = time.perf_counter()
 
-    def _send_taps(self, ctx: DraftStepContext) -> Any:
-        """Every scheduled row of the step as early taps; returns the rows sent (in flat token
-        order, on the host or with cuda_ipc the device), or None when they did not go."""
+    def _send_taps(self, ctx: DraftStepContext, guess: _Guess | None) -> bool:
+        """The step's rows as early taps: each request's scheduled rows, but a predicted request's
+        only up to its predicted end (its rejected drafts' rows would only be cut again). Whether
+        they went. A span of nothing but predicted and prefill rows carries what the single message
+        would: ``exact``, never declined for its size."""
         import torch
 
         n = len(ctx.req_ids)
         qsl = ctx.query_start_loc
         total = int(qsl[n])
-        requests = [
-            StepRequest(rid, int(ctx.num_computed_tokens[i]), int(qsl[i + 1] - qsl[i]), 0, 0)
-            for i, rid in enumerate(ctx.req_ids)
-            if qsl[i + 1] > qsl[i]
-        ]
+        keep = guess.keep if guess is not None else {}
+        requests: list[StepRequest] = []
+        slices: list[tuple[int, int]] = []  # flat rows of each request's span
+        for i, rid in enumerate(ctx.req_ids):
+            s, e = int(qsl[i]), int(qsl[i + 1])
+            e = s + keep.get(i, e - s)
+            if e > s:
+                requests.append(StepRequest(rid, int(ctx.num_computed_tokens[i]), e - s, 0, 0))
+                slices.append((s, e))
         if not requests:
-            return None
-        parts = [ctx.aux_hidden_states[j][:total] for j in self._aux_pick]  # every row: one slice
+            return False
+        sent = sum(e - s for s, e in slices)
+        aux = [ctx.aux_hidden_states[j] for j in self._aux_pick]
+        if sent == total:  # every scheduled row: one slice, no gather
+            parts = [a[:total] for a in aux]
+        else:
+            idx_np = np.concatenate([np.arange(s, e, dtype=np.int64) for s, e in slices])
+            idx = torch.from_numpy(idx_np).to(aux[0].device, non_blocking=True)
+            parts = [a.index_select(0, idx) for a in aux]
         rows = self._encode(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
-        if not self.client.send_taps(requests, rows):
-            return None
+        exact = guess is not None and guess.exact
+        if not self.client.send_taps(requests, rows, exact=exact):
+            return False
         self._counts["taps_steps"] += 1
-        self._counts["taps_rows"] += total
-        return rows
+        self._counts["taps_rows"] += sent
+        return True
 
-    def _predicted(self, ctx: DraftStepContext, rows: Any) -> PredictedCommits | None:
-        """Commit now what greedy sampling will commit (module docstring, "Predicted commits"): for
-        every greedy request that samples this step, the end and anchor its raw logits give."""
+    def _predicted(self, ctx: DraftStepContext) -> _Guess | None:
+        """What greedy sampling will commit (module docstring, "Predicted commits"): for every greedy
+        request that samples this step, the end and anchor its raw logits give."""
         if ctx.raw_argmax is None or ctx.draft_ids is None:
             return None
         advised = self.client.advised_k
@@ -562,29 +604,33 @@ class RemoteDSparkProposer:
         if k <= 0:
             return None
         qsl = ctx.query_start_loc
-        requests: list[StepRequest] = []
-        first: dict[str, int] = {}  # request id -> its first flat row minus its first position
+        guess = _Guess(ctx, self)
         for i, rid in enumerate(ctx.req_ids):
             s, e = int(qsl[i]), int(qsl[i + 1])
             nd = int(ctx.num_draft_tokens[i]) if i < len(ctx.num_draft_tokens) else 0
             pos = int(ctx.num_computed_tokens[i])
-            if e <= s or pos + (e - s) - nd != int(ctx.num_tokens_no_spec[i]):  # a prefill chunk that samples nothing
+            if e <= s:
                 continue
+            if pos + (e - s) - nd != int(ctx.num_tokens_no_spec[i]):  # a prefill chunk that samples nothing
+                continue  # every row of it is committed: exact as it is
             if ctx.sampling is not None and ctx.sampling[i][0] >= SAMPLING_EPS:  # sampled: not known in advance
+                guess.exact = False
                 continue
             missed = self._misses.get(rid, 0)
             if missed >= MISS_BACKOFF and self._counts["taps_steps"] % MISS_RETRY:  # its processors decide
+                guess.exact = False
                 continue
             drafts, top = ctx.draft_ids[i], ctx.raw_argmax[i]
             a = 0
             while a < nd and drafts[a] == top[a]:
                 a += 1
             if not 0 <= top[a] < self._anchor_vocab:
+                guess.exact = False
                 continue
-            first[rid] = s - pos
-            requests.append(StepRequest(rid, pos + (e - s) - nd + a, 0, int(top[a]), k))
-        guess = PredictedCommits.send(self.client, requests, lambda r, lo, hi: rows[first[r] + lo : first[r] + hi])
-        self._counts["predicted_commits"] += len(requests)
+            n_valid = (e - s) - nd + a
+            guess.keep[i] = n_valid
+            guess.first[rid] = s - pos
+            guess.requests.append(StepRequest(rid, pos + n_valid, 0, int(top[a]), k))
         return guess
 
     def _commit(self, commits: list[StepRequest]) -> list[Any]:

@@ -233,12 +233,19 @@ def test_step_rows_anchors_taps(proposer: Any) -> None:
         ("c", 6, 6, int(table[2, 12]), 0),
     ]
     assert taps.dtype == np.uint16 and taps.shape == (13, 2 * HIDDEN) and taps.flags.c_contiguous
+    assert _flat_rows(taps) == [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # rejected drafts (flat 2, 3) skipped
+
+
+def _flat_rows(taps: np.ndarray) -> list[int]:
+    """Which flat tokens of ``_aux`` these bf16 wire rows are (each row checked whole, in contract
+    order: tap 3, then tap 1)."""
     vals = (taps.astype(np.uint32) << 16).view(np.float32)
-    flat_rows = [0, 1, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # rejected drafts (flat 2, 3) skipped
-    tok = np.array(flat_rows, np.float32)[:, None]
+    tok = np.rint((-vals[:, 0] - 1) / HIDDEN).astype(np.int64)  # tap 3, column 0: -(t * HIDDEN + 1)
     col = np.arange(HIDDEN, dtype=np.float32)[None, :]
-    expect = np.concatenate([_code(tok, col, -1.0), _code(tok, col, 1.0)], axis=1)  # contract order: tap 3, tap 1
+    t = tok.astype(np.float32)[:, None]
+    expect = np.concatenate([_code(t, col, -1.0), _code(t, col, 1.0)], axis=1)
     np.testing.assert_array_equal(vals, expect)
+    return tok.tolist()
 
 
 def test_advised_k_caps_requests_and_confidence_trims_drafts(proposer: Any) -> None:
@@ -363,9 +370,11 @@ class EarlyClient(FakeClient):
         super().__init__(cfg)
         self.log: list[tuple[str, list[Any], Any]] = []
         self._next = "commit"  # what the next submit_commit is: right after the taps, the predicted one
+        self.exact: list[bool] = []  # send_taps' exact, per call
 
-    def send_taps(self, requests: list[Any], taps: Any) -> bool:
+    def send_taps(self, requests: list[Any], taps: Any, exact: bool = False) -> bool:
         self.log.append(("taps", list(requests), taps.copy()))
+        self.exact.append(exact)
         self._next = "predicted"
         return True
 
@@ -414,7 +423,11 @@ def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
     assert kinds == ["taps", "predicted"], kinds
     predicted = [(r.session, r.pos, r.anchor, r.k) for r in c.log[1][1]]
     assert predicted == [("a", 13, 9, K), ("b", 21, 8, K), ("c", 33, 3, K)]  # pos + 1 + accepted
-    taps_rows = c.log[0][2]
+    # the taps: a predicted request's rows up to its predicted end; d (sampled) and e whole
+    spans = [(r.session, r.pos, r.rows) for r in c.log[0][1]]
+    assert spans == [("a", 10, 3), ("b", 20, 1), ("c", 30, 3), ("d", 40, 4), ("e", 0, 4)], spans
+    assert _flat_rows(c.log[0][2]) == [0, 1, 2, 4, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19]
+    assert c.exact == [False]  # d's rejected rows ride along: the span may be declined for its size
     sampled = [[5, 6, 9], [1, 2, 4], [7, 12], [1, 9], []]
     out = p.propose_remote(_ctx(ids, qsl, nd, sampled, pos, table))
     assert out[0] == [1, 13, 9]  # a: the predicted call's drafts, nothing sent for it
@@ -428,7 +441,7 @@ def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
     assert [(r.session, r.pos, r.rows, r.anchor) for r in commit[1]] == [("c", 32, 0, 12), ("d", 42, 0, 9)]
     step = next(e for e in later if e[0] == "step")
     assert [(r.session, r.pos, r.rows, r.anchor) for r in step[1]] == [("b", 21, 2, 4)]
-    np.testing.assert_array_equal(step[2], taps_rows[5:7])  # b's flat rows 5, 6: positions 21, 22
+    assert _flat_rows(step[2]) == [5, 6]  # b's rows at positions 21, 22 (not in its taps)
     s = p.stats()
     assert s["predicted_commits"] == 3 and s["predicted_hits"] == 1 and s["predicted_misses"] == 2
 
@@ -450,4 +463,5 @@ def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step
         out = p.propose_remote(_ctx(["a", "b"], [0, 1, 2], [0, 0], [[1], [5]], pos, table))
         assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
     assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
+    assert c.exact == [True, True, False, False]  # a span with an unpredicted greedy request is not exact
     assert p.stats()["predicted_misses"] == 2

@@ -50,10 +50,12 @@ class Engine:
         self.start = 0
         self.end = 0
 
-    def taps(self, n: int) -> tuple[int, np.ndarray]:
-        """Early taps of a span of ``n`` rows at the current end (sent now); (pos, rows)."""
+    def taps(self, n: int, sent: int | None = None) -> tuple[int, np.ndarray]:
+        """A span of ``n`` rows at the current end, of which the first ``sent`` (default all) go now
+        as early taps (fewer: predicted, ``exact``); (pos, rows)."""
         pos, arr = self.end, random_taps(self.rng, n)
-        assert self.client.send_taps([StepRequest(self.session, pos, n, 0, 0)], arr)
+        m = n if sent is None else sent
+        assert self.client.send_taps([StepRequest(self.session, pos, m, 0, 0)], arr[:m], exact=sent is not None)
         return pos, arr
 
     def commit(self, pos: int, arr: np.ndarray, accepted: int, budget_ms: float = BUDGET) -> DraftReply:
@@ -111,12 +113,13 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
 
 def predicted_step(eng: Engine, hit: bool) -> tuple[str, DraftReply]:
     """One verify step as the vLLM proposer runs it with predicted commits (``PredictedCommits``):
-    taps, then at once the commit the step is predicted to make; after "sampling", the real outcome
-    settled: the predicted call's drafts when it matches (``hit``), else a commit at the real end or,
-    when more rows were accepted than predicted, those rows again with it."""
+    taps of the rows up to the predicted end, then at once the commit the step is predicted to make;
+    after "sampling", the real outcome settled: the predicted call's drafts when it matches (``hit``),
+    else a commit at the real end or, when more rows were accepted than predicted, the rows past the
+    predicted end (never sent yet) with it."""
     n = K + 1
-    pos, arr = eng.taps(n)
     acc_p, anchor_p = int(eng.rng.integers(1, n + 1)), int(eng.rng.integers(0, VOCAB))
+    pos, arr = eng.taps(n, sent=acc_p)
     guess = PredictedCommits.send(
         eng.client, [StepRequest(eng.session, pos + acc_p, 0, anchor_p, K)], lambda _, lo, hi: arr[lo - pos : hi - pos]
     )
@@ -190,6 +193,11 @@ def test_a_span_over_the_size_limit_is_declined_and_the_single_message_drafts(se
         out = client.step([StepRequest("big", eng.end, 2, 5, K)], arr[:2])[0]
         eng.end, eng.anchor = eng.end + 2, 5
         assert out.status == Status.OK and out.tokens == eng.want()
+        # an exact span (predicted: only rows the step commits) goes early whatever its size
+        pos, arr = eng.taps(K + 1, sent=K + 1)
+        r = eng.commit(pos, arr, K + 1)
+        assert r.status == Status.OK and r.tokens == eng.want()
+        assert client.stats()["early_taps_declined"] == 1 and client.stats()["taps_sent"] == 2
     finally:
         client.close()
     unlimited = make_client(server.endpoint, early_taps_max_mib=0.0)

@@ -97,9 +97,10 @@ def test_fleet_taps_and_commits_draft_exactly_on_each_sessions_server(server_fac
 
 
 def test_predicted_commits_over_the_fleet_draft_exactly_kept_or_corrected(server_factory) -> None:
-    # every step: taps, then at once each session's predicted commit (PredictedCommits over the fleet:
-    # each to its session's server); after "sampling" some predictions hold, others are corrected by
-    # a commit at the real end or, accepted past the prediction, by the rows again
+    # every step: taps up to each session's predicted end, then at once its predicted commit
+    # (PredictedCommits over the fleet: each to its session's server); after "sampling" some
+    # predictions hold, others are corrected by a commit at the real end or, accepted past the
+    # prediction, by the rows past it
     servers = [server_factory(), server_factory()]
     fleet = make_fleet([s.endpoint for s in servers])
     rng = np.random.default_rng(7)
@@ -110,10 +111,13 @@ def test_predicted_commits_over_the_fleet_draft_exactly_kept_or_corrected(server
         for step in range(16):
             spans = [random_taps(s.rng, n) for s in sessions]
             at = {s.name: (s.end, arr) for s, arr in zip(sessions, spans, strict=True)}
-            assert fleet.send_taps([StepRequest(s.name, s.end, n, 0, 0) for s in sessions], np.concatenate(spans))
+            guessed = [(int(rng.integers(1, n + 1)), int(rng.integers(0, VOCAB))) for _ in sessions]
+            # the taps carry each span up to its predicted end (exact), as the vLLM proposer sends them
+            sent = [StepRequest(s.name, s.end, a, 0, 0) for s, (a, _) in zip(sessions, guessed, strict=True)]
+            rows = np.concatenate([arr[:a] for arr, (a, _) in zip(spans, guessed, strict=True)])
+            assert fleet.send_taps(sent, rows, exact=True)
             predicted, commits = [], []
-            for s, arr in zip(sessions, spans, strict=True):
-                acc_p, anchor_p = int(rng.integers(1, n + 1)), int(rng.integers(0, VOCAB))
+            for s, arr, (acc_p, anchor_p) in zip(sessions, spans, guessed, strict=True):
                 predicted.append(StepRequest(s.name, s.end + acc_p, 0, anchor_p, K))
                 acc, anchor = acc_p, anchor_p
                 if rng.random() < 0.5:  # wrong: another accepted count, or another anchor
