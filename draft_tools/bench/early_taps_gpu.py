@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from draft_tools.common import start_server, stop_server
+from draft_tools.common import free_port, start_server, stop_server
 from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
@@ -138,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-ms", type=float, default=50.0)
     ap.add_argument("--server-args", default="--model random:k3 --device cuda --kv-budget-mib 16384")
     ap.add_argument(
+        "--k3-checksum",
+        action="store_true",
+        help="instead of --server-args: the checksum drafter with K3's contract (K3's tap bytes, no model: a CPU box)",
+    )
+    ap.add_argument(
         "--transport",
         default="frames",
         choices=["frames", "shm"],
@@ -167,9 +172,15 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
 
     ipc = f"ipc://{tempfile.mkdtemp(prefix='early-taps-')}/srv.sock"
-    proc, endpoint, _ = start_server(
-        a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
-    )
+    if a.k3_checksum:
+        from draft_tools.bench.rpc import spawn
+
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        proc = spawn("serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint)
+    else:
+        proc, endpoint, _ = start_server(
+            a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
+        )
     endpoint = ipc if a.transport == "shm" else endpoint
     try:
         for b in (int(x) for x in a.batches.split(",")):
