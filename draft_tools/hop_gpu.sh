@@ -5,9 +5,11 @@
 #   early   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 16, 64: early taps, predicted
 #           commits over the whole span and over the predicted rows only, and the single message
 #           side by side -> $OUT/early_taps.json
+#   proj    the same with projected rows (--wire-format projected: 7168 values a row, not 35,840),
+#           B = 16, 64 -> $OUT/early_taps_projected.json
 #   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
 #           device-to-host copy into pageable and into page-locked memory (PinnedRows) -> $OUT/cuda_ipc.json
-#   all     test, early, then prep in the time left
+#   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
 # Device tool (one H200; .whl holds the msgspec and pyzmq wheels):
@@ -26,6 +28,11 @@ early() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,16,64 --steps 100 \
         --out "$OUT/early_taps.json" "$@" 2>&1 | grep -v Warn | tee "$OUT/early.log" | grep "^B="
 }
+proj() {
+    timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --wire-format projected \
+        --batches 16,64 --steps 100 --out "$OUT/early_taps_projected.json" "$@" 2>&1 | grep -v Warn \
+        | tee "$OUT/proj.log" | grep "^B="
+}
 prep() {
     timeout "$(left)" python3 -m draft_tools.bench.cuda_ipc --iters 60 --sessions 1,8,64 \
         --out "$OUT/cuda_ipc.json" "$@" 2>&1 | grep -v Warn | tail -12
@@ -33,9 +40,10 @@ prep() {
 case "$task" in
     test) run_test "$@" ;;
     early) early "$@" ;;
+    proj) proj "$@" ;;
     prep) prep "$@" ;;
-    all) run_test; early; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|prep|all [args]" >&2; exit 2 ;;
+    all) run_test; early; proj; prep ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from protocol import ModelContract, Status
+from protocol import DType, ModelContract, Status
 from target_client.api import StepRequest
 from target_client.client import DraftClient
 
@@ -80,8 +80,11 @@ class SyntheticTarget:
         self.rng = np.random.default_rng(self.seed)
         self.k = self.k or self.contract.block_size
         self.total_sessions = self.total_sessions or self.sessions
-        width = self.contract.tap_width
-        self.pool = bf16_normal(self.rng, (self.pool_rows, width))
+        layout = getattr(self.client, "row_layout", None)  # the wire format's rows (projected: narrower)
+        if layout is not None and layout[0] != DType.BF16:
+            raise ValueError(f"the synthetic engine makes bf16 rows, not {layout[0].value}")
+        self.width = layout[1] if layout is not None else self.contract.tap_width
+        self.pool = bf16_normal(self.rng, (self.pool_rows, self.width))
         self._pool_off = 0
         self._started = 0
         self._active: list[_Session] = []
@@ -90,7 +93,7 @@ class SyntheticTarget:
         if rows == 0:
             return None
         if rows > self.pool_rows:
-            return bf16_normal(self.rng, (rows, self.contract.tap_width))
+            return bf16_normal(self.rng, (rows, self.width))
         if self._pool_off + rows > self.pool_rows:
             self._pool_off = 0
         out = self.pool[self._pool_off : self._pool_off + rows]

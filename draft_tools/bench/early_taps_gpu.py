@@ -64,6 +64,8 @@ def measure(
         name=f"early-{b}-{int(early)}",
         transport=args.transport,
         shm_ring_mib=args.shm_ring_mib,
+        wire_format=args.wire_format,
+        projection_id=args.projection_id,
     )
     client = DraftClient(cfg)
     try:
@@ -118,9 +120,7 @@ def measure(
             "wait_minus_compute_ms_p50": q(over, 50),
             "wait_minus_compute_ms_p90": q(over, 90),
             "drafted_share": round(sum(r.drafted for r in measured) / max(1, sum(r.wanted for r in measured)), 4),
-            "early_mib_per_step": round(
-                float(np.mean([r.early_rows for r in measured])) * welcome.contract.tap_width * 2 / 2**20, 3
-            ),
+            "early_mib_per_step": round(float(np.mean([r.early_rows for r in measured])) * eng.width * 2 / 2**20, 3),
         }
     finally:
         client.close()
@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         help="frames: rows in the Step's frame over tcp; shm: over ipc, rows in a shared-memory ring (no span limit)",
     )
     ap.add_argument("--shm-ring-mib", type=int, default=256, help="the shm ring (--transport shm)")
+    ap.add_argument(
+        "--wire-format",
+        default="bf16",
+        choices=["bf16", "projected"],
+        help="the rows' wire format; projected: context rows (the drafter's hidden size), the id the server offers",
+    )
     ap.add_argument("--server-log", default="", help="the server's log at INFO goes to this file (rings, arena)")
     ap.add_argument("--out", default="bench/results/early_taps_h200.json")
     a = ap.parse_args(argv)
@@ -182,6 +188,13 @@ def main(argv: list[str] | None = None) -> int:
             a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
         )
     endpoint = ipc if a.transport == "shm" else endpoint
+    a.projection_id = ""
+    if a.wire_format == "projected":  # the synthetic rows have no weights behind them: take the server's id
+        probe = DraftClient(ClientConfig(endpoint=endpoint, name="early-probe"))
+        welcome = probe.connect(wait=True)
+        probe.close()
+        assert welcome is not None and "projected" in welcome.wire.formats, "the server offers no projected rows"
+        a.projection_id = welcome.wire.projection_id
     try:
         for b in (int(x) for x in a.batches.split(",")):
             for mode, early, predicted, whole in MODES:
