@@ -58,7 +58,11 @@ def worker(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("k"):
         kw["speculative_config"] = {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": cfg["k"]}
     llm = LLM(**kw)
-    params = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"])
+    # a repetition penalty makes greedy picks differ from the raw logits' argmax now and then: the
+    # predicted commits' misses in a real engine (tests/e2e/test_vllm_predicted.py)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=cfg["max_tokens"], repetition_penalty=cfg.get("repetition_penalty", 1.0)
+    )
     outs = llm.generate(cfg["prompts"], params, use_tqdm=False)
     llm.llm_engine.step()  # the step that tells the proposer the last requests finished (frees them)
     res: dict[str, Any] = {

@@ -43,6 +43,7 @@ class PredictedCommits:
         self.rows_of = rows_of
         self.hits = 0
         self.misses = 0
+        self.rows_again = 0  # misses that accepted past the prediction: their rows went with the commit
         self.missed: set[str] = set()  # sessions whose real commit was not the predicted one
 
     @classmethod
@@ -75,6 +76,7 @@ class PredictedCommits:
             else:
                 plain.append(j)
         self.hits += len(hit)
+        self.rows_again += len(again)
         tickets: list[tuple[list[int], Any]] = []
         if plain:
             tickets.append((plain, client.submit_commit([commits[j] for j in plain])))

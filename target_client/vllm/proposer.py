@@ -642,6 +642,7 @@ class RemoteDSparkProposer:
         replies = guess.settle(self.client, commits)
         self._counts["predicted_hits"] += guess.hits
         self._counts["predicted_misses"] += guess.misses
+        self._counts["predicted_rows_again"] += guess.rows_again
         for rid in guess.predicted:
             if rid in guess.missed:
                 self._misses[rid] = self._misses.get(rid, 0) + 1
