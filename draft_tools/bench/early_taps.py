@@ -77,7 +77,7 @@ def run(k: int, max_tokens: int, budget_ms: float) -> dict[str, Any]:
                 "acceptance": {"drafts": drafts, "rate": round(rate, 4), "mean_acceptance_length": round(mal, 4)},
                 "per_step_ms": summarize(res.get("phases", [])),
                 "early_steps": sum(int(p["early"]) for p in res.get("phases", [])),
-                "predicted": {k: d.get(f"predicted_{k}", 0) for k in ("commits", "hits", "misses")},
+                "predicted": {k: d.get(f"predicted_{k}", 0) for k in ("commits", "hits", "misses", "rows_again")},
                 # rows the early taps carried (every verified row, or with predictions only up to the
                 # predicted ends) against the rows the steps committed
                 "taps_rows": d.get("taps_rows", 0),
