@@ -1,0 +1,121 @@
+"""One benchmark at two commits, side by side in one run: before (``--base``) and after (this tree).
+
+Owns the A/B runner the speed claims of a change rest on. It checks ``--base`` out into a git
+worktree (``.ab/<sha>``, git-ignored, reused), then runs the benchmark module alternately there
+and in this tree, ``--rounds`` times each (the order flips every round, so drift in the machine's
+load falls on both sides alike), each run writing its JSON to a file of its own through the
+module's ``--out``. The runs of a side are merged: every number is the median over its rounds,
+anything else is the first run's. Writes one JSON: the command, the machine, both commits, the
+rounds, ``before`` and ``after``; and prints each side's runs as they end.
+
+    python -m draft_tools.bench.ab --base HEAD~1 --rounds 4 --out bench/results/x_ab.json -- \\
+        draft_tools.bench.rpc --iters 200
+
+A module runs with its tree as the working directory, so ``python -m`` imports that tree's code
+(and so do the processes it starts). The module must take ``--out PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def git(repo: str, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def worktree(repo: str, rev: str) -> tuple[str, str]:
+    """(path, sha) of a worktree of ``rev`` under the repository's .ab/, made once and reused."""
+    sha = git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
+    path = os.path.join(repo, ".ab", sha[:12])
+    if not os.path.isdir(path):
+        git(repo, "worktree", "add", "--detach", path, sha)
+    return path, sha
+
+
+def merge(runs: list[Any]) -> Any:
+    """Runs of one side as one: numbers by their median, dicts key by key, lists of one length item
+    by item, anything else as the first run has it."""
+    first = runs[0]
+    if any(isinstance(r, bool) for r in runs):
+        return first
+    if all(isinstance(r, int | float) and not isinstance(r, bool) for r in runs):
+        m = statistics.median(runs)
+        return round(m, 6) if isinstance(m, float) else m
+    if all(isinstance(r, dict) for r in runs):
+        return {k: merge([r[k] for r in runs if k in r]) for k in first}
+    if all(isinstance(r, list) for r in runs) and len({len(r) for r in runs}) == 1:
+        return [merge([r[i] for r in runs]) for i in range(len(first))]
+    return first
+
+
+def run_once(tree: str, module: str, args: list[str], out: str, timeout_s: float) -> Any:
+    """One run of ``module`` in ``tree``; its JSON."""
+    cmd = [sys.executable, "-m", module, *args, "--out", out]
+    env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        raise SystemExit(f"{module} failed in {tree} (exit {proc.returncode}):\n{tail}")
+    with open(out) as f:
+        res = json.load(f)
+    print(f"  {tree}: {time.monotonic() - t0:.1f} s", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(prog="python -m draft_tools.bench.ab", description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="the commit to compare against (any git revision)")
+    ap.add_argument("--rounds", type=int, default=3, help="runs of each side")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="the longest one run may take")
+    ap.add_argument("--out", required=True, help="the A/B JSON")
+    ap.add_argument("--repo", default=ROOT, help="the repository whose working tree is the after side")
+    a = ap.parse_args(argv[:split])
+    bench = argv[split + 1 :]
+    if not bench:
+        ap.error("name the benchmark module after --, with its arguments (not --out)")
+    module, args = bench[0], bench[1:]
+    repo = os.path.abspath(a.repo)
+    base, base_sha = worktree(repo, a.base)
+    dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
+    after_sha = git(repo, "rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+    sides: dict[str, list[Any]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
+        for r in range(a.rounds):
+            order = [("before", base), ("after", repo)]
+            for side, tree in order if r % 2 == 0 else order[::-1]:
+                out = os.path.join(tmp, f"{side}-{r}.json")
+                sides[side].append(run_once(tree, module, args, out, a.timeout_s))
+    report = {
+        "benchmark": f"A/B of {module}",
+        "command": "python -m draft_tools.bench.ab " + " ".join(argv),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "commits": {"before": base_sha, "after": after_sha},
+        "rounds": a.rounds,
+        "method": "the sides run alternately, the order flipping every round; every number is its side's median",
+        "before": merge(sides["before"]),
+        "after": merge(sides["after"]),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
