@@ -1,14 +1,17 @@
-"""Small helpers every tool shares: a free loopback port, a /metrics scrape, a served subprocess."""
+"""Small helpers every tool shares: a free loopback port, a /metrics scrape, a served subprocess,
+a report written."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from typing import IO
+from typing import IO, Any
 
 
 def free_port() -> int:
@@ -83,3 +86,11 @@ def stop_server(proc: subprocess.Popen, timeout: float = 10.0) -> None:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def write_report(path: str, report: Any) -> None:
+    """A benchmark's JSON at ``path`` (its folder made), and the line that says where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")

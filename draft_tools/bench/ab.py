@@ -28,6 +28,8 @@ import tempfile
 import time
 from typing import Any
 
+from draft_tools.common import write_report
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -110,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "before": merge(sides["before"]),
         "after": merge(sides["after"]),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {a.out}")
+    write_report(a.out, report)
     return 0
 
 

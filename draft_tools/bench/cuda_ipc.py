@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from draft_tools.common import free_port
+from draft_tools.common import free_port, write_report
 from target_client.vllm.wire import PinnedRows
 
 ROWS = 3
@@ -376,10 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.time() - t_start, 1),
         "results": rows_out,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 

@@ -13,7 +13,6 @@ The machine it ran on was shared (see loadavg in the JSON): read the numbers as 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ import torch
 from draft_server.drafters.base import DraftItem, IngestItem
 from draft_server.models import load_drafter
 from draft_server.models.tiny import make_tiny
+from draft_tools.common import write_report
 from protocol import GREEDY
 
 
@@ -122,9 +122,7 @@ def main() -> int:
         "steps": args.steps,
         "results": results,
     }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    write_report(args.out, out)
     return 0
 
 
