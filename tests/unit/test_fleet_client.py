@@ -378,3 +378,25 @@ def test_early_taps_only_when_every_welcomed_server_takes_them(servers):
             assert commits and all(rec.taps is None for rec in commits)
             assert {e.session for rec in commits for e in rec.msg.entries} == sessions_on(srv)
             assert all(e.phase == Phase.COMMIT and e.rows == 0 for rec in commits for e in rec.msg.entries)
+
+
+def test_a_fleet_declines_a_span_too_large_for_frames_unless_it_is_exact(servers):
+    # early_taps_max_mib: a span over it (rows in frames) is declined on every server, nothing sent;
+    # the same span marked exact (only rows the step commits: predicted commits) goes, each part to
+    # its session's server
+    srvs = servers(2)
+    for srv in srvs:
+        srv.features = (FEATURE_EARLY_TAPS,)
+    names = [f"x{i}" for i in range(8)]
+    taps = np.random.default_rng(2).integers(0, 1 << 16, size=(len(names) * 3, WIDTH), dtype=np.uint16)
+    spans = [StepRequest(s, 0, 3, 0, 0) for s in names]
+    with fleet_of(srvs, early_taps_max_mib=WIDTH * 2 / 2**20) as fc:  # one row fits, three do not
+        assert fc.connect(wait=True) is not None
+        assert wait_for(lambda: all(c.welcome is not None for c in fc._members.values()) and fc.early_taps)
+        assert not fc.send_taps(spans, taps)
+        time.sleep(0.05)
+        assert not srvs[0].steps() and not srvs[1].steps()
+        assert fc.send_taps(spans, taps, exact=True)
+        assert wait_for(lambda: sum(len(sessions_on(s)) for s in srvs) == len(names))
+        assert all(e.phase == Phase.TAPS for s in srvs for rec in s.steps() for e in rec.msg.entries)
+        assert fc.stats()["early_taps_declined"] >= 1
