@@ -47,10 +47,11 @@ def worktree(repo: str, rev: str) -> tuple[str, str]:
 
 
 def merge(runs: list[Any]) -> Any:
-    """Runs of one side as one: numbers by their median, dicts key by key, lists of one length item
-    by item, anything else as the first run has it."""
+    """Runs of one side as one: numbers by their median (equal ones as they are: keys such as a
+    batch size keep their type), dicts key by key, lists of one length item by item, anything else
+    as the first run has it."""
     first = runs[0]
-    if any(isinstance(r, bool) for r in runs):
+    if any(isinstance(r, bool) for r in runs) or all(r == first for r in runs):  # flags, keys: as they are
         return first
     if all(isinstance(r, int | float) and not isinstance(r, bool) for r in runs):
         m = statistics.median(runs)

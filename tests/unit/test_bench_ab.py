@@ -55,6 +55,7 @@ def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -
 
 def test_merge() -> None:
     assert merge([3, 1, 2]) == 2
+    assert merge([1, 1]) == 1 and isinstance(merge([1, 1]), int)  # a key, not a float median
     assert merge([{"a": 1.0, "s": "x"}, {"a": 3.0, "s": "y"}]) == {"a": 2.0, "s": "x"}
     assert merge([[1, 5], [3, 7]]) == [2, 6]
     assert merge([[1], [3, 7]]) == [1]  # lists of other lengths: the first run's
