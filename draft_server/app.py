@@ -375,13 +375,15 @@ def load_with_progress(cfg: ServerConfig) -> Drafter:
         while not done.wait(LOAD_PROGRESS_S):
             log.info("loading %s: %.0f s", cfg.model, time.monotonic() - t0)
 
-    threading.Thread(target=progress, name="draft-load-progress", daemon=True).start()
+    ticker = threading.Thread(target=progress, name="draft-load-progress", daemon=True)
+    ticker.start()
     try:
         drafter = build_drafter(cfg)
     except (ValueError, OSError) as e:
         raise StartupError(f"cannot load the drafter: {e}") from None
     finally:
         done.set()
+        ticker.join(1.0)  # a progress line it is writing lands before the final one, never after
     d = describe(drafter)
     if d["format"] == "exl3":
         fmt = f"EXL3 {d['bits']:g} bpw ({d['quantized']} quantized linears, {'/'.join(d['codebooks'])})"
