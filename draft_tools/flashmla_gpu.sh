@@ -7,6 +7,7 @@
 #   probe   draft_tools.bench.flash_mla_probe: attention alone, FlashMLA vs our Triton kernel -> $OUT/flash_mla_probe.json
 #   step    draft_tools.bench.flash_step: the K3 step, FlashMLA vs Triton drafter, one process -> $OUT/flash_step.json
 #   bench   draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact -> $OUT/draft_step.json
+#   fused   draft_tools.bench.fused_step: the step with the fused RoPE kernels vs before them -> $OUT/fused_step.json
 #   all     test, then step
 #   pack SRC CUTLASS   (here, not on the device) .flashmla/flashmla_src.tgz from a deepseek-ai/FlashMLA
 #           checkout and a CUTLASS checkout at FlashMLA's submodule pin (only what the build reads)
@@ -57,13 +58,17 @@ run_bench() {
     timeout "$(left)" python3 -m draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact \
         --out "$OUT/draft_step.json" "$@" 2>&1 | grep -v Warn | tail -40
 }
+run_fused() {
+    timeout "$(left)" python3 -m draft_tools.bench.fused_step --out "$OUT/fused_step.json" "$@" 2>&1 | grep -v Warn
+}
 case "$task" in
     test) run_test "$@" ;;
+    fused) run_fused "$@" ;;
     probe) run_probe "$@" ;;
     step) run_step "$@" ;;
     bench) run_bench "$@" ;;
     all) run_test && run_step "$@" ;;
-    *) echo "unknown task $task (test, probe, step, bench, all, pack)"; exit 2 ;;
+    *) echo "unknown task $task (test, probe, step, bench, fused, all, pack)"; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

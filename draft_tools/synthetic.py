@@ -46,6 +46,9 @@ class CallRecord:
     bad_tokens: int = 0  # drafts outside the vocab or of the wrong count (must stay 0)
     compute_ms: float = -1.0  # the server's compute for the reply (Timing.compute_ms; -1: none came)
     early_rows: int = 0  # rows the step's early taps carried (0: none went early)
+    send_ms: float = 0.0  # early taps: the engine thread's time to hand over the taps and the commit
+    server_ms: float = -1.0  # the reply's Timing.server_ms (receive -> reply queued; -1: none came)
+    queue_ms: float = -1.0  # the reply's Timing.queue_ms (receive -> batch start)
 
 
 @dataclass(slots=True)
@@ -145,9 +148,12 @@ class SyntheticTarget:
         if trim:  # the outcome is known: the taps carry only the committed rows (exact)
             spans = [StepRequest(r.session, r.pos, r.rows, 0, 0) for r in reqs]
         early_rows = sum(r.rows for r in spans)
+        sent = time.perf_counter()
+        send_ms = 0.0
         if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
             ticket = self.client.submit_commit(commits) if self.predicted else None
+            send_ms = (time.perf_counter() - sent) * 1000.0
             until = time.perf_counter() + self.sample_ms / 1000.0
             while time.perf_counter() < until:  # the target samples meanwhile
                 pass
@@ -184,6 +190,9 @@ class SyntheticTarget:
             bad_tokens=bad,
             compute_ms=timing.compute_ms if (timing := getattr(self.client, "last_timing", None)) and drafted else -1.0,
             early_rows=early_rows,
+            send_ms=send_ms,
+            server_ms=timing.server_ms if timing and drafted else -1.0,
+            queue_ms=timing.queue_ms if timing and drafted else -1.0,
         )
         self.records.append(rec)
         finished = []

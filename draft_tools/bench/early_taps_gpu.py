@@ -119,6 +119,10 @@ def measure(
             "compute_ms_p50": q(np.array([r.compute_ms for r in recs]), 50),
             "wait_minus_compute_ms_p50": q(over, 50),
             "wait_minus_compute_ms_p90": q(over, 90),
+            "server_minus_compute_ms_p50": q(np.array([r.server_ms - r.compute_ms for r in recs]), 50),
+            "queue_ms_p50": q(np.array([r.queue_ms for r in recs]), 50),
+            "wait_minus_server_ms_p50": q(np.array([r.wait_ms - r.server_ms for r in recs]), 50),
+            "send_ms_p50": q(np.array([r.send_ms for r in recs]), 50),
             "drafted_share": round(sum(r.drafted for r in measured) / max(1, sum(r.wanted for r in measured)), 4),
             "early_mib_per_step": round(float(np.mean([r.early_rows for r in measured])) * eng.width * 2 / 2**20, 3),
         }
@@ -130,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--modes", default=",".join(m[0] for m in MODES), help="which of the four modes to run")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per run")
     ap.add_argument("--warmup", type=int, default=20, help="decode steps left out of the numbers, after the catch-up")
     ap.add_argument("--catch-up-steps", type=int, default=5000, help="most steps to wait for the prefill to be in")
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         a.projection_id = welcome.wire.projection_id
     try:
         for b in (int(x) for x in a.batches.split(",")):
-            for mode, early, predicted, whole in MODES:
+            for mode, early, predicted, whole in (m for m in MODES if m[0] in a.modes.split(",")):
                 r = {"B": b, "mode": mode, **measure(endpoint, b, early, a, predicted, whole)}
                 rows.append(r)
                 write()
@@ -206,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
                     f"wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
                     f"{r['compute_ms_p50']:7.3f} ms  wait-compute p50 {r['wait_minus_compute_ms_p50']:6.3f} "
-                    f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  drafted {r['drafted_share']:.3f}",
+                    f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  "
+                    f"(server-compute {r['server_minus_compute_ms_p50']:.3f}, "
+                    f"queue {r['queue_ms_p50']:.3f}, wait-server {r['wait_minus_server_ms_p50']:.3f}, "
+                    f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}",
                     flush=True,
                 )
     finally:

@@ -123,3 +123,101 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: to
             got = fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=reverse)
             assert torch.equal(got, want), (j, reverse, got, want)
         assert torch.equal(got, (base[:, j].float() + bias.float()).argmax(-1)) or N > 2
+
+
+def _k3_rope(interleaved: bool = True) -> ops.Rope:
+    from draft_server.models.config import RopeSpec
+
+    spec = RopeSpec(
+        theta=50000.0, dim=16, interleaved=interleaved, kind="deepseek_yarn", factor=32.0, original_max_position=4096,
+        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.7,
+    )  # fmt: skip
+    return ops.Rope(spec, torch.device(DEV))
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_cos_sin_kernel_rounds_what_the_float64_eager_form_rounds(pos_dtype: torch.dtype) -> None:
+    """One launch for the step's cos/sin: angles, cos/sin and the YaRN scale in float64 registers,
+    rounded once to float32; equal to the eager float64 form at small and very large positions."""
+    rope = _k3_rope()
+    assert rope.mul != 1.0  # the scale is applied in float64 too
+    g = torch.Generator().manual_seed(21)
+    pos = torch.cat([torch.arange(40), torch.randint(0, 1 << 24, (60,), generator=g)]).to(pos_dtype).view(4, 25)
+    ang = pos.to(torch.float64).unsqueeze(-1) * rope.inv_freq.cpu()
+    want_c, want_s = (ang.cos() * rope.mul).float(), (ang.sin() * rope.mul).float()
+    got_c, got_s = fused.cos_sin(pos.to(DEV), rope.inv_freq, rope.mul_t)
+    assert got_c.shape == (4, 25, 8) and got_c.dtype == torch.float32
+    torch.testing.assert_close(got_c.cpu(), want_c, rtol=0, atol=0)
+    torch.testing.assert_close(got_s.cpu(), want_s, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="integer"):
+        fused.cos_sin(pos.to(DEV).float(), rope.inv_freq, rope.mul_t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_latent_is_rms_norm_then_rope_then_the_concatenation(dtype: torch.dtype, interleaved: bool) -> None:
+    """The cached MLA token in one kernel: bit for bit the two fused kernels and a cat (the same
+    arithmetic), close to the eager ops; rows of several layers from strided kv_a rows, written
+    rows-first or layers-first (the cache write's layout); a 1-D weight for one layer."""
+    rope = _k3_rope(interleaved)
+    g = torch.Generator().manual_seed(22)
+    R, L, lat = 5, 3, 32
+    wide = torch.randn(R, L, 8 + lat + 16, generator=g).to(DEV, dtype)
+    kv = wide[..., 8:]  # strided rows: the kv_a part of a fused projection
+    w = torch.randn(L, lat, generator=g).to(DEV, dtype)
+    cos, sin = rope.cos_sin(torch.randint(0, 100000, (R,), generator=g).to(DEV), torch.float32)
+    want = torch.cat(
+        [fused.rms_norm(kv[..., :lat], w, 1e-6), fused.rope(kv[..., lat:], cos[:, None], sin[:, None], interleaved)],
+        dim=-1,
+    )
+    got = fused.mla_latent(kv, w, cos, sin, 1e-6, interleaved)
+    assert got.shape == (R, L, lat + 16) and torch.equal(got, want)
+    assert torch.equal(fused.mla_latent(kv, w, cos, sin, 1e-6, interleaved, layers_first=True), want.transpose(0, 1))
+    eager = torch.cat(
+        [_eager_rms(kv[..., :lat], w, 1e-6), rope._apply_eager(kv[..., lat:], cos[:, None], sin[:, None])], dim=-1
+    )
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, eager, **tol)
+    one = fused.mla_latent(kv[:, 1:2], w[1], cos, sin, 1e-6, interleaved)
+    assert torch.equal(one, want[:, 1:2])
+    with pytest.raises(ValueError, match="cos/sin"):
+        fused.mla_latent(kv, w, cos[:2], sin[:2], 1e-6, interleaved)
+
+
+def test_rope_writes_into_a_strided_buffer() -> None:
+    """The query's rope part goes straight into the kernel's query buffer (no copy after)."""
+    rope = _k3_rope()
+    g = torch.Generator().manual_seed(23)
+    q = torch.randn(2, 3, 4, 24, generator=g).to(DEV)[..., 8:]
+    cos, sin = rope.cos_sin(torch.randint(0, 5000, (2, 3), generator=g).to(DEV), torch.float32)
+    c, s = cos[:, :, None], sin[:, :, None]
+    buf = torch.zeros(2, 3, 4, 40, device=DEV)
+    got = fused.rope(q, c, s, True, out=buf[..., 24:])
+    assert got.data_ptr() == buf[..., 24:].data_ptr()
+    assert torch.equal(buf[..., 24:], fused.rope(q, c, s, True)) and not buf[..., :24].any()
+    with pytest.raises(ValueError, match="does not take"):
+        fused.rope(q, c, s, True, out=buf[..., 20:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rms_rope_is_rms_norm_then_rope(dtype: torch.dtype, interleaved: bool) -> None:
+    """A GQA head's q/k: RoPE of the RMSNormed head in one kernel, bit for bit the two kernels in a
+    row, close to the eager ops; heads sliced out of a fused QKV row, per-layer weights broadcast."""
+    rope = _k3_rope(interleaved)
+    g = torch.Generator().manual_seed(24)
+    qkv = torch.randn(6, 7, 16, generator=g).to(DEV, dtype)  # [rows, heads, hd]
+    x = qkv[:, 2:5].view(2, 3, 3, 16)  # three heads of every row, rows as [N, B]
+    w = torch.randn(16, generator=g).to(DEV, dtype)
+    cos, sin = rope.cos_sin(torch.randint(0, 100000, (2, 3), generator=g).to(DEV), torch.float32)
+    c, s = cos[:, :, None], sin[:, :, None]
+    got = fused.rms_rope(x, w, c, s, 1e-6, interleaved)
+    assert torch.equal(got, fused.rope(fused.rms_norm(x, w, 1e-6), c, s, interleaved))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    torch.testing.assert_close(got, rope._apply_eager(_eager_rms(x, w, 1e-6), c, s), **tol)
+    kv = torch.randn(4, 3, 2, 2, 16, generator=g).to(DEV, dtype)[:, :, 0]  # [R, L, nkv, hd]: the k half
+    wl = torch.randn(3, 1, 16, generator=g).to(DEV, dtype)  # one k_norm per layer
+    cr, sr = rope.cos_sin(torch.arange(4).to(DEV), torch.float32)
+    got = fused.rms_rope(kv, wl, cr[:, None, None], sr[:, None, None], 1e-6, interleaved)
+    want = fused.rope(fused.rms_norm(kv, wl, 1e-6), cr[:, None, None], sr[:, None, None], interleaved)
+    assert torch.equal(got, want)

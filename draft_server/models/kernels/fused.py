@@ -1,4 +1,5 @@
-"""Fused elementwise kernels of the draft step (Triton): RMSNorm, RoPE, SiLU-and-multiply.
+"""Fused elementwise kernels of the draft step (Triton): RMSNorm, RoPE and its cos/sin, the MLA cached
+token (RMSNorm + RoPE in one pass), SiLU-and-multiply, and the greedy Markov step's argmax.
 
 Each replaces a chain of small PyTorch kernels with one launch and one pass over memory, and
 does the arithmetic of the eager op in ``layers/ops.py``: float32, rounded to the input dtype
@@ -69,6 +70,23 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _rope_pairs(i, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The two offsets each rotation mixes: (2i, 2i + 1) interleaved, else (i, i + HALF)."""
+    if INTERLEAVED:
+        return 2 * i, 2 * i + 1
+    return i, i + HALF
+
+
+@triton.jit
+def _rotate_store(yp, a, b, x1, x2, CP, SP, mask):
+    """Store the rotation of the pairs (x1, x2) by cos/sin at CP/SP (float32 math, the output's dtype)."""
+    c = tl.load(CP, mask=mask, other=0.0)
+    s = tl.load(SP, mask=mask, other=0.0)
+    tl.store(yp + a, (x1 * c - x2 * s).to(yp.dtype.element_ty), mask=mask)
+    tl.store(yp + b, (x2 * c + x1 * s).to(yp.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     X, C, S, Y, H1, H2, sx0, sx1, sx2, sc0, sc1, sc2, sy0, sy1, sy2, HALF: tl.constexpr,
     INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
@@ -79,25 +97,20 @@ def _rope_kernel(
     i0 = r // (H1 * H2)
     i = tl.arange(0, BLOCK)
     mask = i < HALF
-    if INTERLEAVED:
-        a = 2 * i
-        b = 2 * i + 1
-    else:
-        a = i
-        b = i + HALF
+    a, b = _rope_pairs(i, HALF, INTERLEAVED)
     xp = X + i0 * sx0 + i1 * sx1 + i2 * sx2
     x1 = tl.load(xp + a, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(xp + b, mask=mask, other=0.0).to(tl.float32)
     cp = i0 * sc0 + i1 * sc1 + i2 * sc2 + i
-    c = tl.load(C + cp, mask=mask, other=0.0)
-    s = tl.load(S + cp, mask=mask, other=0.0)
-    yp = Y + i0 * sy0 + i1 * sy1 + i2 * sy2
-    tl.store(yp + a, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
-    tl.store(yp + b, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+    _rotate_store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2, a, b, x1, x2, C + cp, S + cp, mask)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [..., R] (at most 3 leading dims) by float32 cos/sin [..., R/2] broadcast to x's lead dims."""
+def rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate x [..., R] (at most 3 leading dims) by float32 cos/sin [..., R/2] broadcast to x's lead dims,
+    into ``out`` when given (x's shape and dtype, any strides but a contiguous last dim: e.g. the rope
+    part of a query buffer), else into a new tensor."""
     R = x.shape[-1]
     half = R // 2
     if x.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
@@ -108,7 +121,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: boo
         raise ValueError("cos and sin must share one layout with a contiguous last dim")
     (m, h1, h2), (s0, s1, s2) = _lead3(x)
     _, (c0, c1, c2) = _lead3(cb)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1):
+        raise ValueError(f"out {list(out.shape)} {out.dtype} does not take x {list(x.shape)} {x.dtype}")
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     _, (t0, t1, t2) = _lead3(y)
     rows = m * h1 * h2
     if rows:
@@ -153,6 +168,158 @@ def silu_mul_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torc
             g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block
         )
     return y.view(*g.shape[:-1], F)
+
+
+@triton.jit
+def _rms_rope_kernel(
+    X, W, C, S, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sc0, sc1, sc2, sy0, sy1, sy2, D, eps,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """RoPE of an RMSNormed row (a GQA head's q or k): ``_rms_kernel``'s arithmetic and rounding, then
+    ``_rope_kernel``'s on the rounded normed values; one read of the row, one write."""
+    r = tl.program_id(0)
+    i2 = r % H2
+    i1 = (r // H2) % H1
+    i0 = r // (H1 * H2)
+    xp = X + i0 * sx0 + i1 * sx1 + i2 * sx2
+    wp = W + i0 * sw0 + i1 * sw1 + i2 * sw2
+    d = tl.arange(0, BLOCK_D)
+    x = tl.load(xp + d, mask=d < D, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    i = tl.arange(0, BLOCK_H)
+    mask = i < HALF
+    a, b = _rope_pairs(i, HALF, INTERLEAVED)
+    xa = tl.load(xp + a, mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(xp + b, mask=mask, other=0.0).to(tl.float32)
+    wa = tl.load(wp + a, mask=mask, other=0.0).to(tl.float32)
+    wb = tl.load(wp + b, mask=mask, other=0.0).to(tl.float32)
+    x1 = ((xa * rstd).to(Y.dtype.element_ty).to(tl.float32) * wa).to(Y.dtype.element_ty).to(tl.float32)
+    x2 = ((xb * rstd).to(Y.dtype.element_ty).to(tl.float32) * wb).to(Y.dtype.element_ty).to(tl.float32)
+    cp = i0 * sc0 + i1 * sc1 + i2 * sc2 + i
+    _rotate_store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2, a, b, x1, x2, C + cp, S + cp, mask)
+
+
+def rms_rope(
+    x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool
+) -> torch.Tensor:
+    """``rope(rms_norm(x, w, eps), cos, sin, interleaved)`` in one launch: x [..., D] (at most 3 leading
+    dims, any strides but the last), w broadcast to x ([D] or per layer), float32 cos/sin [..., D/2]
+    broadcast to x's leading dims. Bit for bit the two kernels in a row."""
+    D = x.shape[-1]
+    half = D // 2
+    if x.stride(-1) != 1 or w.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("x and w need contiguous last dims, cos/sin float32")
+    cb, sb = cos.expand(*x.shape[:-1], half), sin.expand(*x.shape[:-1], half)
+    if cb.stride() != sb.stride() or cb.stride(-1) != 1:
+        raise ValueError("cos and sin must share one layout with a contiguous last dim")
+    (m, h1, h2), (s0, s1, s2) = _lead3(x)
+    _, (w0, w1, w2) = _lead3(w.expand(x.shape))
+    _, (c0, c1, c2) = _lead3(cb)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, (t0, t1, t2) = _lead3(y)
+    rows = m * h1 * h2
+    if rows:
+        _rms_rope_kernel[(rows,)](
+            x, w, cb, sb, y, h1, h2, s0, s1, s2, w0, w1, w2, c0, c1, c2, t0, t1, t2, D, eps,
+            HALF=half, INTERLEAVED=interleaved, BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_H=triton.next_power_of_2(half), num_warps=1 if D <= 256 else 4,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _cos_sin_kernel(P, INV, MUL, OUT, n, HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr):
+    """cos and sin of positions x inverse frequencies, formed and rounded as ``ops.Rope.cos_sin``
+    does it: the angle, cos/sin and the scale in float64 registers, then float32 (OUT: [2, n, HALF])."""
+    r = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    i = tl.arange(0, BLOCK_H)
+    rmask, imask = r < n, i < HALF
+    p = tl.load(P + r, mask=rmask, other=0).to(tl.float64)
+    inv = tl.load(INV + i, mask=imask, other=0.0)
+    mul = tl.load(MUL)
+    ang = p[:, None] * inv[None, :]
+    at = r[:, None].to(tl.int64) * HALF + i[None, :]
+    mask = rmask[:, None] & imask[None, :]
+    tl.store(OUT + at, (tl.cos(ang) * mul).to(tl.float32), mask=mask)
+    tl.store(OUT + n * HALF + at, (tl.sin(ang) * mul).to(tl.float32), mask=mask)
+
+
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mul: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin [*positions.shape, half] of integer positions (contiguous) in one launch, with
+    ``inv_freq`` [half] and ``mul`` [1] float64: what ``ops.Rope.cos_sin`` computes with eight."""
+    if positions.dtype.is_floating_point or not positions.is_contiguous():
+        raise ValueError("positions must be a contiguous integer tensor")
+    if inv_freq.dtype != torch.float64 or mul.dtype != torch.float64:
+        raise ValueError("inv_freq and mul must be float64")
+    half = inv_freq.shape[0]
+    n = positions.numel()
+    out = torch.empty((2, n, half), dtype=torch.float32, device=positions.device)
+    if n:
+        block_p = 16
+        _cos_sin_kernel[(triton.cdiv(n, block_p),)](
+            positions, inv_freq, mul, out, n, HALF=half, BLOCK_P=block_p, BLOCK_H=triton.next_power_of_2(half),
+            num_warps=1,
+        )  # fmt: skip
+    shape = (*positions.shape, half)
+    return out[0].view(shape), out[1].view(shape)
+
+
+@triton.jit
+def _mla_latent_kernel(
+    KV, W, C, S, OUT, H1, skv0, skv1, sw, sc, so0, so1, eps, LAT: tl.constexpr, HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One cached MLA token from a raw kv_a row [LAT + 2 * HALF]: RMSNorm of the latent (``_rms_kernel``'s
+    arithmetic), RoPE of the key part (``_rope_kernel``'s), both into OUT's row (l, r) = (i1, i0)."""
+    row = tl.program_id(0)
+    i1 = row % H1
+    i0 = row // H1
+    src = KV + i0.to(tl.int64) * skv0 + i1 * skv1
+    dst = OUT + i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1
+    d = tl.arange(0, BLOCK_L)
+    dmask = d < LAT
+    x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / LAT + eps)
+    w = tl.load(W + i1 * sw + d, mask=dmask, other=0.0).to(tl.float32)
+    tl.store(dst + d, (y.to(OUT.dtype.element_ty).to(tl.float32) * w).to(OUT.dtype.element_ty), mask=dmask)
+    i = tl.arange(0, BLOCK_H)
+    mask = i < HALF
+    a, b = _rope_pairs(i, HALF, INTERLEAVED)
+    a, b = a + LAT, b + LAT
+    x1 = tl.load(src + a, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + b, mask=mask, other=0.0).to(tl.float32)
+    _rotate_store(dst, a, b, x1, x2, C + i0 * sc + i, S + i0 * sc + i, mask)
+
+
+def mla_latent(
+    kv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool,
+    layers_first: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Cached MLA tokens ``[RMSNorm(latent) * w ; RoPE(key)]`` from raw kv_a rows in one launch.
+
+    kv [R, L, LAT + rope] (any strides but the last): R rows (positions) of L layers; w [L, LAT]
+    (or [LAT] for L = 1); cos/sin float32 [R, rope/2] (contiguous rows). Returns [R, L, LAT + rope],
+    or [L, R, LAT + rope] with ``layers_first`` (what the cache write takes). The same arithmetic
+    as ``rms_norm`` then ``rope`` then a concatenation."""
+    R, L, width = kv.shape
+    half = cos.shape[-1]
+    lat = width - 2 * half
+    w2 = w.view(1, lat).expand(L, lat) if w.dim() == 1 else w
+    if kv.stride(-1) != 1 or w2.stride(-1) != 1 or w2.shape != (L, lat):
+        raise ValueError("kv and w need contiguous last dims, w [L, latent] or [latent]")
+    if cos.shape != (R, half) or sin.shape != cos.shape or cos.stride() != (half, 1) or sin.stride() != (half, 1):
+        raise ValueError("cos/sin must be contiguous float32 [rows, rope/2]")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("cos/sin must be float32")
+    out = torch.empty((L, R, width) if layers_first else (R, L, width), dtype=kv.dtype, device=kv.device)
+    so0, so1 = (out.stride(1), out.stride(0)) if layers_first else (out.stride(0), out.stride(1))
+    if R * L:
+        _mla_latent_kernel[(R * L,)](
+            kv, w2, cos, sin, out, L, kv.stride(0), kv.stride(1), w2.stride(0), half, so0, so1, eps,
+            LAT=lat, HALF=half, INTERLEAVED=interleaved, BLOCK_L=triton.next_power_of_2(lat),
+            BLOCK_H=triton.next_power_of_2(half), num_warps=1,  # as ``rms_norm`` launches a row of 512
+        )  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

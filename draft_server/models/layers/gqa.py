@@ -12,7 +12,7 @@ import torch
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import DSparkConfig
-from draft_server.models.layers.ops import rms_norm
+from draft_server.models.layers.ops import rms_rope
 from draft_server.models.model import DSparkModel
 
 
@@ -61,9 +61,8 @@ class Qwen3DSpark(DSparkModel):
         cfg = self.cfg
         R, L = c.shape[0], cfg.num_layers
         kv = self.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
-        k = rms_norm(kv[:, :, 0], self.k_norm[:, None, :], self.eps)
         cos, sin = self.rope.cos_sin(positions, self.acc)
-        k = self.rope.apply(k, cos[:, None, None], sin[:, None, None])
+        k = rms_rope(kv[:, :, 0], self.k_norm[:, None, :], self.eps, self.rope, cos[:, None, None], sin[:, None, None])
         return torch.stack([k, kv[:, :, 1]], dim=2).transpose(0, 1)  # [L, R, 2, nkv, hd]
 
     def attention(
@@ -74,10 +73,8 @@ class Qwen3DSpark(DSparkModel):
         H, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = rope[0][:, :, None], rope[1][:, :, None]  # [N, B, 1, hd/2]
         qkv = self.linear(u, self.qkv[i], self.qkv_b[i]).view(N * B, H + 2 * nkv, hd)
-        q = self.rope.apply(rms_norm(qkv[:, :H], w[p + "q_norm.weight"], self.eps).view(N, B, H, hd), cos, sin)
-        k = self.rope.apply(
-            rms_norm(qkv[:, H : H + nkv], w[p + "k_norm.weight"], self.eps).view(N, B, nkv, hd), cos, sin
-        )
+        q = rms_rope(qkv[:, :H].view(N, B, H, hd), w[p + "q_norm.weight"], self.eps, self.rope, cos, sin)
+        k = rms_rope(qkv[:, H : H + nkv].view(N, B, nkv, hd), w[p + "k_norm.weight"], self.eps, self.rope, cos, sin)
         v = qkv[:, H + nkv :].view(N, B, nkv, hd)
         o = ctx.attend(i, q, torch.stack([k, v], dim=2))  # [N, B, H, hd]
         return o.reshape(N, B, H * hd)

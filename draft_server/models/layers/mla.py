@@ -56,16 +56,24 @@ class K3DSpark(DSparkModel):
         parts = [f.parts[1] if f else DenseLinear(f"kv_a.{i}", kv[i * n : (i + 1) * n]) for i, f in enumerate(fused)]
         self.kv_a_all = FusedLinear("context_kv_proj", parts)
 
-    def _latent(self, kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """kv [..., 576] raw kv_a output -> cached latent (cos/sin broadcast to kv's leading dims)."""
+    def _latent(
+        self, kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers_first: bool = False
+    ) -> torch.Tensor:
+        """kv [R, L, 576] raw kv_a output of R rows (positions) in L layers, cos/sin [R, rope/2] -> cached
+        tokens [R, L, 576] ([L, R, 576] with ``layers_first``); on a GPU in one kernel (``fused.mla_latent``)."""
+        if kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32:
+            from draft_server.models.kernels.fused import mla_latent
+
+            return mla_latent(kv, norm_w, cos, sin, self.eps, self.rope.interleaved, layers_first=layers_first)
         c = rms_norm(kv[..., : self.lat], norm_w, self.eps)
-        return torch.cat([c, self.rope.apply(kv[..., self.lat :], cos, sin)], dim=-1)
+        tok = torch.cat([c, self.rope.apply(kv[..., self.lat :], cos[:, None], sin[:, None])], dim=-1)
+        return tok.transpose(0, 1) if layers_first else tok
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         R, L = c.shape[0], self.cfg.num_layers
         kv = self.linear(c, self.kv_a_all).view(R, L, -1)
         cos, sin = self.rope.cos_sin(positions, self.acc)
-        return self._latent(kv, self.kv_a_norm, cos[:, None], sin[:, None]).transpose(0, 1)  # [L, R, 576]
+        return self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True)  # [L, R, 576]
 
     def attention(
         self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
@@ -79,17 +87,19 @@ class K3DSpark(DSparkModel):
             rms_norm(qkv_a[..., : cfg.q_lora_rank], w[p + "q_a_layernorm.weight"], self.eps), w[p + "q_b_proj.weight"]
         )
         q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)
-        q_pe = self.rope.apply(q[..., nope:], cos[:, :, None], sin[:, :, None])
         q_nope = q.view(N * B, nh, -1)[..., :nope].transpose(0, 1)  # [nh, N*B, nope], read in place
+        c, s = cos[:, :, None], sin[:, :, None]
         whole = ctx.query_buffer(N)
         if whole is None:
+            q_pe = self.rope.apply(q[..., nope:], c, s)
             query: Query = (torch.bmm(q_nope, self.w_uk[i]).view(nh, N, B, self.lat).permute(1, 2, 0, 3), q_pe)
         else:  # the kernel reads [q_lat; q_pe] as one row: both land in its buffer, W_UK's product in place
             torch.bmm(q_nope, self.w_uk[i], out=whole.view(N * B, nh, -1)[..., : self.lat].transpose(0, 1))
-            whole[..., self.lat :].copy_(q_pe)
+            self.rope.apply(q[..., nope:], c, s, out=whole[..., self.lat :])
             query = whole
-        blk = self._latent(qkv_a[..., cfg.q_lora_rank :], w[p + "kv_a_layernorm.weight"], cos, sin)
-        o = ctx.attend(i, query, blk)  # [N, B, nh, 512] (head-major or row-major: read through its strides)
+        kv = qkv_a[..., cfg.q_lora_rank :].reshape(N * B, 1, -1)  # a view: qkv_a's rows are evenly strided
+        blk = self._latent(kv, w[p + "kv_a_layernorm.weight"], cos.reshape(N * B, -1), sin.reshape(N * B, -1))
+        o = ctx.attend(i, query, blk.view(N, B, -1))  # [N, B, nh, 512], head- or row-major: read through its strides
         out = torch.empty(N * B, nh, cfg.v_head_dim, dtype=o.dtype, device=o.device)
         torch.bmm(o.reshape(N * B, nh, self.lat).transpose(0, 1), self.w_uv[i].transpose(1, 2), out=out.transpose(0, 1))
         return out.view(N, B, nh * cfg.v_head_dim)

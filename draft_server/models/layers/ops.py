@@ -35,6 +35,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return xf.to(x.dtype) * w
 
 
+def rms_rope(
+    x: torch.Tensor, w: torch.Tensor, eps: float, rope: Rope, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """``rope.apply(rms_norm(x, w, eps), cos, sin)``: one kernel on a GPU (``fused.rms_rope``)."""
+    if _fused(x) and x.stride(-1) == 1 and w.stride(-1) == 1 and cos.dtype == torch.float32:
+        from draft_server.models.kernels.fused import rms_rope as fused_rms_rope
+
+        return fused_rms_rope(x, w, cos, sin, eps, rope.interleaved)
+    return rope.apply(rms_norm(x, w, eps), cos, sin)
+
+
 def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """h + x @ w.T in one GEMM (the residual add in the epilogue; ``gemm`` picks the way per shape)."""
     return gemm.linear_add(h, x, w)
@@ -92,18 +103,32 @@ class Rope:
     def __init__(self, spec: RopeSpec, device: torch.device) -> None:
         inv, self.mul = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
+        self.mul_t = torch.tensor([self.mul], dtype=torch.float64, device=device)  # the fused kernel's operand
         self.interleaved = spec.interleaved
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [*positions.shape, dim/2] in ``dtype``: angles in float64 (large positions keep their
+        precision), rounded once; on a GPU in one kernel that holds the float64 values in registers."""
+        if positions.is_cuda and dtype == torch.float32 and not positions.dtype.is_floating_point:
+            from draft_server.models.kernels.fused import cos_sin
+
+            return cos_sin(positions.contiguous(), self.inv_freq, self.mul_t)
         ang = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq
         return (ang.cos() * self.mul).to(dtype), (ang.sin() * self.mul).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [..., dim] with cos/sin [..., dim/2] (broadcastable to x's leading dims)."""
-        if _fused(x) and x.stride(-1) == 1 and cos.dtype == torch.float32:
+    def apply(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rotate x [..., dim] with cos/sin [..., dim/2] (broadcastable to x's leading dims); into ``out``
+        (x's shape and dtype) when given."""
+        if _fused(x) and x.stride(-1) == 1 and cos.dtype == torch.float32 and (out is None or out.stride(-1) == 1):
             from draft_server.models.kernels.fused import rope
 
-            return rope(x, cos, sin, self.interleaved)
+            return rope(x, cos, sin, self.interleaved, out=out)
+        y = self._apply_eager(x, cos, sin)
+        return y if out is None else out.copy_(y)
+
+    def _apply_eager(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         xf = x.to(cos.dtype)
         if self.interleaved:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
