@@ -658,32 +658,33 @@ def greedy_chain(
     """The k greedy Markov steps for every session at once: tokens [N, k] and confidence (or None).
 
     ``sts``: the confidence head's per-step temperatures [block]. Each step's argmax reads the base
-    logits and forms the low-rank Markov bias (W2 e) tile by tile in one kernel
-    (``fused.markov_argmax_lowrank``): the same float32 sums the eager sampler compares (the bias
-    rounded to the model dtype first, as ``F.linear`` writes it), never written out, in vocab order
-    on even steps and reversed on odd ones so each step begins where the L2 still holds W2. The confidence
-    of all k steps is one GEMV after the chain (its features, [z_j; e_j], are known by then). A
+    logits and forms the low-rank Markov bias (W2 e, e the previous token's W1 row, gathered in the
+    kernel) tile by tile (``fused.markov_argmax_lowrank``): the same float32 sums the eager sampler
+    compares (the bias rounded to the model dtype first, as ``F.linear`` writes it), never written
+    out, in vocab order on even steps and reversed on odd ones so each step begins where the L2 still
+    holds W2; its final pass maps the draft id to the target id. The confidence of all k steps is
+    one GEMV after the chain (its features, [z_j; e_j], are known by then). A
     ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round differently)."""
     fused_argmax = m.cfg.logit_scale == 1.0 and m.dtype in (torch.bfloat16, torch.float16, torch.float32)
     base = gemm.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
     w2 = m.markov_w2
     lowrank = w2 is not None and w2.dim() == 2 and m.markov_w1 is not None and m.markov_w1.dtype == w2.dtype
     prev = anchors
-    toks, embs = [], []
+    toks = []
     for j in range(k):
-        e = m.markov_embed(prev)
-        embs.append(e)
-        if fused_argmax:
-            if lowrank:
-                best = fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=j % 2 == 1)
-            else:
-                best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, w2))
+        if fused_argmax and lowrank:  # embedding, bias, argmax and d2t in two launches
+            prev = fused.markov_argmax_lowrank(base[:, j], prev, m.markov_w1, w2, reverse=j % 2 == 1, d2t=m.d2t)
         else:
-            best = (base[:, j] if e is None else base[:, j] + m.markov_bias(e)).argmax(-1)
-        prev = m.to_target_ids(best)
+            e = m.markov_embed(prev)
+            if fused_argmax:
+                best = fused.markov_argmax(base[:, j], None if e is None else F.linear(e, w2))
+            else:
+                best = (base[:, j] if e is None else base[:, j] + m.markov_bias(e)).argmax(-1)
+            prev = m.to_target_ids(best)
         toks.append(prev)
+    tokens = torch.stack(toks, dim=1)
     conf = None
-    if m.conf_w is not None:
-        e_all = None if embs[0] is None else torch.stack(embs, dim=1)  # [N, k, rank]
+    if m.conf_w is not None:  # step j's Markov features: the embedding of the token before it
+        e_all = m.markov_embed(torch.cat([anchors[:, None], tokens[:, : k - 1]], dim=1))  # [N, k, rank] or None
         conf = torch.sigmoid(m.confidence_logit(z[:, :k], e_all).to(m.acc) / sts[:k])
-    return torch.stack(toks, dim=1), conf
+    return tokens, conf

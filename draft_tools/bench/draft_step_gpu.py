@@ -99,12 +99,15 @@ def markov_order(d: DSparkDrafter, dev: torch.device) -> dict[str, float]:
     out: dict[str, float] = {"w2_bytes": float(w2.numel() * w2.element_size())}
     for n in (1, 64):
         base = torch.randn(n, K, w2.shape[0], dtype=m.dtype, device=dev)
-        e = torch.randn(n, w2.shape[1], dtype=w2.dtype, device=dev)
+        w1 = torch.randn(n, w2.shape[1], dtype=w2.dtype, device=dev)  # one Markov row per session
+        prev = torch.arange(n, device=dev)
         for name, alternate in (("same_order", False), ("alternating", True)):
 
-            def chain(alternate: bool = alternate, base: torch.Tensor = base, e: torch.Tensor = e) -> None:
+            def chain(
+                alternate: bool = alternate, base: torch.Tensor = base, w1: torch.Tensor = w1, prev: torch.Tensor = prev
+            ) -> None:
                 for j in range(K):
-                    fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=alternate and j % 2 == 1)
+                    fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=alternate and j % 2 == 1)
 
             chain()
             torch.cuda.synchronize()

@@ -1,11 +1,13 @@
-"""The draft step with the fused RoPE kernels against the step before them, in one process (GPU).
+"""The draft step with fewer, fused kernels against the step before them, in one process (GPU).
 
 What changed (``kernels/fused.py``): the step's cos/sin in one kernel (float64 in registers) instead
 of eight float64 tensor ops, the MLA cached token (RMSNorm of the latent + RoPE of the key) in one
 kernel instead of three, the query's RoPE written straight into FlashMLA's query buffer instead of
-a copy after, and a GQA head's RMSNorm + RoPE in one kernel. One drafter per preset, captured twice:
-once with the model's ``rope`` and ``_latent`` swapped for the compositions they replace
-(``unfused``), once as shipped (``fused``); both FastSteps share the weights, the KV cache and the
+a copy after, a GQA head's RMSNorm + RoPE in one kernel, and each greedy Markov step in two kernels
+(the embedding gathered inside the argmax kernel, d2t applied in its final pass). One drafter per
+preset, captured twice: once with the model's ``rope`` and ``_latent``, ``gqa.rms_rope`` and
+``step.greedy_chain`` swapped for the compositions they replace (``unfused``), once as shipped
+(``fused``); both FastSteps share the weights, the KV cache and the
 GEMM tuner's choices, so only the fusion differs. Steps of 3 new rows + 7 drafts per session at
 1,024 context rows (CUDA graphs; taps in registered host memory) are timed interleaved, rounds
 alternating which goes first, at each B, beside the floor measured in the same run; kernels and
@@ -28,6 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from draft_server.models import gemm
+from draft_server.models import step as step_mod
+from draft_server.models.kernels import fused
 from draft_server.models.layers import gqa
 from draft_server.models.layers.ops import Rope, rms_norm
 from draft_server.models.presets import PRESETS, random_drafter
@@ -76,6 +81,24 @@ def _unfused_rms_rope(x, w, eps, rope, cos, sin):  # type: ignore[no-untyped-def
     return rope.apply(rms_norm(x, w, eps), cos, sin)
 
 
+def _unfused_chain(m, z, anchors, k, sts):  # type: ignore[no-untyped-def]
+    """The greedy Markov chain before the embedding and d2t moved into its kernels: per step an
+    embedding, the argmax kernels, and d2t's gather and add (``step.greedy_chain``'s arithmetic)."""
+    base = gemm.linear(z[:, :k], m.lm_head)
+    prev, toks, embs = anchors, [], []
+    rows = torch.arange(anchors.shape[0], device=anchors.device)
+    for j in range(k):
+        e = m.markov_embed(prev)
+        embs.append(e)
+        best = fused.markov_argmax_lowrank(base[:, j], rows, e, m.markov_w2, reverse=j % 2 == 1)
+        prev = m.to_target_ids(best)
+        toks.append(prev)
+    conf = None
+    if m.conf_w is not None:
+        conf = torch.sigmoid(m.confidence_logit(z[:, :k], torch.stack(embs, dim=1)).to(m.acc) / sts[:k])
+    return torch.stack(toks, dim=1), conf
+
+
 def bench_preset(
     name: str, floors: dict[str, float], rounds: int, steps: int, dev: torch.device, sizes: tuple[int, ...] = SIZES
 ) -> dict[str, Any]:
@@ -85,7 +108,7 @@ def bench_preset(
     d = random_drafter(PRESETS[name], dev, 8 << 30 if dev.type == "cuda" else 64 << 20, dtype, attention="paged")
     res["weights_s"] = time.perf_counter() - t0
     m = d.model
-    fused_rope, fused_rms_rope = m.rope, gqa.rms_rope
+    fused_rope, fused_rms_rope, fused_chain = m.rope, gqa.rms_rope, step_mod.greedy_chain
     unfused_rope = UnfusedRope.__new__(UnfusedRope)
     unfused_rope.__dict__.update(fused_rope.__dict__)
     fasts = {}
@@ -93,13 +116,14 @@ def bench_preset(
         if mode == "unfused":
             m.rope = unfused_rope
             gqa.rms_rope = _unfused_rms_rope
+            step_mod.greedy_chain = _unfused_chain
             if hasattr(m, "lat"):
                 m._latent = _unfused_latent(m)
         t0 = time.perf_counter()
         try:
             res[f"{mode}_prepare"] = d.prepare(64, 4096)
         finally:
-            m.rope, gqa.rms_rope = fused_rope, fused_rms_rope
+            m.rope, gqa.rms_rope, step_mod.greedy_chain = fused_rope, fused_rms_rope, fused_chain
             m.__dict__.pop("_latent", None)
         res[f"{mode}_prepare_s"] = time.perf_counter() - t0
         fasts[mode] = d.fast

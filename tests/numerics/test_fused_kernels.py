@@ -104,9 +104,10 @@ def test_markov_argmax_equals_eager_argmax_of_the_float32_sum(dtype: torch.dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N", [1, 5, 20])
 def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: torch.dtype, N: int) -> None:
-    """The low-rank bias formed inside the kernel (e @ W2^T, rounded to the model dtype as F.linear
-    writes it) gives the argmax of base + F.linear(e, W2): strided base rows, several vocab blocks and
-    session blocks, a rank that is not a power of two, a tie across blocks, NaN in one row."""
+    """The low-rank bias formed inside the kernel (e = W1[prev] gathered there, e @ W2^T rounded to
+    the model dtype as F.linear writes it) gives the argmax of base + F.linear(e, W2), and with d2t
+    the target id: strided base rows, several vocab blocks and session blocks, a rank that is not a
+    power of two, a tie across blocks, NaN in one row."""
     g = torch.Generator().manual_seed(11)
     k, V, R = 3, 3 * fused.MARKOV_BLOCK_V + 37, 24
     base = torch.randn(N, k, V, generator=g).to(dtype).to(DEV)
@@ -117,11 +118,16 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: to
     base[0, 1, V - 2] = 90 - bias[0, V - 2].float()
     if N > 2:
         base[2, 0, 11] = float("nan")
+    w1 = torch.cat([torch.randn(7, R, generator=g).to(dtype).to(DEV), e])  # the embedding table, e its last rows
+    prev = torch.arange(7, 7 + N, device=DEV).repeat_interleave(2)[::2]  # each one's row of e; strided
+    d2t = torch.randint(0, 50, (V,), generator=g).to(DEV)
     for j in range(k):
         want = fused.markov_argmax(base[:, j], bias)
         for reverse in (False, True):  # the chain alternates the launch order of the vocab blocks
-            got = fused.markov_argmax_lowrank(base[:, j], e, w2, reverse=reverse)
+            got = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse)
             assert torch.equal(got, want), (j, reverse, got, want)
+            mapped = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse, d2t=d2t)
+            assert torch.equal(mapped, want + d2t[want])  # target ids: id + d2t[id]
         assert torch.equal(got, (base[:, j].float() + bias.float()).argmax(-1)) or N > 2
 
 

@@ -349,7 +349,8 @@ def _argmax_partial_kernel(
 
 
 @triton.jit
-def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr):
+def _argmax_final_kernel(PMAX, PIDX, OUT, D2T, n_blocks, HAS_D2T: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Row n's first index of its largest block maximum; with D2T the target id: index + D2T[index]."""
     n = tl.program_id(0)
     b = tl.arange(0, BLOCK_B)
     mask = b < n_blocks
@@ -357,7 +358,10 @@ def _argmax_final_kernel(PMAX, PIDX, OUT, n_blocks, BLOCK_B: tl.constexpr):
     i = tl.load(PIDX + n * n_blocks + b, mask=mask, other=0)
     best = tl.max(m, 0)
     big = tl.full([BLOCK_B], 2147483647, tl.int32)
-    tl.store(OUT + n, tl.min(tl.where(mask & (m == best), i, big), 0).to(tl.int64))
+    idx = tl.min(tl.where(mask & (m == best), i, big), 0).to(tl.int64)
+    if HAS_D2T:
+        idx = idx + tl.load(D2T + idx).to(tl.int64)
+    tl.store(OUT + n, idx)
 
 
 def markov_argmax(base: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -387,10 +391,16 @@ def _argmax_buffers(N: int, n_blocks: int, device: torch.device) -> tuple[torch.
     return pmax, pidx, torch.empty((N,), dtype=torch.int64, device=device)
 
 
-def _argmax_finish(pmax: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Each row's first index of its largest block maximum (``_argmax_final_kernel``)."""
+def _argmax_finish(
+    pmax: torch.Tensor, pidx: torch.Tensor, out: torch.Tensor, d2t: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's first index of its largest block maximum (``_argmax_final_kernel``), mapped through
+    ``d2t`` (target id = index + d2t[index]) when given."""
     n_blocks = pmax.shape[1]
-    _argmax_final_kernel[(out.shape[0],)](pmax, pidx, out, n_blocks, BLOCK_B=max(16, triton.next_power_of_2(n_blocks)))
+    _argmax_final_kernel[(out.shape[0],)](
+        pmax, pidx, out, out if d2t is None else d2t, n_blocks, HAS_D2T=d2t is not None,
+        BLOCK_B=max(16, triton.next_power_of_2(n_blocks)),
+    )  # fmt: skip
     return out
 
 
@@ -400,19 +410,21 @@ _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as 
 
 @triton.jit
 def _markov_partial_kernel(
-    BASE, E, W2, PMAX, PIDX, N, V, s_base, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
+    BASE, PREV, W1, W2, PMAX, PIDX, N, V, s_base, s_prev, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
     REVERSE: tl.constexpr,
 ):  # fmt: skip
-    """Vocab block b, sessions n0..n0+BLOCK_N: bias = e @ W2[block]^T (rounded to the model dtype,
-    as ``F.linear`` writes it), x = base + bias in float32, and each row's max and its first index.
+    """Vocab block b, sessions n0..n0+BLOCK_N: e = W1[PREV[n]] (the Markov embedding of the session's
+    previous token), bias = e @ W2[block]^T (rounded to the model dtype, as ``F.linear`` writes it),
+    x = base + bias in float32, and each row's max and its first index.
     REVERSE: program i takes block n_blocks - 1 - i (the blocks, and what each stores, are the same)."""
     b = n_blocks - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     v = b * BLOCK_V + tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
     nmask, vmask, rmask = n < N, v < V, r < R
-    e = tl.load(E + n[:, None].to(tl.int64) * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
+    prev = tl.load(PREV + n * s_prev, mask=nmask, other=0).to(tl.int64)
+    e = tl.load(W1 + prev[:, None] * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
     w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
         e = e.to(tl.float32)
@@ -435,28 +447,40 @@ def _markov_partial_kernel(
     tl.store(PIDX + n * n_blocks + b, i, mask=nmask)
 
 
-def markov_argmax_lowrank(base: torch.Tensor, e: torch.Tensor, w2: torch.Tensor, reverse: bool = False) -> torch.Tensor:
-    """``markov_argmax(base, F.linear(e, w2))`` without the bias ever in memory: the low-rank Markov
-    bias (e [N, R] times W2 [V, R]) is formed tile by tile beside the base logits [N, V], rounded to
-    e's dtype as ``F.linear`` would write it, and only each block's max and index are stored. One read
-    of W2 and of base per step instead of a GEMM, its split-K reduction, and an argmax pass.
+def markov_argmax_lowrank(
+    base: torch.Tensor,
+    prev: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    reverse: bool = False,
+    d2t: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One greedy Markov step: the target id of ``markov_argmax(base, F.linear(W1[prev], w2))`` (prev
+    [N], any stride: a column of the block's ids), without
+    the embedding, the bias or the draft id ever in memory. The low-rank Markov bias (e = W1[prev]
+    [N, R] times W2 [V, R]) is formed tile by tile beside the base logits [N, V], rounded to W1's dtype
+    as ``F.linear`` would write it, and only each block's max and index are stored; the final pass
+    maps the draft id through ``d2t`` (target id = id + d2t[id]). One read of W2 and of base per step,
+    two launches, instead of an embedding, a GEMM, its split-K reduction, an argmax and a gather.
 
     ``reverse``: launch the vocab blocks last first. The chain alternates, so each step starts on
     the part of W2 (84 MB at K3 size, past the L2) that the step before read last and the L2 still
     holds. The result is the same either way: every block stores its own max and first index."""
     N, V = base.shape
-    R = e.shape[1]
-    if base.stride(1) != 1 or e.stride(1) != 1 or w2.stride(1) != 1 or w2.shape != (V, R) or e.shape[0] != N:
-        raise ValueError("base [N, V], e [N, R] and w2 [V, R] need contiguous last dims")
+    R = w1.shape[1]
+    if base.stride(1) != 1 or w1.stride(1) != 1 or w2.stride(1) != 1 or w2.shape != (V, R) or prev.shape != (N,):
+        raise ValueError("base [N, V], prev [N], w1 [vocab, R] and w2 [V, R] need contiguous last dims")
+    if w1.dtype != w2.dtype:
+        raise ValueError("w1 and w2 must share a dtype")
     n_blocks = triton.cdiv(V, MARKOV_BLOCK_V)
     pmax, pidx, out = _argmax_buffers(N, n_blocks, base.device)
     if N == 0:
         return out
     block_n = 16 if N <= 16 else 64
     _markov_partial_kernel[(n_blocks, triton.cdiv(N, block_n))](
-        base, e, w2, pmax, pidx, N, V, base.stride(0), e.stride(0), w2.stride(0), n_blocks,
-        ROUND=_ROUND[e.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
+        base, prev, w1, w2, pmax, pidx, N, V, base.stride(0), prev.stride(0), w1.stride(0), w2.stride(0), n_blocks,
+        ROUND=_ROUND[w1.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
         BLOCK_R=max(16, triton.next_power_of_2(R)), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
         REVERSE=reverse, num_warps=4,
     )  # fmt: skip
-    return _argmax_finish(pmax, pidx, out)
+    return _argmax_finish(pmax, pidx, out, d2t)
