@@ -35,7 +35,14 @@ Query = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # MLA may pass (q_lat,
 class AttentionContext(Protocol):
     """Where a layer's block rows find their context."""
 
-    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor: ...
+    def attend(self, layer: int, q: Query, blk: torch.Tensor | None) -> torch.Tensor:
+        """The attention output; ``blk`` None: the block's tokens are in place already (``block_slots``)."""
+        ...
+
+    def block_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a layer may write its block's own cache tokens itself: (this layer's cache
+        [1, slots, *token_shape], the block rows' slots [N * B]); None: pass them to ``attend``."""
+        ...
 
     def query_buffer(self, n: int) -> torch.Tensor | None:
         """Where an MLA layer writes its whole query [n, B, H, 576] when the kernel reads it so
@@ -93,11 +100,15 @@ class PagedContext:
         flash = self.batch.flash
         return None if flash is None else flash.q[:n]  # type: ignore[attr-defined]
 
-    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
+    def block_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.cache.slots_view()[layer : layer + 1], self.batch.slots  # type: ignore[attr-defined]
+
+    def attend(self, layer: int, q: Query, blk: torch.Tensor | None) -> torch.Tensor:
         from draft_server.models.kernels.paged_attention import gqa_paged_attention, mla_paged_attention
 
         b, cache = self.batch, self.cache
-        cache.write_layer(layer, b.slots, blk.reshape(-1, *blk.shape[2:]))  # type: ignore[attr-defined]
+        if blk is not None:
+            cache.write_layer(layer, b.slots, blk.reshape(-1, *blk.shape[2:]))  # type: ignore[attr-defined]
         kv = cache.layer(layer)  # type: ignore[attr-defined]
         q, q_rope = q if isinstance(q, tuple) else (q, None)
         args = (q, kv, b.pages, b.first, b.lo, b.pos)
@@ -139,7 +150,12 @@ class DenseContext:
     def query_buffer(self, n: int) -> torch.Tensor | None:
         return None
 
-    def attend(self, layer: int, q: Query, blk: torch.Tensor) -> torch.Tensor:
+    def block_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def attend(self, layer: int, q: Query, blk: torch.Tensor | None) -> torch.Tensor:
+        if blk is None:
+            raise ValueError("a dense context takes the block's tokens in attend")
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         tokens = torch.cat([self.ctx(layer), blk.to(q.dtype)], dim=1)

@@ -245,7 +245,7 @@ class DSparkDrafter(Drafter):
         for a in range(0, len(pos), INGEST_CHUNK_ROWS):
             b = a + INGEST_CHUNK_ROWS
             c = context_rows(m, rows[a:b], fmt)
-            self.cache.write(slots_t[a:b], m.context_kv(c, pos_t[a:b]))
+            m.write_context(self.cache, slots_t[a:b], c, pos_t[a:b])
 
     @torch.inference_mode()
     def draft(self, items: Sequence[DraftItem]) -> list[DraftOut]:

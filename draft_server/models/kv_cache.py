@@ -129,6 +129,11 @@ class PagedKVCache:
         """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
         self._flat.index_copy_(1, slots, rows.to(self.data.dtype))
 
+    def slots_view(self) -> torch.Tensor:
+        """Every layer's slots: [num_layers, (num_pages + 1) * page_size, *token_shape], a view (kernels
+        that write rows at their slots themselves)."""
+        return self._flat
+
     def write_layer(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [R, *token_shape] of one layer -> their slots."""
         self._flat[layer].index_copy_(0, slots, rows.to(self.data.dtype))

@@ -93,6 +93,10 @@ class DSparkModel:
         """Fused context projection into every layer's cache rows: [L, R, *token_shape]."""
         raise NotImplementedError
 
+    def write_context(self, cache: Any, slots: torch.Tensor, c: torch.Tensor, positions: torch.Tensor) -> None:
+        """Fused context rows c [R, H] at ``positions`` into every layer's cache at ``slots`` (distinct)."""
+        cache.write(slots, self.context_kv(c, positions))
+
     def attention(
         self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:

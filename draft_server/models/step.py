@@ -284,7 +284,7 @@ class FastStep:
         c = context_rows(m, self._rows(self.rows, fmt)[:r], fmt)
         self.ing_slots64[:r].copy_(self.ing[:r])
         positions = self.ing[self.r_max : self.r_max + r]
-        self.cache.write(self.ing_slots64[:r], m.context_kv(c, positions))
+        m.write_context(self.cache, self.ing_slots64[:r], c, positions)
 
     # ------------------------------------------------------------------ capture
 

@@ -1,18 +1,18 @@
 """The draft step with fewer, fused kernels against the step before them, in one process (GPU).
 
 What changed (``kernels/fused.py``): the step's cos/sin in one kernel (float64 in registers) instead
-of eight float64 tensor ops, the MLA cached token (RMSNorm of the latent + RoPE of the key) in one
-kernel instead of three, the query's RoPE written straight into FlashMLA's query buffer instead of
-a copy after, a GQA head's RMSNorm + RoPE in one kernel, and each greedy Markov step in two kernels
-(the embedding gathered inside the argmax kernel, d2t applied in its final pass). One drafter per
-preset, captured twice: once with the model's ``rope`` and ``_latent``, ``gqa.rms_rope`` and
-``step.greedy_chain`` swapped for the compositions they replace (``unfused``), once as shipped
-(``fused``); both FastSteps share the weights, the KV cache and the
-GEMM tuner's choices, so only the fusion differs. Steps of 3 new rows + 7 drafts per session at
-1,024 context rows (CUDA graphs; taps in registered host memory) are timed interleaved, rounds
-alternating which goes first, at each B, beside the floor measured in the same run; kernels and
-host syncs per step (torch.profiler) at 1 and 64 sessions; and whether the two give the same greedy
-drafts (they must: the arithmetic is the same).
+of eight float64 tensor ops; the MLA cached token (RMSNorm of the latent + RoPE of the key) in one
+kernel instead of three, written straight into its cache slots (no index_copy); the query's RoPE
+written straight into FlashMLA's query buffer instead of a copy after; a GQA head's RMSNorm + RoPE
+in one kernel; each greedy Markov step in two kernels (the embedding gathered inside the argmax
+kernel, d2t applied in its final pass). One drafter per preset, captured twice: once with the
+model's ``rope``, ``_latent`` and ``_fused_latent``, ``gqa.rms_rope`` and ``step.greedy_chain``
+swapped for the compositions they replace (``unfused``), once as shipped (``fused``); both
+FastSteps share the weights, the KV cache and the GEMM tuner's choices, so only the fusion differs.
+Steps of 3 new rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered
+host memory) are timed interleaved, rounds alternating which goes first, at each B, beside the
+floor measured in the same run; kernels and host syncs per step (torch.profiler) at 1 and 64
+sessions; and whether the two give the same greedy drafts (they must: the arithmetic is the same).
 
     python3 -m draft_tools.bench.fused_step --out bench/results/fused_step_h200.json [--presets k3,qwen3-8b]
 """
@@ -67,9 +67,8 @@ class UnfusedRope(Rope):
 def _unfused_latent(m: Any) -> Any:
     """K3's cached token as three kernels (RMSNorm, RoPE, concatenation), as before ``fused.mla_latent``."""
 
-    def latent(
-        kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers_first: bool = False
-    ):
+    def latent(kv, norm_w, cos, sin, layers_first=False, into=None):  # type: ignore[no-untyped-def]
+        assert into is None  # _fused_latent is False on this side: the cache write is index_copy's
         c = rms_norm(kv[..., : m.lat], norm_w, m.eps)
         tok = torch.cat([c, m.rope.apply(kv[..., m.lat :], cos[:, None], sin[:, None])], dim=-1)
         return tok.transpose(0, 1) if layers_first else tok
@@ -119,12 +118,14 @@ def bench_preset(
             step_mod.greedy_chain = _unfused_chain
             if hasattr(m, "lat"):
                 m._latent = _unfused_latent(m)
+                m._fused_latent = lambda kv, cos: False
         t0 = time.perf_counter()
         try:
             res[f"{mode}_prepare"] = d.prepare(64, 4096)
         finally:
             m.rope, gqa.rms_rope, step_mod.greedy_chain = fused_rope, fused_rms_rope, fused_chain
             m.__dict__.pop("_latent", None)
+            m.__dict__.pop("_fused_latent", None)
         res[f"{mode}_prepare_s"] = time.perf_counter() - t0
         fasts[mode] = d.fast
         log(f"{name} {mode}: captured in {res[f'{mode}_prepare_s']:.1f} s")

@@ -186,6 +186,15 @@ def test_mla_latent_is_rms_norm_then_rope_then_the_concatenation(dtype: torch.dt
     torch.testing.assert_close(got, eager, **tol)
     one = fused.mla_latent(kv[:, 1:2], w[1], cos, sin, 1e-6, interleaved)
     assert torch.equal(one, want[:, 1:2])
+    cache = torch.zeros(L, 3 * R, lat + 16, dtype=dtype, device=DEV)  # [layers, slots, token]
+    slots = torch.randperm(3 * R, generator=g)[:R].to(DEV, torch.int32)
+    assert fused.mla_latent(kv, w, cos, sin, 1e-6, interleaved, into=(cache, slots)) is cache
+    assert torch.equal(cache[:, slots.long()], want.transpose(0, 1))  # each row at its slot, every layer
+    rest = torch.ones(3 * R, dtype=torch.bool)
+    rest[slots.long().cpu()] = False
+    assert not cache[:, rest.to(DEV)].any()  # nothing else written
+    with pytest.raises(ValueError, match="takes these rows"):
+        fused.mla_latent(kv, w, cos, sin, 1e-6, interleaved, into=(cache.double(), slots))
     with pytest.raises(ValueError, match="cos/sin"):
         fused.mla_latent(kv, w, cos[:2], sin[:2], 1e-6, interleaved)
 

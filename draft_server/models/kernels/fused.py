@@ -266,16 +266,18 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mul: torch.Tensor) 
 
 @triton.jit
 def _mla_latent_kernel(
-    KV, W, C, S, OUT, H1, skv0, skv1, sw, sc, so0, so1, eps, LAT: tl.constexpr, HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+    KV, W, C, S, OUT, SLOTS, H1, skv0, skv1, sw, sc, so0, so1, eps, LAT: tl.constexpr, HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, SCATTER: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """One cached MLA token from a raw kv_a row [LAT + 2 * HALF]: RMSNorm of the latent (``_rms_kernel``'s
-    arithmetic), RoPE of the key part (``_rope_kernel``'s), both into OUT's row (l, r) = (i1, i0)."""
+    arithmetic), RoPE of the key part (``_rope_kernel``'s), both into OUT's row (l, r) = (i1, i0), or
+    with SCATTER into row (l, SLOTS[r]) (a cache slot)."""
     row = tl.program_id(0)
     i1 = row % H1
     i0 = row // H1
     src = KV + i0.to(tl.int64) * skv0 + i1 * skv1
-    dst = OUT + i0.to(tl.int64) * so0 + i1.to(tl.int64) * so1
+    at = tl.load(SLOTS + i0).to(tl.int64) if SCATTER else i0.to(tl.int64)
+    dst = OUT + at * so0 + i1.to(tl.int64) * so1
     d = tl.arange(0, BLOCK_L)
     dmask = d < LAT
     x = tl.load(src + d, mask=dmask, other=0.0).to(tl.float32)
@@ -293,14 +295,15 @@ def _mla_latent_kernel(
 
 def mla_latent(
     kv: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, interleaved: bool,
-    layers_first: bool = False,
+    layers_first: bool = False, into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Cached MLA tokens ``[RMSNorm(latent) * w ; RoPE(key)]`` from raw kv_a rows in one launch.
 
     kv [R, L, LAT + rope] (any strides but the last): R rows (positions) of L layers; w [L, LAT]
     (or [LAT] for L = 1); cos/sin float32 [R, rope/2] (contiguous rows). Returns [R, L, LAT + rope],
-    or [L, R, LAT + rope] with ``layers_first`` (what the cache write takes). The same arithmetic
-    as ``rms_norm`` then ``rope`` then a concatenation."""
+    or [L, R, LAT + rope] with ``layers_first``; with ``into`` = (cache [L, slots, LAT + rope], slots
+    [R] int32/int64) row r of layer l lands in cache[l, slots[r]] (distinct slots) and the cache is
+    returned. The same arithmetic as ``rms_norm`` then ``rope`` then a concatenation."""
     R, L, width = kv.shape
     half = cos.shape[-1]
     lat = width - 2 * half
@@ -311,12 +314,23 @@ def mla_latent(
         raise ValueError("cos/sin must be contiguous float32 [rows, rope/2]")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32:
         raise ValueError("cos/sin must be float32")
-    out = torch.empty((L, R, width) if layers_first else (R, L, width), dtype=kv.dtype, device=kv.device)
-    so0, so1 = (out.stride(1), out.stride(0)) if layers_first else (out.stride(0), out.stride(1))
+    if into is not None:
+        out, slots = into
+        if out.dim() != 3 or out.shape[0] != L or out.shape[2] != width or out.stride(-1) != 1 or out.dtype != kv.dtype:
+            raise ValueError(
+                f"a cache of {L} layers of {width} {kv.dtype} values takes these rows, not {list(out.shape)}"
+            )
+        if slots.shape != (R,) or slots.stride(0) != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise ValueError("slots must be a contiguous int32/int64 [rows]")
+        so0, so1 = out.stride(1), out.stride(0)
+    else:
+        out = torch.empty((L, R, width) if layers_first else (R, L, width), dtype=kv.dtype, device=kv.device)
+        slots = out  # unread
+        so0, so1 = (out.stride(1), out.stride(0)) if layers_first else (out.stride(0), out.stride(1))
     if R * L:
         _mla_latent_kernel[(R * L,)](
-            kv, w2, cos, sin, out, L, kv.stride(0), kv.stride(1), w2.stride(0), half, so0, so1, eps,
-            LAT=lat, HALF=half, INTERLEAVED=interleaved, BLOCK_L=triton.next_power_of_2(lat),
+            kv, w2, cos, sin, out, slots, L, kv.stride(0), kv.stride(1), w2.stride(0), half, so0, so1, eps,
+            LAT=lat, HALF=half, INTERLEAVED=interleaved, SCATTER=into is not None, BLOCK_L=triton.next_power_of_2(lat),
             BLOCK_H=triton.next_power_of_2(half), num_warps=1,  # as ``rms_norm`` launches a row of 512
         )  # fmt: skip
     return out

@@ -11,6 +11,8 @@ latent goes through W_UV (the V half) and ``o_proj``. Nothing divides hidden_siz
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from draft_server.models.attention import AttentionContext, Query, TokenLayout
@@ -56,15 +58,28 @@ class K3DSpark(DSparkModel):
         parts = [f.parts[1] if f else DenseLinear(f"kv_a.{i}", kv[i * n : (i + 1) * n]) for i, f in enumerate(fused)]
         self.kv_a_all = FusedLinear("context_kv_proj", parts)
 
+    def _fused_latent(self, kv: torch.Tensor, cos: torch.Tensor) -> bool:
+        return kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32
+
     def _latent(
-        self, kv: torch.Tensor, norm_w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layers_first: bool = False
+        self,
+        kv: torch.Tensor,
+        norm_w: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layers_first: bool = False,
+        into: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """kv [R, L, 576] raw kv_a output of R rows (positions) in L layers, cos/sin [R, rope/2] -> cached
-        tokens [R, L, 576] ([L, R, 576] with ``layers_first``); on a GPU in one kernel (``fused.mla_latent``)."""
-        if kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32:
+        tokens [R, L, 576] ([L, R, 576] with ``layers_first``); on a GPU in one kernel (``fused.mla_latent``),
+        which writes them straight into cache slots with ``into`` (cache [L, slots, 576], slots [R])."""
+        if self._fused_latent(kv, cos):
             from draft_server.models.kernels.fused import mla_latent
 
-            return mla_latent(kv, norm_w, cos, sin, self.eps, self.rope.interleaved, layers_first=layers_first)
+            eps, inter = self.eps, self.rope.interleaved
+            return mla_latent(kv, norm_w, cos, sin, eps, inter, layers_first=layers_first, into=into)
+        if into is not None:
+            raise ValueError("rows go into cache slots only through the fused kernel")
         c = rms_norm(kv[..., : self.lat], norm_w, self.eps)
         tok = torch.cat([c, self.rope.apply(kv[..., self.lat :], cos[:, None], sin[:, None])], dim=-1)
         return tok.transpose(0, 1) if layers_first else tok
@@ -74,6 +89,17 @@ class K3DSpark(DSparkModel):
         kv = self.linear(c, self.kv_a_all).view(R, L, -1)
         cos, sin = self.rope.cos_sin(positions, self.acc)
         return self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True)  # [L, R, 576]
+
+    def write_context(self, cache: Any, slots: torch.Tensor, c: torch.Tensor, positions: torch.Tensor) -> None:
+        """On a GPU the cached tokens go from the latent kernel straight into their slots (no index_copy)."""
+        R, L = c.shape[0], self.cfg.num_layers
+        kv = self.linear(c, self.kv_a_all).view(R, L, -1)
+        cos, sin = self.rope.cos_sin(positions, self.acc)
+        dest = cache.slots_view()
+        if self._fused_latent(kv, cos) and dest.dtype == kv.dtype:
+            self._latent(kv, self.kv_a_norm, cos, sin, into=(dest, slots))
+        else:
+            cache.write(slots, self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True))
 
     def attention(
         self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
@@ -98,8 +124,13 @@ class K3DSpark(DSparkModel):
             self.rope.apply(q[..., nope:], c, s, out=whole[..., self.lat :])
             query = whole
         kv = qkv_a[..., cfg.q_lora_rank :].reshape(N * B, 1, -1)  # a view: qkv_a's rows are evenly strided
-        blk = self._latent(kv, w[p + "kv_a_layernorm.weight"], cos.reshape(N * B, -1), sin.reshape(N * B, -1))
-        o = ctx.attend(i, query, blk.view(N, B, -1))  # [N, B, nh, 512], head- or row-major: read through its strides
+        cos2, sin2 = cos.reshape(N * B, -1), sin.reshape(N * B, -1)
+        dest = ctx.block_slots(i) if self._fused_latent(kv, cos2) else None
+        if dest is not None and dest[0].dtype != kv.dtype:  # the cache rounds what it takes: index_copy does
+            dest = None
+        blk = self._latent(kv, w[p + "kv_a_layernorm.weight"], cos2, sin2, into=dest)
+        # the block's own tokens: in the cache already (dest), or for the context to place
+        o = ctx.attend(i, query, None if dest is not None else blk.view(N, B, -1))  # [N, B, nh, 512]
         out = torch.empty(N * B, nh, cfg.v_head_dim, dtype=o.dtype, device=o.device)
         torch.bmm(o.reshape(N * B, nh, self.lat).transpose(0, 1), self.w_uv[i].transpose(1, 2), out=out.transpose(0, 1))
         return out.view(N, B, nh * cfg.v_head_dim)
