@@ -4,15 +4,16 @@ What changed (``kernels/fused.py``): the step's cos/sin in one kernel (float64 i
 of eight float64 tensor ops; the MLA cached token (RMSNorm of the latent + RoPE of the key) in one
 kernel instead of three, written straight into its cache slots (no index_copy); the query's RoPE
 written straight into FlashMLA's query buffer instead of a copy after; a GQA head's RMSNorm + RoPE
-in one kernel; each greedy Markov step in two kernels (the embedding gathered inside the argmax
-kernel, d2t applied in its final pass). One drafter per preset, captured twice: once with the
-model's ``rope``, ``_latent`` and ``_fused_latent``, ``gqa.rms_rope`` and ``step.greedy_chain``
-swapped for the compositions they replace (``unfused``), once as shipped (``fused``); both
-FastSteps share the weights, the KV cache and the GEMM tuner's choices, so only the fusion differs.
-Steps of 3 new rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered
-host memory) are timed interleaved, rounds alternating which goes first, at each B, beside the
-floor measured in the same run; kernels and host syncs per step (torch.profiler) at 1 and 64
-sessions; and whether the two give the same greedy drafts (they must: the arithmetic is the same).
+in one kernel, and its K/V written into their slots by one kernel (no stack, no index_copy); each
+greedy Markov step in two kernels (the embedding gathered inside the argmax kernel, d2t applied in
+its final pass). One drafter per preset, captured twice: once with the model's ``rope``,
+``_latent``, ``_fused_latent`` / ``_fused_kv``, ``gqa.rms_rope`` and ``step.greedy_chain`` swapped
+for the compositions they replace (``unfused``), once as shipped (``fused``); both FastSteps share
+the weights, the KV cache and the GEMM tuner's choices, so only the fusion differs. Steps of 3 new
+rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered host memory)
+are timed interleaved, rounds alternating which goes first, at each B, beside the floor measured in
+the same run; kernels and host syncs per step (torch.profiler) at 1 and 64 sessions; and whether
+the two give the same greedy drafts (they must: the arithmetic is the same).
 
     python3 -m draft_tools.bench.fused_step --out bench/results/fused_step_h200.json [--presets k3,qwen3-8b]
 """
@@ -119,6 +120,8 @@ def bench_preset(
             if hasattr(m, "lat"):
                 m._latent = _unfused_latent(m)
                 m._fused_latent = lambda kv, cos: False
+            else:
+                m._fused_kv = lambda k, cos, cache: False
         t0 = time.perf_counter()
         try:
             res[f"{mode}_prepare"] = d.prepare(64, 4096)
@@ -126,6 +129,7 @@ def bench_preset(
             m.rope, gqa.rms_rope, step_mod.greedy_chain = fused_rope, fused_rms_rope, fused_chain
             m.__dict__.pop("_latent", None)
             m.__dict__.pop("_fused_latent", None)
+            m.__dict__.pop("_fused_kv", None)
         res[f"{mode}_prepare_s"] = time.perf_counter() - t0
         fasts[mode] = d.fast
         log(f"{name} {mode}: captured in {res[f'{mode}_prepare_s']:.1f} s")

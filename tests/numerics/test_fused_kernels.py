@@ -236,3 +236,26 @@ def test_rms_rope_is_rms_norm_then_rope(dtype: torch.dtype, interleaved: bool) -
     got = fused.rms_rope(kv, wl, cr[:, None, None], sr[:, None, None], 1e-6, interleaved)
     want = fused.rope(fused.rms_norm(kv, wl, 1e-6), cr[:, None, None], sr[:, None, None], interleaved)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_kv_writes_normed_roped_k_and_v_at_their_slots(dtype: torch.dtype) -> None:
+    """A GQA layer's cached tokens from one kernel: K = rms_rope (bit for bit), V as it came, both at
+    the rows' slots in every layer (K/V slices of one projection, per-layer k_norm); nothing else."""
+    rope = _k3_rope(False)
+    g = torch.Generator().manual_seed(25)
+    R, L, nkv, hd = 5, 3, 2, 16
+    kv = torch.randn(R, L, 2, nkv, hd, generator=g).to(DEV, dtype)  # one stacked K/V projection
+    w = torch.randn(L, hd, generator=g).to(DEV, dtype)
+    cos, sin = rope.cos_sin(torch.randint(0, 100000, (R,), generator=g).to(DEV), torch.float32)
+    cache = torch.zeros(L, 4 * R, 2, nkv, hd, dtype=dtype, device=DEV)
+    slots = torch.randperm(4 * R, generator=g)[:R].to(DEV)
+    assert fused.gqa_kv(kv[:, :, 0], kv[:, :, 1], w, cos, sin, 1e-6, False, into=(cache, slots)) is cache
+    k = fused.rms_rope(kv[:, :, 0], w[:, None, :], cos[:, None, None], sin[:, None, None], 1e-6, False)
+    assert torch.equal(cache[:, slots, 0], k.transpose(0, 1))
+    assert torch.equal(cache[:, slots, 1], kv[:, :, 1].transpose(0, 1))
+    rest = torch.ones(4 * R, dtype=torch.bool, device=DEV)
+    rest[slots] = False
+    assert not cache[:, rest].any()
+    with pytest.raises(ValueError, match="takes these rows"):
+        fused.gqa_kv(kv[:, :, 0], kv[:, :, 1], w, cos, sin, 1e-6, False, into=(cache[..., :8], slots))

@@ -171,18 +171,10 @@ def silu_mul_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 @triton.jit
-def _rms_rope_kernel(
-    X, W, C, S, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sc0, sc1, sc2, sy0, sy1, sy2, D, eps,
-    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-):  # fmt: skip
-    """RoPE of an RMSNormed row (a GQA head's q or k): ``_rms_kernel``'s arithmetic and rounding, then
-    ``_rope_kernel``'s on the rounded normed values; one read of the row, one write."""
-    r = tl.program_id(0)
-    i2 = r % H2
-    i1 = (r // H2) % H1
-    i0 = r // (H1 * H2)
-    xp = X + i0 * sx0 + i1 * sx1 + i2 * sx2
-    wp = W + i0 * sw0 + i1 * sw1 + i2 * sw2
+def _rms_rope_row(xp, wp, cp, sp, yp, D, eps, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """RoPE of one RMSNormed row at xp into yp: ``_rms_kernel``'s arithmetic and rounding, then
+    ``_rope_kernel``'s on the rounded normed values (weights at wp, cos/sin at cp/sp)."""
     d = tl.arange(0, BLOCK_D)
     x = tl.load(xp + d, mask=d < D, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
@@ -193,10 +185,78 @@ def _rms_rope_kernel(
     xb = tl.load(xp + b, mask=mask, other=0.0).to(tl.float32)
     wa = tl.load(wp + a, mask=mask, other=0.0).to(tl.float32)
     wb = tl.load(wp + b, mask=mask, other=0.0).to(tl.float32)
-    x1 = ((xa * rstd).to(Y.dtype.element_ty).to(tl.float32) * wa).to(Y.dtype.element_ty).to(tl.float32)
-    x2 = ((xb * rstd).to(Y.dtype.element_ty).to(tl.float32) * wb).to(Y.dtype.element_ty).to(tl.float32)
-    cp = i0 * sc0 + i1 * sc1 + i2 * sc2 + i
-    _rotate_store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2, a, b, x1, x2, C + cp, S + cp, mask)
+    x1 = ((xa * rstd).to(yp.dtype.element_ty).to(tl.float32) * wa).to(yp.dtype.element_ty).to(tl.float32)
+    x2 = ((xb * rstd).to(yp.dtype.element_ty).to(tl.float32) * wb).to(yp.dtype.element_ty).to(tl.float32)
+    _rotate_store(yp, a, b, x1, x2, cp + i, sp + i, mask)
+
+
+@triton.jit
+def _rms_rope_kernel(
+    X, W, C, S, Y, H1, H2, sx0, sx1, sx2, sw0, sw1, sw2, sc0, sc1, sc2, sy0, sy1, sy2, D, eps,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """RoPE of an RMSNormed row (a GQA head's q or k); one read of the row, one write."""
+    r = tl.program_id(0)
+    i2 = r % H2
+    i1 = (r // H2) % H1
+    i0 = r // (H1 * H2)
+    cp = i0 * sc0 + i1 * sc1 + i2 * sc2
+    _rms_rope_row(
+        X + i0 * sx0 + i1 * sx1 + i2 * sx2, W + i0 * sw0 + i1 * sw1 + i2 * sw2, C + cp, S + cp,
+        Y + i0 * sy0 + i1 * sy1 + i2 * sy2, D, eps, HALF, INTERLEAVED, BLOCK_D, BLOCK_H,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gqa_kv_kernel(
+    K, V, W, C, S, OUT, SLOTS, L, NKV, sk0, sk1, sk2, sv0, sv1, sv2, sw, sc, so_slot, so_layer, so_kv,
+    so_head, D, eps, HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """One cached GQA token head at its slot: K = RoPE(RMSNorm(k) * w) (``_rms_rope_row``), V copied."""
+    p = tl.program_id(0)
+    h = p % NKV
+    layer = (p // NKV) % L
+    r = p // (NKV * L)
+    base = OUT + tl.load(SLOTS + r).to(tl.int64) * so_slot + layer.to(tl.int64) * so_layer + h * so_head
+    _rms_rope_row(
+        K + r.to(tl.int64) * sk0 + layer * sk1 + h * sk2, W + layer * sw, C + r * sc, S + r * sc, base, D, eps,
+        HALF, INTERLEAVED, BLOCK_D, BLOCK_H,
+    )  # fmt: skip
+    d = tl.arange(0, BLOCK_D)
+    v = tl.load(V + r.to(tl.int64) * sv0 + layer * sv1 + h * sv2 + d, mask=d < D, other=0.0)
+    tl.store(base + so_kv + d, v.to(OUT.dtype.element_ty), mask=d < D)
+
+
+def gqa_kv(
+    k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+    interleaved: bool, into: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:  # fmt: skip
+    """Cached GQA tokens straight into their slots in one launch: k, v [R, L, nkv, hd] (any strides but
+    the last: slices of a K/V projection), w [L, hd] or [hd] (k_norm), float32 cos/sin [R, hd/2]
+    (contiguous rows); ``into`` = (cache [L, slots, 2, nkv, hd], slots [R] int32/int64). Row r's K
+    (``rms_rope``'s arithmetic) and V of layer l land in cache[l, slots[r]]; returns the cache."""
+    R, L, nkv, D = k.shape
+    half = D // 2
+    out, slots = into
+    w2 = w.view(1, D).expand(L, D) if w.dim() == 1 else w
+    if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or w2.shape != (L, D) or w2.stride(-1) != 1:
+        raise ValueError("k and v [rows, layers, heads, dim] and w [layers, dim] need contiguous last dims")
+    if out.shape[0] != L or out.shape[2:] != (2, nkv, D) or out.stride(-1) != 1 or out.dtype != k.dtype:
+        raise ValueError(f"a cache of {L} layers of (2, {nkv}, {D}) {k.dtype} takes these rows, not {list(out.shape)}")
+    if slots.shape != (R,) or slots.stride(0) != 1 or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError("slots must be a contiguous int32/int64 [rows]")
+    if cos.shape != (R, half) or sin.shape != cos.shape or cos.stride() != (half, 1) or sin.stride() != (half, 1):
+        raise ValueError("cos/sin must be contiguous float32 [rows, dim/2]")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("cos/sin must be float32")
+    if R * L * nkv:
+        _gqa_kv_kernel[(R * L * nkv,)](
+            k, v, w2, cos, sin, out, slots, L, nkv, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), w2.stride(0), half, out.stride(1), out.stride(0), out.stride(2), out.stride(3), D, eps,
+            HALF=half, INTERLEAVED=interleaved, BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(half),
+            num_warps=1 if D <= 256 else 4,
+        )  # fmt: skip
+    return out
 
 
 def rms_rope(

@@ -3,10 +3,13 @@
 A token caches K and V per kv head: ``k = RoPE(k_norm(k_proj(x)))``, ``v = v_proj(x)``, where
 x is the fused context c for context rows (not passed through the layer's input norm, as in
 DeepSpec and vLLM's ``precompute_and_store_context_kv``) and the normed hidden state u for
-block rows. Context K/V of all layers come from one stacked GEMM.
+block rows. Context K/V of all layers come from one stacked GEMM. On a GPU one kernel
+(``fused.gqa_kv``) norms, ropes and writes K and copies V straight into the cache slots.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -65,6 +68,23 @@ class Qwen3DSpark(DSparkModel):
         k = rms_rope(kv[:, :, 0], self.k_norm[:, None, :], self.eps, self.rope, cos[:, None, None], sin[:, None, None])
         return torch.stack([k, kv[:, :, 1]], dim=2).transpose(0, 1)  # [L, R, 2, nkv, hd]
 
+    def _fused_kv(self, k: torch.Tensor, cos: torch.Tensor, cache: torch.Tensor | None) -> bool:
+        """Whether K/V go into the cache through ``fused.gqa_kv`` (CUDA, a float32 cos/sin, the cache's dtype)."""
+        return k.is_cuda and cos.dtype == torch.float32 and cache is not None and cache.dtype == k.dtype
+
+    def write_context(self, cache: Any, slots: torch.Tensor, c: torch.Tensor, positions: torch.Tensor) -> None:
+        """On a GPU K (normed, roped) and V go from one kernel straight into their slots (no index_copy)."""
+        cfg = self.cfg
+        R, L = c.shape[0], cfg.num_layers
+        kv = self.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = self.rope.cos_sin(positions, self.acc)
+        dest = cache.slots_view()
+        if not self._fused_kv(kv, cos, dest):
+            return super().write_context(cache, slots, c, positions)
+        from draft_server.models.kernels.fused import gqa_kv
+
+        gqa_kv(kv[:, :, 0], kv[:, :, 1], self.k_norm, cos, sin, self.eps, self.rope.interleaved, into=(dest, slots))
+
     def attention(
         self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:
@@ -74,7 +94,15 @@ class Qwen3DSpark(DSparkModel):
         cos, sin = rope[0][:, :, None], rope[1][:, :, None]  # [N, B, 1, hd/2]
         qkv = self.linear(u, self.qkv[i], self.qkv_b[i]).view(N * B, H + 2 * nkv, hd)
         q = rms_rope(qkv[:, :H].view(N, B, H, hd), w[p + "q_norm.weight"], self.eps, self.rope, cos, sin)
-        k = rms_rope(qkv[:, H : H + nkv].view(N, B, nkv, hd), w[p + "k_norm.weight"], self.eps, self.rope, cos, sin)
-        v = qkv[:, H + nkv :].view(N, B, nkv, hd)
-        o = ctx.attend(i, q, torch.stack([k, v], dim=2))  # [N, B, H, hd]
+        k_raw, v = qkv[:, H : H + nkv], qkv[:, H + nkv :]
+        dest = ctx.block_slots(i)
+        if dest is not None and self._fused_kv(k_raw, rope[0], dest[0]):  # the block's K/V into the cache directly
+            from draft_server.models.kernels.fused import gqa_kv
+
+            c2, s2 = rope[0].reshape(N * B, -1), rope[1].reshape(N * B, -1)
+            gqa_kv(k_raw[:, None], v[:, None], w[p + "k_norm.weight"], c2, s2, self.eps, self.rope.interleaved, dest)
+            o = ctx.attend(i, q, None)
+        else:
+            k = rms_rope(k_raw.view(N, B, nkv, hd), w[p + "k_norm.weight"], self.eps, self.rope, cos, sin)
+            o = ctx.attend(i, q, torch.stack([k, v.view(N, B, nkv, hd)], dim=2))  # [N, B, H, hd]
         return o.reshape(N, B, H * hd)
