@@ -214,10 +214,21 @@ def test_rope_writes_into_a_strided_buffer() -> None:
         fused.rope(q, c, s, True, out=buf[..., 20:])
 
 
+def _same_arithmetic(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Two kernels doing the same float32 arithmetic: bit for bit under the interpreter; compiled, the
+    GPU's code generator may contract a product into an FMA or order a row's sum differently in one of
+    them, so the last bit of the float32 value (and, rarely, the rounding to bf16 after it) may move."""
+    if DEV == "cpu":
+        assert torch.equal(got, want)
+    else:
+        tol = {"rtol": 1e-6, "atol": 1e-6} if got.dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+        torch.testing.assert_close(got, want, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("interleaved", [True, False])
 def test_rms_rope_is_rms_norm_then_rope(dtype: torch.dtype, interleaved: bool) -> None:
-    """A GQA head's q/k: RoPE of the RMSNormed head in one kernel, bit for bit the two kernels in a
+    """A GQA head's q/k: RoPE of the RMSNormed head in one kernel, the two kernels' arithmetic in a
     row, close to the eager ops; heads sliced out of a fused QKV row, per-layer weights broadcast."""
     rope = _k3_rope(interleaved)
     g = torch.Generator().manual_seed(24)
@@ -227,7 +238,7 @@ def test_rms_rope_is_rms_norm_then_rope(dtype: torch.dtype, interleaved: bool) -
     cos, sin = rope.cos_sin(torch.randint(0, 100000, (2, 3), generator=g).to(DEV), torch.float32)
     c, s = cos[:, :, None], sin[:, :, None]
     got = fused.rms_rope(x, w, c, s, 1e-6, interleaved)
-    assert torch.equal(got, fused.rope(fused.rms_norm(x, w, 1e-6), c, s, interleaved))
+    _same_arithmetic(got, fused.rope(fused.rms_norm(x, w, 1e-6), c, s, interleaved))
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
     torch.testing.assert_close(got, rope._apply_eager(_eager_rms(x, w, 1e-6), c, s), **tol)
     kv = torch.randn(4, 3, 2, 2, 16, generator=g).to(DEV, dtype)[:, :, 0]  # [R, L, nkv, hd]: the k half
@@ -235,12 +246,12 @@ def test_rms_rope_is_rms_norm_then_rope(dtype: torch.dtype, interleaved: bool) -
     cr, sr = rope.cos_sin(torch.arange(4).to(DEV), torch.float32)
     got = fused.rms_rope(kv, wl, cr[:, None, None], sr[:, None, None], 1e-6, interleaved)
     want = fused.rope(fused.rms_norm(kv, wl, 1e-6), cr[:, None, None], sr[:, None, None], interleaved)
-    assert torch.equal(got, want)
+    _same_arithmetic(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gqa_kv_writes_normed_roped_k_and_v_at_their_slots(dtype: torch.dtype) -> None:
-    """A GQA layer's cached tokens from one kernel: K = rms_rope (bit for bit), V as it came, both at
+    """A GQA layer's cached tokens from one kernel: K = rms_rope's arithmetic, V as it came, both at
     the rows' slots in every layer (K/V slices of one projection, per-layer k_norm); nothing else."""
     rope = _k3_rope(False)
     g = torch.Generator().manual_seed(25)
@@ -252,7 +263,7 @@ def test_gqa_kv_writes_normed_roped_k_and_v_at_their_slots(dtype: torch.dtype) -
     slots = torch.randperm(4 * R, generator=g)[:R].to(DEV)
     assert fused.gqa_kv(kv[:, :, 0], kv[:, :, 1], w, cos, sin, 1e-6, False, into=(cache, slots)) is cache
     k = fused.rms_rope(kv[:, :, 0], w[:, None, :], cos[:, None, None], sin[:, None, None], 1e-6, False)
-    assert torch.equal(cache[:, slots, 0], k.transpose(0, 1))
+    _same_arithmetic(cache[:, slots, 0], k.transpose(0, 1))
     assert torch.equal(cache[:, slots, 1], kv[:, :, 1].transpose(0, 1))
     rest = torch.ones(4 * R, dtype=torch.bool, device=DEV)
     rest[slots] = False

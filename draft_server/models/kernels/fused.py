@@ -264,7 +264,8 @@ def rms_rope(
 ) -> torch.Tensor:
     """``rope(rms_norm(x, w, eps), cos, sin, interleaved)`` in one launch: x [..., D] (at most 3 leading
     dims, any strides but the last), w broadcast to x ([D] or per layer), float32 cos/sin [..., D/2]
-    broadcast to x's leading dims. Bit for bit the two kernels in a row."""
+    broadcast to x's leading dims. The two kernels' arithmetic in a row (compiled, the last bit of a
+    float32 value may differ: the code generator contracts and orders sums per kernel)."""
     D = x.shape[-1]
     half = D // 2
     if x.stride(-1) != 1 or w.stride(-1) != 1 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
