@@ -80,7 +80,7 @@ class PagedBatch:
     first: torch.Tensor  # logical page of pages[n, 0]
     lo: torch.Tensor  # context start
     pos: torch.Tensor  # anchor position: the block occupies [pos, pos + B)
-    slots: torch.Tensor  # int64 [N * B]: cache slots of the block rows (scratch)
+    slots: torch.Tensor  # int32 or int64 [N * B]: cache slots of the block rows (scratch)
     width: torch.Tensor  # block rows in use (<= B): a non-causal block sees its first ``width`` rows
     plan: object  # kernels.paged_attention.WorkPlan
     workspace: object  # kernels.paged_attention.Workspace

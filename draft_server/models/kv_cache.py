@@ -126,8 +126,9 @@ class PagedKVCache:
         return _array(s)[lp] * P + rel % P
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """rows [num_layers, R, *token_shape] -> their slots (distinct within a call: ingest splits repeats)."""
-        self._flat.index_copy_(1, slots, rows.to(self.data.dtype))
+        """rows [num_layers, R, *token_shape] -> their slots (int32 or int64; distinct within a call:
+        ingest splits repeats)."""
+        self._flat.index_copy_(1, slots.long(), rows.to(self.data.dtype))
 
     def slots_view(self) -> torch.Tensor:
         """Every layer's slots: [num_layers, (num_pages + 1) * page_size, *token_shape], a view (kernels
@@ -136,7 +137,7 @@ class PagedKVCache:
 
     def write_layer(self, layer: int, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """rows [R, *token_shape] of one layer -> their slots."""
-        self._flat[layer].index_copy_(0, slots, rows.to(self.data.dtype))
+        self._flat[layer].index_copy_(0, slots.long(), rows.to(self.data.dtype))
 
     def pages(self, key: int, start: int, end: int) -> tuple[int, np.ndarray]:
         """(origin, physical pages: a read-only int64 view) covering positions [start, end), where

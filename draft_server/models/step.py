@@ -154,7 +154,6 @@ class FastStep:
         self.stage = torch.empty(total, dtype=torch.int32, device=self.dev)
         self.ids = self._view("ids").view(n, B)
         self.positions = self._view("positions").view(n, B)
-        self.slots64 = torch.empty(n * B, dtype=torch.int64, device=self.dev)
         # outputs: tokens [n, B] int64, confidence [n, B] float32, packed for one D2H
         self.out = torch.zeros(n, 2 * B, dtype=torch.float64, device=self.dev)
         self.out_host = torch.empty(n, 2 * B, dtype=torch.float64, pin_memory=pin)
@@ -170,7 +169,6 @@ class FastStep:
         self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
         self.ing_host_np = self.ing_host.numpy()
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
-        self.ing_slots64 = torch.empty(self.r_max, dtype=torch.int64, device=self.dev)
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
@@ -242,7 +240,7 @@ class FastStep:
             first=self._view("first")[:n],
             lo=self._view("lo")[:n],
             pos=self._view("pos")[:n],
-            slots=self.slots64[: n * B],
+            slots=self._view("slots")[: n * B],  # int32: the kernels writing cache rows read it as is
             width=self._view("width")[:n],
             plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
             workspace=self._workspace(capacity),
@@ -258,7 +256,6 @@ class FastStep:
     def _block(self, n: int, batch: PagedBatch) -> torch.Tensor:
         """The block forward of the staged batch over the paged cache: z [n, B, H]."""
         m = self.m
-        self.slots64[: n * self.B].copy_(self._view("slots")[: n * self.B])
         plan: pa.WorkPlan = batch.plan  # type: ignore[assignment]
         if self.flash is None or batch.mixed:
             pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
@@ -282,9 +279,8 @@ class FastStep:
     def _ingest_body(self, fmt: str, r: int) -> None:
         m = self.m
         c = context_rows(m, self._rows(self.rows, fmt)[:r], fmt)
-        self.ing_slots64[:r].copy_(self.ing[:r])
         positions = self.ing[self.r_max : self.r_max + r]
-        m.write_context(self.cache, self.ing_slots64[:r], c, positions)
+        m.write_context(self.cache, self.ing[:r], c, positions)
 
     # ------------------------------------------------------------------ capture
 
