@@ -75,6 +75,7 @@ ONE_SESSION_MLA_CHUNK = 128
 # ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
 # (decode steps) copy on the step's stream, with no extra device copy.
 PIPELINED_ROWS = 512
+SMALL_INGEST_ROWS = 64  # an ingest of at most this many rows works out its slots in plain Python
 
 
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
@@ -164,6 +165,7 @@ class FastStep:
             dtype, width = row_layout(f, cfg.contract(), offer)
             self.formats[f] = (STORAGE[dtype], width)
         row_bytes = max(w * t.itemsize for t, w in self.formats.values())
+        self._row_views: dict[tuple[int, str], torch.Tensor] = {}
         self.rows_host = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, pin_memory=pin)
         self.rows = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, device=self.dev)
         self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
@@ -272,9 +274,14 @@ class FastStep:
             self.out[:n, self.B :].copy_(conf)
 
     def _rows(self, buf: torch.Tensor, fmt: str) -> torch.Tensor:
-        """``buf`` (rows_host or rows) as [r_max, width] rows of ``fmt``'s wire storage."""
-        dtype, width = self.formats[fmt]
-        return buf[: self.r_max * width * dtype.itemsize].view(dtype).view(self.r_max, width)
+        """``buf`` (rows_host, rows or a landing buffer) as [r_max, width] rows of ``fmt``'s wire storage
+        (the views made once: the buffers live as long as this step)."""
+        view = self._row_views.get((buf.data_ptr(), fmt))
+        if view is None:
+            dtype, width = self.formats[fmt]
+            view = buf[: self.r_max * width * dtype.itemsize].view(dtype).view(self.r_max, width)
+            self._row_views[buf.data_ptr(), fmt] = view
+        return view
 
     def _ingest_body(self, fmt: str, r: int) -> None:
         m = self.m
@@ -418,11 +425,14 @@ class FastStep:
                 torch.cat([torch.from_numpy(_storage(p)) for p in parts], out=host[:r])
             host[r:rb] = 0
             dev[:rb].copy_(host[:rb], non_blocking=True)
-        f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
         h = self.ing_host_np
-        h[:r] = self._slots(keys, f, c)
+        if r <= SMALL_INGEST_ROWS:  # a decode step's few rows: plain ints beat numpy's per-call cost
+            h[:r], h[self.r_max : self.r_max + r] = self._slots_small(keys, firsts, counts)
+        else:
+            f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+            h[:r] = self._slots(keys, f, c)
+            h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
         h[r:rb] = self.cache.trash_slot
-        h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
         h[self.r_max + r : self.r_max + rb] = 0
         self.ing.copy_(self.ing_host, non_blocking=True)
         g = self._ingest_graphs.get((fmt, rb))
@@ -524,6 +534,20 @@ class FastStep:
         runs.append(whole[start - base : end - base].view(_storage(parts[0]).dtype))
         width = parts[0].shape[1]
         return [run.reshape(-1, width) for run in runs]
+
+    def _slots_small(
+        self, keys: Sequence[int], firsts: Sequence[int], counts: Sequence[int]
+    ) -> tuple[list[int], list[int]]:
+        """``_slots`` (and the positions) of a few rows, in plain Python: the same slots."""
+        P = self.P
+        slots: list[int] = []
+        positions: list[int] = []
+        for key, a, c in zip(keys, firsts, counts, strict=True):
+            origin, pg = self.cache.pages(key, a, a + c)
+            pl = pg.tolist()
+            slots.extend(pl[(t - origin) // P] * P + (t - origin) % P for t in range(a, a + c))
+            positions.extend(range(a, a + c))
+        return slots, positions
 
     def _slots(self, keys: Sequence[int], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Cache slots of positions firsts[i] .. firsts[i] + counts[i] - 1 of session keys[i], concatenated."""

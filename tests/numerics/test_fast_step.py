@@ -216,3 +216,23 @@ def test_one_mla_session_takes_the_small_tile_shape_and_bigger_batches_do_not(tm
             one = variant == "k3" and n == 1
             assert (chunk >= step.ONE_SESSION_MLA_CHUNK) if one else True
             assert config is (pa.MLA_CONFIG_ONE if one and dtype == "bfloat16" else None), (variant, n, config)
+
+
+def test_small_ingests_work_out_the_same_slots_in_plain_python(tmp_path) -> None:
+    """A decode step's few rows take ``_slots_small`` (plain ints), larger ones the numpy form: both give
+    the same slots and positions, for spans starting mid-sequence, across page boundaries, several
+    sessions in one call."""
+    _, d = _pair(tmp_path, "k3")
+    fast = d.fast
+    assert fast is not None
+    spans = {0: (0, 40), 1: (13, 30), 2: (5, 6), 3: (50, 90)}  # (start, end); page size 4
+    for key, (a, b) in spans.items():
+        assert d.reserve(key, a, b)
+    keys = list(spans)
+    firsts = [spans[0][0], 17, 5, 61]  # within each span, some mid-page
+    counts = [40, 11, 1, 29]
+    slots, positions = fast._slots_small(keys, firsts, counts)
+    f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    assert slots == fast._slots(keys, f, c).tolist()
+    assert positions == [t for a, n in zip(firsts, counts, strict=True) for t in range(a, a + n)]
+    assert len(set(slots)) == len(slots)  # distinct cache slots

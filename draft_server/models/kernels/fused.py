@@ -316,7 +316,9 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mul: torch.Tensor) 
     n = positions.numel()
     out = torch.empty((2, n, half), dtype=torch.float32, device=positions.device)
     if n:
-        block_p = 16
+        # float64 cos/sin are slow per thread: spread them over programs (16 positions a program took
+        # 5.5 us on the H200 for a step's 8, one warp computing them all)
+        block_p = 1 if n <= 128 else 4
         _cos_sin_kernel[(triton.cdiv(n, block_p),)](
             positions, inv_freq, mul, out, n, HALF=half, BLOCK_P=block_p, BLOCK_H=triton.next_power_of_2(half),
             num_warps=1,
