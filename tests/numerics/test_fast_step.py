@@ -26,11 +26,11 @@ from protocol import GREEDY, Sampling
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _pair(tmp_path, variant: str, **over) -> tuple[DSparkDrafter, DSparkDrafter]:
+def _pair(tmp_path, variant: str, sessions: int = 8, **over) -> tuple[DSparkDrafter, DSparkDrafter]:
     p = make_tiny(variant, str(tmp_path / variant), seed=3, **over)
     dense = load_drafter(p.draft, p.target, DEV, "float32", 16 << 20, page_size=4, attention="dense")
     fast = load_drafter(p.draft, p.target, DEV, "float32", 16 << 20, page_size=4, attention="paged")
-    fast.prepare(max_batch_sessions=8, max_batch_rows=64)
+    fast.prepare(max_batch_sessions=sessions, max_batch_rows=64)
     assert fast.fast is not None and dense.fast is None
     return dense, fast
 
@@ -73,6 +73,16 @@ def test_fast_step_drafts_what_the_dense_reference_drafts(tmp_path, variant: str
         assert [o.tokens for o in outs_fast] == [o.tokens for o in outs_dense]
         for a, b in zip(outs_dense, outs_fast, strict=True):
             np.testing.assert_allclose(b.confidence, a.confidence, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_of_twenty_sessions_drafts_what_the_dense_reference_drafts(tmp_path) -> None:
+    """Bucket 32 (20 sessions), Qwen3: on a GPU the K/V writer, the RMSNorm + RoPE kernel and the Markov
+    kernels run inside the captured graph of a bucket the five-session test never reaches; float32, so
+    the drafts must equal the dense path's token for token."""
+    dense, fast = _pair(tmp_path, "qwen3", sessions=32)
+    spans = [(k % 3, 6 + 5 * k) for k in range(20)]
+    for outs_dense, outs_fast in _drive([dense, fast], spans, np.random.default_rng(4), steps=2):
+        assert [o.tokens for o in outs_fast] == [o.tokens for o in outs_dense]
 
 
 def test_a_poisoned_session_never_reaches_its_neighbours(tmp_path) -> None:
