@@ -13,7 +13,9 @@ the weights, the KV cache and the GEMM tuner's choices, so only the fusion diffe
 rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered host memory)
 are timed interleaved, rounds alternating which goes first, at each B, beside the floor measured in
 the same run; kernels and host syncs per step (torch.profiler) at 1 and 64 sessions; and whether
-the two give the same greedy drafts (they must: the arithmetic is the same).
+the two give the same greedy drafts, and the share of draft tokens that agree (bf16: a kernel doing
+the same arithmetic may still differ in a last bit once compiled, and a random drafter's argmax can
+flip on it).
 
     python3 -m draft_tools.bench.fused_step --out bench/results/fused_step_h200.json [--presets k3,qwen3-8b]
 """
@@ -47,6 +49,7 @@ from draft_tools.bench.draft_step_gpu import (
     profile_counts,
     step_cost,
 )
+from draft_tools.bench.flash_step import agreement
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -166,11 +169,12 @@ def bench_preset(
             row[f"{mode}_rounds_ms"] = ts
             row[f"{mode}_ratio_to_floor"] = row[f"{mode}_ms"] / row["floor_ms"]
         row["same_drafts"] = drafts["fused"] == drafts["unfused"]
+        row["draft_agreement"] = agreement(drafts["fused"], drafts["unfused"])
         rows.append(row)
         log(
             f"{name:9s} B={n:2d} unfused {row['unfused_ms']:.3f} ms ({row['unfused_ratio_to_floor']:.2f}x)  "
             f"fused {row['fused_ms']:.3f} ms ({row['fused_ratio_to_floor']:.2f}x)  floor {row['floor_ms']:.3f}  "
-            f"same drafts {row['same_drafts']}"
+            f"same drafts {row['same_drafts']} (agreement {row['draft_agreement']:.3f})"
         )
     res["steps"] = rows
     prof = {}
