@@ -97,6 +97,12 @@ class DSparkModel:
         """Fused context rows c [R, H] at ``positions`` into every layer's cache at ``slots`` (distinct)."""
         cache.write(slots, self.context_kv(c, positions))
 
+    def _fused_rows(self, x: torch.Tensor, cos: torch.Tensor, cache: torch.Tensor | None = None) -> bool:
+        """Whether a Triton kernel forms x's cached tokens (CUDA, a half or single dtype, float32 cos/sin)
+        and, given the ``cache``, writes them into it itself (its dtype is x's: no rounding on the way)."""
+        fused = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32
+        return fused and (cache is None or cache.dtype == x.dtype)
+
     def attention(
         self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:

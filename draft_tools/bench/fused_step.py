@@ -7,7 +7,7 @@ written straight into FlashMLA's query buffer instead of a copy after; a GQA hea
 in one kernel, and its K/V written into their slots by one kernel (no stack, no index_copy); each
 greedy Markov step in two kernels (the embedding gathered inside the argmax kernel, d2t applied in
 its final pass). One drafter per preset, captured twice: once with the model's ``rope``,
-``_latent``, ``_fused_latent`` / ``_fused_kv``, ``gqa.rms_rope`` and ``step.greedy_chain`` swapped
+``_latent``, ``_fused_rows``, ``gqa.rms_rope`` and ``step.greedy_chain`` swapped
 for the compositions they replace (``unfused``), once as shipped (``fused``); both FastSteps share
 the weights, the KV cache and the GEMM tuner's choices, so only the fusion differs. Steps of 3 new
 rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered host memory)
@@ -72,7 +72,7 @@ def _unfused_latent(m: Any) -> Any:
     """K3's cached token as three kernels (RMSNorm, RoPE, concatenation), as before ``fused.mla_latent``."""
 
     def latent(kv, norm_w, cos, sin, layers_first=False, into=None):  # type: ignore[no-untyped-def]
-        assert into is None  # _fused_latent is False on this side: the cache write is index_copy's
+        assert into is None  # _fused_rows is False on this side: the cache write is index_copy's
         c = rms_norm(kv[..., : m.lat], norm_w, m.eps)
         tok = torch.cat([c, m.rope.apply(kv[..., m.lat :], cos[:, None], sin[:, None])], dim=-1)
         return tok.transpose(0, 1) if layers_first else tok
@@ -120,19 +120,16 @@ def bench_preset(
             m.rope = unfused_rope
             gqa.rms_rope = _unfused_rms_rope
             step_mod.greedy_chain = _unfused_chain
+            m._fused_rows = lambda x, cos, cache=None: False  # the cache written by index_copy
             if hasattr(m, "lat"):
                 m._latent = _unfused_latent(m)
-                m._fused_latent = lambda kv, cos: False
-            else:
-                m._fused_kv = lambda k, cos, cache: False
         t0 = time.perf_counter()
         try:
             res[f"{mode}_prepare"] = d.prepare(64, 4096)
         finally:
             m.rope, gqa.rms_rope, step_mod.greedy_chain = fused_rope, fused_rms_rope, fused_chain
             m.__dict__.pop("_latent", None)
-            m.__dict__.pop("_fused_latent", None)
-            m.__dict__.pop("_fused_kv", None)
+            m.__dict__.pop("_fused_rows", None)
         res[f"{mode}_prepare_s"] = time.perf_counter() - t0
         fasts[mode] = d.fast
         log(f"{name} {mode}: captured in {res[f'{mode}_prepare_s']:.1f} s")

@@ -60,27 +60,28 @@ class Qwen3DSpark(DSparkModel):
             parts += f.parts[1:] if f else [DenseLinear(f"layers.{i}.kv", kv[i * n : (i + 1) * n])]
         self.kv_w = FusedLinear("context_kv_proj", parts)
 
-    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _context_inputs(
+        self, c: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer's raw K/V rows [R, L, 2, nkv, hd] of context rows c, and their cos/sin."""
         cfg = self.cfg
-        R, L = c.shape[0], cfg.num_layers
-        kv = self.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
+        kv = self.linear(c, self.kv_w, self.kv_b).view(c.shape[0], cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+        return (kv, *self.rope.cos_sin(positions, self.acc))
+
+    def _context_tokens(self, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         k = rms_rope(kv[:, :, 0], self.k_norm[:, None, :], self.eps, self.rope, cos[:, None, None], sin[:, None, None])
         return torch.stack([k, kv[:, :, 1]], dim=2).transpose(0, 1)  # [L, R, 2, nkv, hd]
 
-    def _fused_kv(self, k: torch.Tensor, cos: torch.Tensor, cache: torch.Tensor | None) -> bool:
-        """Whether K/V go into the cache through ``fused.gqa_kv`` (CUDA, a float32 cos/sin, the cache's dtype)."""
-        return k.is_cuda and cos.dtype == torch.float32 and cache is not None and cache.dtype == k.dtype
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._context_tokens(*self._context_inputs(c, positions))
 
     def write_context(self, cache: Any, slots: torch.Tensor, c: torch.Tensor, positions: torch.Tensor) -> None:
         """On a GPU K (normed, roped) and V go from one kernel straight into their slots (no index_copy)."""
-        cfg = self.cfg
-        R, L = c.shape[0], cfg.num_layers
-        kv = self.linear(c, self.kv_w, self.kv_b).view(R, L, 2, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
+        kv, cos, sin = self._context_inputs(c, positions)
         dest = cache.slots_view()
-        if not self._fused_kv(kv, cos, dest):
-            return super().write_context(cache, slots, c, positions)
+        if not self._fused_rows(kv, cos, dest):
+            cache.write(slots, self._context_tokens(kv, cos, sin))
+            return
         from draft_server.models.kernels.fused import gqa_kv
 
         gqa_kv(kv[:, :, 0], kv[:, :, 1], self.k_norm, cos, sin, self.eps, self.rope.interleaved, into=(dest, slots))
@@ -96,7 +97,7 @@ class Qwen3DSpark(DSparkModel):
         q = rms_rope(qkv[:, :H].view(N, B, H, hd), w[p + "q_norm.weight"], self.eps, self.rope, cos, sin)
         k_raw, v = qkv[:, H : H + nkv], qkv[:, H + nkv :]
         dest = ctx.block_slots(i)
-        if dest is not None and self._fused_kv(k_raw, rope[0], dest[0]):  # the block's K/V into the cache directly
+        if dest is not None and self._fused_rows(k_raw, rope[0], dest[0]):  # the block's K/V into the cache directly
             from draft_server.models.kernels.fused import gqa_kv
 
             c2, s2 = rope[0].reshape(N * B, -1), rope[1].reshape(N * B, -1)

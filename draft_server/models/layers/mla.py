@@ -58,9 +58,6 @@ class K3DSpark(DSparkModel):
         parts = [f.parts[1] if f else DenseLinear(f"kv_a.{i}", kv[i * n : (i + 1) * n]) for i, f in enumerate(fused)]
         self.kv_a_all = FusedLinear("context_kv_proj", parts)
 
-    def _fused_latent(self, kv: torch.Tensor, cos: torch.Tensor) -> bool:
-        return kv.is_cuda and kv.dtype in (torch.bfloat16, torch.float16, torch.float32) and cos.dtype == torch.float32
-
     def _latent(
         self,
         kv: torch.Tensor,
@@ -73,7 +70,7 @@ class K3DSpark(DSparkModel):
         """kv [R, L, 576] raw kv_a output of R rows (positions) in L layers, cos/sin [R, rope/2] -> cached
         tokens [R, L, 576] ([L, R, 576] with ``layers_first``); on a GPU in one kernel (``fused.mla_latent``),
         which writes them straight into cache slots with ``into`` (cache [L, slots, 576], slots [R])."""
-        if self._fused_latent(kv, cos):
+        if self._fused_rows(kv, cos):
             from draft_server.models.kernels.fused import mla_latent
 
             eps, inter = self.eps, self.rope.interleaved
@@ -84,19 +81,22 @@ class K3DSpark(DSparkModel):
         tok = torch.cat([c, self.rope.apply(kv[..., self.lat :], cos[:, None], sin[:, None])], dim=-1)
         return tok.transpose(0, 1) if layers_first else tok
 
+    def _context_inputs(
+        self, c: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer's raw kv_a rows [R, L, 576] of context rows c, and their cos/sin."""
+        kv = self.linear(c, self.kv_a_all).view(c.shape[0], self.cfg.num_layers, -1)
+        return (kv, *self.rope.cos_sin(positions, self.acc))
+
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        R, L = c.shape[0], self.cfg.num_layers
-        kv = self.linear(c, self.kv_a_all).view(R, L, -1)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
+        kv, cos, sin = self._context_inputs(c, positions)
         return self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True)  # [L, R, 576]
 
     def write_context(self, cache: Any, slots: torch.Tensor, c: torch.Tensor, positions: torch.Tensor) -> None:
         """On a GPU the cached tokens go from the latent kernel straight into their slots (no index_copy)."""
-        R, L = c.shape[0], self.cfg.num_layers
-        kv = self.linear(c, self.kv_a_all).view(R, L, -1)
-        cos, sin = self.rope.cos_sin(positions, self.acc)
+        kv, cos, sin = self._context_inputs(c, positions)
         dest = cache.slots_view()
-        if self._fused_latent(kv, cos) and dest.dtype == kv.dtype:
+        if self._fused_rows(kv, cos, dest):
             self._latent(kv, self.kv_a_norm, cos, sin, into=(dest, slots))
         else:
             cache.write(slots, self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True))
@@ -125,8 +125,8 @@ class K3DSpark(DSparkModel):
             query = whole
         kv = qkv_a[..., cfg.q_lora_rank :].reshape(N * B, 1, -1)  # a view: qkv_a's rows are evenly strided
         cos2, sin2 = cos.reshape(N * B, -1), sin.reshape(N * B, -1)
-        dest = ctx.block_slots(i) if self._fused_latent(kv, cos2) else None
-        if dest is not None and dest[0].dtype != kv.dtype:  # the cache rounds what it takes: index_copy does
+        dest = ctx.block_slots(i)
+        if dest is not None and not self._fused_rows(kv, cos2, dest[0]):  # else attend writes them (index_copy)
             dest = None
         blk = self._latent(kv, w[p + "kv_a_layernorm.weight"], cos2, sin2, into=dest)
         # the block's own tokens: in the cache already (dest), or for the context to place
