@@ -74,6 +74,22 @@ def event_s(fn: Any, iters: int, warm: int, before: Any = None) -> float:
     return statistics.median(ts)
 
 
+def gpu_machine(dev: torch.device) -> dict[str, str]:
+    """What a GPU bench's JSON says of its machine."""
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        "gpu": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "nvidia_smi": smi,
+    }
+
+
 def measure_floors(dev: torch.device) -> dict[str, float]:
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)  # 1 GiB, well past the 60 MB L2
     y = torch.empty_like(x)
@@ -687,17 +703,7 @@ def main() -> int:
     dev = torch.device("cuda")
     report: dict[str, Any] = {
         "command": "python3 -m draft_tools.bench.draft_step_gpu " + " ".join(sys.argv[1:]),
-        "machine": {
-            "gpu": torch.cuda.get_device_name(dev),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "host": platform.node(),
-            "nvidia_smi": subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-            ).stdout.strip(),
-        },
+        "machine": gpu_machine(dev),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     import triton

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -44,6 +43,7 @@ from draft_tools.bench.draft_step_gpu import (
     NEW_ROWS,
     Sessions,
     floor_ms,
+    gpu_machine,
     log,
     measure_floors,
     profile_counts,
@@ -203,11 +203,7 @@ def main() -> int:
     dev = torch.device("cuda")
     report: dict[str, Any] = {
         "command": "python3 -m draft_tools.bench.fused_step " + " ".join(sys.argv[1:]),
-        "machine": {
-            "gpu": torch.cuda.get_device_name(dev),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
+        "machine": gpu_machine(dev),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "floors": measure_floors(dev),
     }
