@@ -9,6 +9,10 @@
 #           B = 16, 64 -> $OUT/early_taps_projected.json
 #   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
 #           device-to-host copy into pageable and into page-locked memory (PinnedRows) -> $OUT/cuda_ipc.json
+#   ring    draft_tools.bench.ring_rows --device cuda: the taps' rows into the shm ring, copied in after a
+#           page-locked copy vs written in place -> $OUT/ring_rows.json; then early_taps_gpu with the taps
+#           on the GPU through the proposer's encoder, both ways, predicted commits, B = 8, 32, 64
+#           -> $OUT/early_taps_ring.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -37,13 +41,21 @@ prep() {
     timeout "$(left)" python3 -m draft_tools.bench.cuda_ipc --iters 60 --sessions 1,8,64 \
         --out "$OUT/cuda_ipc.json" "$@" 2>&1 | grep -v Warn | tail -12
 }
+ring() {
+    timeout "$(left)" python3 -m draft_tools.bench.ring_rows --device cuda --out "$OUT/ring_rows.json" 2>&1 \
+        | grep -v Warn | tail -9
+    timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 8,32,64 --steps 100 \
+        --modes predicted_commit --encode host,ring,host,ring --taps-device cuda --out "$OUT/early_taps_ring.json" \
+        "$@" 2>&1 | grep -v Warn | tee "$OUT/ring.log" | grep "^B="
+}
 case "$task" in
     test) run_test "$@" ;;
+    ring) ring "$@" ;;
     early) early "$@" ;;
     proj) proj "$@" ;;
     prep) prep "$@" ;;
     all) run_test; early; proj; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|ring|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

@@ -77,6 +77,12 @@ class SyntheticTarget:
     sample_ms: float = 0.0  # the target's sampling between its forward and the commit (busy wait)
     predicted: bool = False  # with early taps: commit right after the taps, collect after sampling
     whole_spans: bool = False  # predicted, but the taps carry the whole span (as before 2026-12-05: a baseline)
+    # how a step's taps become its rows: "" the pool's rows as they are (no copy); "host" through the
+    # vLLM proposer's encoder (``WireEncoder``: a fresh copy, from ``taps_device`` into page-locked
+    # memory when it is a GPU); "ring" the same encoder writing straight into the client's shm ring
+    # (``DraftClient.claim_rows``), a fresh copy when it gives no region
+    encode: str = ""
+    taps_device: str = "cpu"  # with ``encode``: where the pool of taps lives (the target's device)
     records: list[CallRecord] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,17 @@ class SyntheticTarget:
         self.width = layout[1] if layout is not None else self.contract.tap_width
         self.pool = bf16_normal(self.rng, (self.pool_rows, self.width))
         self._pool_off = 0
+        self._device_pool = None
+        if self.encode not in ("", "host", "ring"):
+            raise ValueError(f"encode must be '', 'host' or 'ring', got {self.encode!r}")
+        if self.encode:
+            import torch
+
+            from target_client.vllm.wire import WireEncoder
+
+            bits = torch.from_numpy(self.pool.view(np.int16)).view(torch.bfloat16)
+            self._device_pool = bits.to(self.taps_device)
+            self._encoder = WireEncoder("bf16", pinned_mib=256 if self._device_pool.is_cuda else 0)
         self._started = 0
         self._active: list[_Session] = []
 
@@ -99,9 +116,12 @@ class SyntheticTarget:
             return bf16_normal(self.rng, (rows, self.width))
         if self._pool_off + rows > self.pool_rows:
             self._pool_off = 0
-        out = self.pool[self._pool_off : self._pool_off + rows]
+        lo = self._pool_off
         self._pool_off += rows
-        return out
+        if self._device_pool is None:
+            return self.pool[lo : lo + rows]
+        claim = getattr(self.client, "claim_rows", None) if self.encode == "ring" else None
+        return self._encoder(self._device_pool[lo : lo + rows], claim=claim)
 
     def _admit(self, step_no: int) -> None:
         while (

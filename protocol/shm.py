@@ -115,8 +115,13 @@ def write_region(mm: mmap.mmap, offset: int, generation: int, parts: list[np.nda
         np.copyto(np.frombuffer(mm, np.uint8, n, pos), p.reshape(-1).view(np.uint8))
         pos += n
     nbytes = pos - offset - STAMP_BYTES
-    _STAMP.pack_into(mm, offset, REGION_MAGIC, generation, nbytes)
+    stamp_region(mm, offset, generation, nbytes)
     return nbytes
+
+
+def stamp_region(mm: mmap.mmap, offset: int, generation: int, nbytes: int) -> None:
+    """Write the stamp of the region at ``offset`` whose ``nbytes`` of rows follow it (written already)."""
+    _STAMP.pack_into(mm, offset, REGION_MAGIC, generation, nbytes)
 
 
 def unlink(name: str) -> bool:

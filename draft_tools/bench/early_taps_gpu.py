@@ -56,7 +56,13 @@ MODES = (
 
 
 def measure(
-    endpoint: str, b: int, early: bool, args: argparse.Namespace, predicted: bool = False, whole: bool = True
+    endpoint: str,
+    b: int,
+    early: bool,
+    args: argparse.Namespace,
+    predicted: bool = False,
+    whole: bool = True,
+    encode: str = "",
 ) -> dict[str, Any]:
     cfg = ClientConfig(
         endpoint=endpoint,
@@ -85,6 +91,8 @@ def measure(
             sample_ms=args.sample_ms,
             predicted=predicted,
             whole_spans=whole,
+            encode=encode,
+            taps_device=args.taps_device,
         )
         t0 = time.perf_counter()
         n = 0
@@ -125,6 +133,7 @@ def measure(
             "send_ms_p50": q(np.array([r.send_ms for r in recs]), 50),
             "drafted_share": round(sum(r.drafted for r in measured) / max(1, sum(r.wanted for r in measured)), 4),
             "early_mib_per_step": round(float(np.mean([r.early_rows for r in measured])) * eng.width * 2 / 2**20, 3),
+            "rows_in_place": client.stats()["rows_in_place"],  # steps whose rows went where the encoder wrote them
         }
     finally:
         client.close()
@@ -160,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["bf16", "projected"],
         help="the rows' wire format; projected: context rows (the drafter's hidden size), the id the server offers",
     )
+    ap.add_argument(
+        "--encode",
+        default="",
+        help="comma list, each a run: '' the pool's rows as they are; 'host' through the proposer's encoder (a fresh "
+        "copy; page-locked from a GPU); 'ring' the encoder writing into the client's shm ring (--transport shm)",
+    )
+    ap.add_argument("--taps-device", default="cpu", help="with --encode: where the taps live (cuda: the target's GPU)")
     ap.add_argument("--server-log", default="", help="the server's log at INFO goes to this file (rings, arena)")
     ap.add_argument("--out", default="bench/results/early_taps_h200.json")
     a = ap.parse_args(argv)
@@ -203,20 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for b in (int(x) for x in a.batches.split(",")):
             for mode, early, predicted, whole in (m for m in MODES if m[0] in a.modes.split(",")):
-                r = {"B": b, "mode": mode, **measure(endpoint, b, early, a, predicted, whole)}
-                rows.append(r)
-                write()
-                print(
-                    f"B={b:3d} {r['mode']:20s} early {r['early_mib_per_step']:6.2f} MiB  "
-                    f"caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
-                    f"wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
-                    f"{r['compute_ms_p50']:7.3f} ms  wait-compute p50 {r['wait_minus_compute_ms_p50']:6.3f} "
-                    f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  "
-                    f"(server-compute {r['server_minus_compute_ms_p50']:.3f}, "
-                    f"queue {r['queue_ms_p50']:.3f}, wait-server {r['wait_minus_server_ms_p50']:.3f}, "
-                    f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}",
-                    flush=True,
-                )
+                for enc in a.encode.split(","):
+                    r = {"B": b, "mode": mode, "encode": enc, **measure(endpoint, b, early, a, predicted, whole, enc)}
+                    rows.append(r)
+                    write()
+                    print(
+                        f"B={b:3d} {r['mode']:20s} {enc or '-':4s} early {r['early_mib_per_step']:6.2f} MiB  "
+                        f"caught up in {r['catch_up_steps']} steps ({r['catch_up_s']:.2f} s)  "
+                        f"wait p50 {r['wait_ms_p50']:7.3f} ms  compute p50 "
+                        f"{r['compute_ms_p50']:7.3f} ms  wait-compute p50 {r['wait_minus_compute_ms_p50']:6.3f} "
+                        f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  "
+                        f"(server-compute {r['server_minus_compute_ms_p50']:.3f}, "
+                        f"queue {r['queue_ms_p50']:.3f}, wait-server {r['wait_minus_server_ms_p50']:.3f}, "
+                        f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}",
+                        flush=True,
+                    )
     finally:
         stop_server(proc)
     write()

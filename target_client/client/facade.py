@@ -258,6 +258,21 @@ class DraftClient:
             return False
         return int(getattr(taps, "nbytes", 0)) > limit * (1 << 20)
 
+    def claim_rows(self, nbytes: int, pin: Any = None) -> np.ndarray | None:
+        """Room for a step's rows in the server's view already: a writable uint8 array of ``nbytes``
+        in the shared-memory ring (transport shm, mapped by the server), or None (another
+        transport, not connected, the ring full). Write the rows into it (a view of it in wire
+        storage, e.g. ``.view(np.uint16).reshape(rows, width)``) and pass that view as the taps of
+        ``send_taps``/``step``: the I/O thread sends them where they lie, without the copy into the
+        ring. The region is reused once no view of it lives and the server is done with it.
+        ``pin(address, nbytes)``: page-locks the ring once (a device-to-host copy into it then runs
+        at the bus's speed) and returns what undoes it; when it raises, claims return None from
+        then on. Any thread."""
+        ring = self._io.handshake.rows_ring
+        if ring is None or self._closed or not hasattr(ring, "claim"):
+            return None
+        return ring.claim(nbytes, pin)
+
     def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:
         """Drafts after early taps: ``step()`` with entries of no rows at ``pos`` = the committed
         context end (the anchor's position). The server drafts from the rows below ``pos`` it
@@ -345,6 +360,7 @@ class DraftClient:
             pending=len(io.pending),
             io_thread_alive=io.thread.is_alive(),
             early_taps_declined=self._taps_declined,
+            rows_in_place=getattr(hs.ring, "in_place_steps", 0),
         )
         return d
 

@@ -9,16 +9,32 @@ until an ack says the server cannot read it any more: a region of generation <= 
 not ``held``. When no region is free, ``put`` returns
 None and the step's rows go in a frame instead: the ring never blocks and never overwrites.
 
-I/O thread only (no locks). The segment's name is unlinked by ``confirm`` (the Welcome named it)
-or ``close`` (a refusal, a lost ring, the client's end), whichever comes first.
+Rows written in place (``claim``, then ``in_place``): a caller that makes a step's rows anyway (the
+vLLM proposer's device-to-host copy of its encoded taps) can write them straight into a region it
+claims, on its own thread, and pass a view of it as the step's taps; the I/O thread then sends
+them where they lie (``in_place``: the stamp and a generation, no copy). Such a region is free once
+no array views it (a finalizer on the claimed array, which every view of it keeps alive) and the
+server cannot read it. ``claim`` can page-lock the whole segment first (``pin``: a callable the
+caller's device library provides), so a device-to-host copy lands in it at the bus's speed.
+
+Threads: ``claim`` on any thread, the rest on the I/O thread; one lock around the allocator (a
+finalizer only appends to a queue, drained under the lock: it may run inside the lock's holder).
+The segment's name is unlinked by ``confirm`` (the Welcome named it) or ``close`` (a refusal, a
+lost ring, the client's end), whichever comes first.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import threading
+import weakref
+from collections.abc import Callable
+
 import numpy as np
 
 from protocol import RingAck, RingAnnounce, RowsAt
-from protocol.shm import HEADER_BYTES, create, region_bytes, unlink, write_region
+from protocol.shm import HEADER_BYTES, STAMP_BYTES, create, region_bytes, stamp_region, unlink, write_region
 from target_client.client.regions import Regions
 
 
@@ -33,6 +49,16 @@ class ClientRing:
         self.mapped = False  # a server mapped it (its Welcome named it)
         self._named = True  # the name still exists in /dev/shm
         self.regions = Regions(self.size - HEADER_BYTES, 1)  # offsets after the header; region_bytes aligns
+        view = ctypes.c_char.from_buffer(self._mm)
+        self._base = ctypes.addressof(view)  # the mapping's address (it never moves)
+        del view  # an exported buffer would keep ``close`` from unmapping
+        self._lock = threading.Lock()
+        self._claims: dict[int, tuple[int, int]] = {}  # a claimed region's rows offset -> (region id, nbytes)
+        self._let_go: collections.deque[int] = collections.deque()  # claimed regions no array views now
+        self._unpin: Callable[[], object] | None = None
+        self.pin_error: str | None = None  # why page-locking the segment failed (claims then stop)
+        self._closed = False
+        self.in_place_steps = 0  # steps whose rows went where the caller wrote them
 
     @property
     def generation(self) -> int:
@@ -42,7 +68,9 @@ class ClientRing:
     @property
     def free_bytes(self) -> int:
         """Bytes not held by live regions (tests and stats)."""
-        return self.regions.free_bytes
+        with self._lock:
+            self._drain()
+            return self.regions.free_bytes
 
     def confirm(self) -> None:
         """The server mapped the ring: remove its name, only the two mappings hold it now."""
@@ -58,25 +86,92 @@ class ClientRing:
         """Copy ``parts`` (rows, in order) into the next free region; None when none is free.
         (``ready``: for the CUDA IPC buffer's signature; host rows are ready.)"""
         nbytes = sum(p.nbytes for p in parts)
-        got = self.regions.take(region_bytes(nbytes))
+        with self._lock:
+            self._drain()
+            got = self.regions.take(region_bytes(nbytes))
         if got is None:
             return None
         generation, offset = got
         write_region(self._mm, HEADER_BYTES + offset, generation, parts)
         return RowsAt(self.name, HEADER_BYTES + offset, nbytes, generation)
 
+    def claim(self, nbytes: int, pin: Callable[[int, int], Callable[[], object]] | None = None) -> np.ndarray | None:
+        """A writable uint8 array of ``nbytes`` in a free region, for a caller to write a step's rows
+        into and pass (or a view of it) as its taps; None when none is free, the ring is closed, or
+        page-locking failed. ``pin(address, nbytes)`` page-locks the segment (once) and returns what
+        undoes it. Any thread."""
+        if nbytes <= 0:
+            return None
+        with self._lock:
+            if self._closed or self.pin_error is not None:
+                return None
+            if pin is not None and self._unpin is None:
+                try:
+                    self._unpin = pin(self._base, self.size)
+                except Exception as e:  # the caller falls back to its own buffer
+                    self.pin_error = f"{type(e).__name__}: {e}"
+                    return None
+            self._drain()
+            got = self.regions.claim(region_bytes(nbytes))
+            if got is None:
+                return None
+            rid, offset = got
+            at = HEADER_BYTES + offset + STAMP_BYTES
+            self._claims[at] = (rid, nbytes)
+        rows = np.frombuffer(self._mm, np.uint8, nbytes, at)
+        weakref.finalize(rows, self._let_go.append, rid).atexit = False
+        return rows
+
+    def in_place(self, rows: np.ndarray) -> RowsAt | None:
+        """Where ``rows`` lie when they are the start of a claimed region that has not gone out: the
+        region is stamped and given the next generation (no copy); else None (``put`` them)."""
+        at = rows.__array_interface__["data"][0] - self._base
+        with self._lock:
+            self._drain()
+            got = self._claims.get(at)
+            if got is None or rows.nbytes > got[1] or not rows.flags.c_contiguous:
+                return None
+            generation = self.regions.send(got[0])
+            if generation is None:
+                return None
+        offset = at - STAMP_BYTES
+        stamp_region(self._mm, offset, generation, rows.nbytes)
+        self.in_place_steps += 1
+        return RowsAt(self.name, offset, rows.nbytes, generation)
+
     def cancel(self, generation: int) -> None:
         """A region whose Step was never sent: free it at once."""
-        self.regions.cancel(generation)
+        with self._lock:
+            self.regions.cancel(generation)
 
     def ack(self, ack: RingAck) -> None:
         """Free every region the server says it is done with (cumulative: any ack may be lost)."""
         if ack.ring == self.name:
-            self.regions.ack(ack)
+            with self._lock:
+                self._drain()
+                self.regions.ack(ack)
+
+    def _drain(self) -> None:
+        """Claimed regions no array views any more (lock held)."""
+        while self._let_go:
+            rid = self._let_go.popleft()
+            self.regions.unview(rid)
+            for at, (r, _) in list(self._claims.items()):
+                if r == rid:
+                    del self._claims[at]
 
     def close(self) -> None:
-        """Unmap (the server's mapping, if any, lives on) and remove the name if it is still there."""
+        """Unmap (the server's mapping, if any, lives on; so does this one while a claimed array
+        views it) and remove the name if it is still there."""
         self._unlink()
+        with self._lock:
+            self._closed = True
+            unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            try:
+                unpin()
+            except Exception:  # best effort: the mapping goes at exit anyway
+                pass
         try:
             self._mm.close()
         except BufferError:  # a view still alive somewhere: the mapping goes with it

@@ -365,10 +365,17 @@ def step_frames(
 ) -> list[Any]:
     """The frames of the Step message carrying ``merged`` (header, then at most one row frame).
     With a ``ring`` the rows are copied into its next free region instead, when one is free
-    (a CUDA IPC buffer's copy after ``ready``, the caller's event after its device rows)."""
+    (a CUDA IPC buffer's copy after ``ready``, the caller's event after its device rows), or go
+    where they lie when the caller wrote them into a region of the shm ring (``ClientRing.claim``)."""
     parts = merged.parts
     frame: np.ndarray | None
-    at = ring.put(parts, ready) if (ring is not None and parts) else None
+    whole = merged.zero_copy and call.taps is not None and sum(len(p) for p in parts) == len(call.taps)
+    at = None
+    if ring is not None and parts:
+        if whole and isinstance(ring, ClientRing) and isinstance(call.taps, np.ndarray):
+            at = ring.in_place(call.taps)  # the caller wrote them into a region it claimed: no copy
+        if at is None:
+            at = ring.put(parts, ready)
     if at is not None:
         total = sum(len(p) for p in parts)
         spec = TensorSpec(layout[0], (total, parts[0].shape[1]), -1)  # rows are at ``at``, in no frame
@@ -379,7 +386,7 @@ def step_frames(
         from target_client.cuda.ipc import host_rows  # torch, only for a cuda_ipc client
 
         frame = host_rows(parts, ready)
-    elif merged.zero_copy and call.taps is not None and sum(len(p) for p in parts) == len(call.taps):
+    elif whole:
         frame = call.taps  # the common case: the caller's array goes out as it is
     else:
         frame = np.concatenate(parts, axis=0)  # resend or hold-back: one copy

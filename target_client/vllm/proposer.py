@@ -62,9 +62,11 @@ Configuration (environment variables, read in the worker process):
                            else start-up fails with one line).
 ``DRAFT_SHM_RING_MIB``     the ring's size with ``shm``/``auto`` (default 64; 2-4x a decode step's rows).
 ``DRAFT_CUDA_IPC_MIB``     the CUDA IPC buffer's size on this GPU with ``cuda_ipc`` (default 64).
-``DRAFT_PINNED_MIB``       page-locked host memory the rows of GPU taps are copied into with ``frames``/``shm``
-                           (default 256; 0: a fresh pageable copy per step, several times slower):
-                           ``wire.PinnedRows``; a step's region is reused once the client lets go of its rows.
+``DRAFT_PINNED_MIB``       page-locked host memory the rows of GPU taps are copied into with ``frames``, or
+                           with ``shm`` when the ring has no room (default 256; 0: a fresh pageable copy per
+                           step, several times slower): ``wire.PinnedRows``; a step's region is reused once
+                           the client lets go of its rows. With ``shm`` the rows go straight into the ring
+                           (page-locked once): ``DraftClient.claim_rows``.
 ``DRAFT_TRIM``             ``0``: send every draft to verification (default: load-aware trimming, below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
@@ -84,8 +86,10 @@ Per step (rows in ``input_batch`` order; row i owns flat tokens ``qsl[i]:qsl[i+1
   token) and gets ``[]``;
 * the valid rows of the aux hidden states are gathered on the device, encoded there in the wire
   format (``target_client.vllm.wire``: cast to bf16, quantized to fp8, or projected), copied to
-  the host once and viewed (no further copy) as the step's rows frame; with ``DRAFT_TRANSPORT=cuda_ipc``
-  they stay on the device (the client copies them device to device into its CUDA IPC buffer).
+  the host once and viewed (no further copy) as the step's rows frame, or with ``shm`` copied
+  straight into a region of the client's shared-memory ring, which goes out where it lies; with
+  ``DRAFT_TRANSPORT=cuda_ipc`` they stay on the device (the client copies them device to device
+  into its CUDA IPC buffer).
 
 Early taps (``DraftClient.send_taps``/``commit``; when the server's Welcome offers them and
 ``DRAFT_EARLY_TAPS`` is not 0): right after the target's forward (``send_taps``, called by the
@@ -657,7 +661,9 @@ class RemoteDSparkProposer:
         acknowledges them)."""
         layout = self.client.row_layout  # projected rows travel in the dtype the server's Welcome asks for
         dtype = layout[0] if layout is not None else DType.BF16
-        return self._wire.device_rows(rows, dtype) if self._device_rows else self._wire(rows, dtype)
+        if self._device_rows:
+            return self._wire.device_rows(rows, dtype)
+        return self._wire(rows, dtype, getattr(self.client, "claim_rows", None))  # shm: straight into the ring
 
     def step_phases(self) -> list[dict[str, float]]:
         """Per step, in ms: ``forward`` (scheduler output to the forward's end), ``taps`` (sending
@@ -934,6 +940,7 @@ class RemoteDSparkProposer:
         pinned = self._wire.pinned
         d["pinned_steps"] = pinned.taken if pinned is not None else 0  # GPU taps' rows in page-locked memory
         d["pinned_fallbacks"] = pinned.fallbacks if pinned is not None else 0  # ... in a pageable copy
+        d["ring_claimed_steps"] = self._wire.claimed  # rows written straight into the shm ring
         d["verify"] = self.verifier.stats()
         d["client"] = self.client.stats()
         return d

@@ -14,7 +14,9 @@ after one device-to-host copy of the (reduced) rows:
   Welcome asks for (bf16; f32 when the drafter computes in f32/f64, where projected rows then give
   exactly the drafts raw taps give).
 
-Also owns ``PinnedRows``: page-locked host memory that copy lands in, reused once the client lets go
+With the shm transport the copy lands straight in a region of the client's shared-memory ring
+(``claim``: ``DraftClient.claim_rows``), page-locked once, which the client sends where it lies.
+Otherwise it lands in ``PinnedRows``: page-locked host memory, reused once the client lets go
 of a step's rows (a copy into pageable memory runs at a fraction of the bus: 10.6 ms for 64 sessions
 of K3 taps on the H200 host, ``bench/results/cuda_ipc_h200.json`` ``prep``).
 
@@ -23,9 +25,11 @@ Lives under ``vllm/`` because it needs torch, which the client imports inside fu
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +40,8 @@ from target_client.projection import Projection
 
 if TYPE_CHECKING:
     import torch
+
+Claim = Callable[[int, Any], "np.ndarray | None"]  # DraftClient.claim_rows: (nbytes, pin) -> a region, or None
 
 
 class WireEncoder:
@@ -53,15 +59,49 @@ class WireEncoder:
         self._weights: dict[tuple[str, Any], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pinned_bytes = pinned_mib << 20
         self.pinned: PinnedRows | None = None
+        self.claimed = 0  # steps whose rows went into a region of the client's ring
 
-    def __call__(self, taps: torch.Tensor, projected_dtype: DType = DType.BF16) -> np.ndarray:
-        """Rows on the host for ``taps`` (``projected_dtype``: the Welcome's ``wire.projected_dtype``)."""
+    def __call__(
+        self, taps: torch.Tensor, projected_dtype: DType = DType.BF16, claim: Claim | None = None
+    ) -> np.ndarray:
+        """Rows on the host for ``taps`` (``projected_dtype``: the Welcome's ``wire.projected_dtype``).
+
+        ``claim`` (``DraftClient.claim_rows``): the rows go straight into a region of the client's
+        shared-memory ring (page-locked first when they come from a GPU), which the client then
+        sends where they lie: one copy from the target's device to the server's view. When it
+        gives no region, the rows land as below."""
+        if claim is not None:
+            out = self._into_claimed(taps, projected_dtype, claim)
+            if out is not None:
+                return out
         rows = self.device_rows(taps, projected_dtype)
         if rows.device.type == "cpu" or not self._pinned_bytes:
             return to_host(rows)
         if self.pinned is None:
             self.pinned = PinnedRows(self._pinned_bytes)
         return self.pinned.host_rows(rows)
+
+    def _into_claimed(self, taps: torch.Tensor, projected_dtype: DType, claim: Claim) -> np.ndarray | None:
+        """The rows written into a claimed region: raw bf16 taps straight from the caller's tensor
+        (the region is the fresh memory), other formats after encoding on the device; None when
+        no region was given."""
+        import torch
+
+        if self.fmt == WireFormat.BF16 and taps.dim() == 2:
+            src, dtype, shape = taps, torch.bfloat16, tuple(taps.shape)
+        else:
+            src = self.device_rows(taps, projected_dtype)
+            dtype, shape = src.dtype, tuple(src.shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = claim(nbytes, pin_cuda if src.is_cuda else None)
+        if buf is None:
+            return None
+        dst = torch.from_numpy(buf).view(dtype).view(shape)
+        dst.copy_(src, non_blocking=src.is_cuda)
+        if src.is_cuda:
+            torch.cuda.current_stream(src.device).synchronize()
+        self.claimed += 1
+        return _numpy(dst)
 
     def device_rows(self, taps: torch.Tensor, projected_dtype: DType = DType.BF16) -> torch.Tensor:
         """The rows in wire storage, still on the taps' device (bf16 and f32 as such, fp8 as uint8),
@@ -97,6 +137,18 @@ class WireEncoder:
             hit = (_tensor(p.proj, p.proj_dtype, device, dtype), _tensor(p.norm, p.norm_dtype, device, dtype))
             self._weights[key] = hit
         return hit
+
+
+def pin_cuda(address: int, nbytes: int) -> Callable[[], object]:
+    """Page-lock host memory for CUDA copies (the shm ring, ``ClientRing.claim``); returns what
+    unlocks it. RuntimeError when CUDA refuses."""
+    import torch
+
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
+    if err:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {err}")
+    return lambda: cudart.cudaHostUnregister(address)
 
 
 def quantize_fp8(taps: torch.Tensor) -> torch.Tensor:

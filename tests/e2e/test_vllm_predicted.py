@@ -7,6 +7,9 @@ commit at the real end (fewer drafts accepted, or another anchor) and, when samp
 more drafts than the raw argmax said, the rows past the predicted end encoded from the runner's
 aux hidden states at settle time (the early taps stopped at the predicted end). The greedy output
 must equal vLLM without speculation under the same penalty, token for token.
+
+The rows travel through the shared-memory ring (``DRAFT_TRANSPORT=shm``), written straight into
+regions the proposer claims (``DraftClient.claim_rows``), the rows encoded at settle time too.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def test_mispredicted_commits_keep_greedy_output_equal_to_plain() -> None:
         ["--model", str(draft), "--target-model", str(target), "--device", "cpu", "--dtype", "float32"]
     )
     # a budget no step misses on a loaded 2-core machine: the drafts, and so the run, are deterministic
-    env = {**os.environ, "DRAFT_SERVER_ENDPOINT": endpoint, "DRAFT_BUDGET_MS": "5000"}
+    env = {**os.environ, "DRAFT_SERVER_ENDPOINT": endpoint, "DRAFT_BUDGET_MS": "5000", "DRAFT_TRANSPORT": "shm"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = {"target": str(target), "prompts": PROMPTS, "max_tokens": 48, "repetition_penalty": 1.3}
     try:
@@ -45,3 +48,4 @@ def test_mispredicted_commits_keep_greedy_output_equal_to_plain() -> None:
     assert seen["predicted_hits"] > 0 and seen["predicted_misses"] > 0, seen
     assert seen["predicted_rows_again"] > 0, seen  # rows encoded from the aux states after sampling
     assert remote["spec"].get("vllm:spec_decode_num_accepted_tokens", 0) > 0
+    assert 0 < d["client"]["rows_in_place"] <= d["ring_claimed_steps"], d  # several misses' rows: one copy

@@ -81,3 +81,35 @@ def test_the_encoder_stages_gpu_taps_in_its_buffer() -> None:
     out = enc(taps)
     assert enc.pinned is not None and _in(enc.pinned, out)
     assert np.array_equal(out, taps.to(torch.bfloat16).view(torch.int16).cpu().numpy().view(np.uint16))
+
+
+def test_rows_from_the_gpu_go_straight_into_the_page_locked_shm_ring() -> None:
+    """``claim`` with ``pin_cuda``: the ring is page-locked once (torch sees it as pinned), the rows
+    of every wire format land in a claimed region equal to ``.cpu()`` while kernels that made them
+    are still queued, and the ring unlocks at close."""
+    from protocol.shm import HEADER_BYTES
+    from target_client.client.ring import ClientRing
+
+    ring = ClientRing(64 << 20)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(3)
+        for fmt in ("bf16", "fp8"):
+            enc = WireEncoder(fmt)
+            for _ in range(20):
+                taps = torch.randn(192, WIDTH, device="cuda", generator=g)
+                taps = taps * 2 + 1  # kernels still queued when the copy starts
+                want = enc.device_rows(taps).cpu()
+                got = enc(taps, claim=ring.claim)
+                assert ring.pin_error is None, ring.pin_error
+                assert ring._base + HEADER_BYTES <= got.ctypes.data < ring._base + ring.size
+                w = want.view(torch.int16).numpy().view(np.uint16) if want.dtype == torch.bfloat16 else want.numpy()
+                assert np.array_equal(got, w), fmt
+                at = ring.in_place(got)
+                assert at is not None
+                ring.cancel(at.generation)
+            assert enc.claimed == 20
+        probe = torch.from_numpy(np.frombuffer(ring._mm, np.uint8, 4096, HEADER_BYTES))
+        assert probe.is_pinned()  # registered with CUDA: the copy ran at the bus's speed
+        del probe, got
+    finally:
+        ring.close()

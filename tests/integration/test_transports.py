@@ -4,7 +4,8 @@
    concurrently; every draft is the checksum drafter's proof that the server holds exactly the
    rows sent. A second server asking for the same ipc path is refused at start in one line.
 2. Transport shm over ipc, two clients at once, rings small enough to wrap and to fill (those
-   steps go in frames): drafts exact, nothing left in /dev/shm once the Welcome came.
+   steps go in frames), one of them writing its rows into regions it claims (sent where they
+   lie): drafts exact, nothing left in /dev/shm once the Welcome came.
 3. Refusals at Hello, one line, counted on both sides: a ``--no-shm`` server, a segment the
    server cannot open (as from another host or container); "auto" goes on with frames.
 4. kill -9 mid-traffic: of the client (nothing left in /dev/shm; the server unmaps the ring and
@@ -51,10 +52,14 @@ def ipc_server(tmp_path, *extra: str, tcp: bool = False) -> ServerProc:
 class Sessions:
     """Sessions of one client and the rows it sent, to check every draft against the checksum."""
 
-    def __init__(self, client: DraftClient, prefix: str, n: int, seed: int) -> None:
+    def __init__(self, client: DraftClient, prefix: str, n: int, seed: int, claim: bool = False) -> None:
+        """``claim``: write each step's rows into a region of the client's ring (``claim_rows``)
+        when it gives one, as the vLLM proposer's device-to-host copy does."""
         self.client, self.prefix, self.n = client, prefix, n
         self.rng = np.random.default_rng(seed)
         self.rows: dict[str, dict[int, bytes]] = {f"{prefix}{s}": {} for s in range(n)}
+        self.claim = claim
+        self.claimed = 0
 
     def step(self, rows_per: int = 3, k: int = 4) -> list:
         reqs, parts = [], []
@@ -64,6 +69,13 @@ class Sessions:
             reqs.append(StepRequest(sid, pos, rows_per, 7, k))
             parts.append(taps)
         taps = np.concatenate(parts)
+        buf = self.client.claim_rows(taps.nbytes) if self.claim else None
+        if buf is not None:
+            view = buf.view(np.uint16).reshape(taps.shape)
+            view[:] = taps
+            taps = view
+            self.claimed += 1
+            del buf
         replies = self.client.step(reqs, taps)
         for req, t in zip(reqs, parts, strict=True):
             for i in range(rows_per):
@@ -146,9 +158,13 @@ def test_shm_ring_two_clients_wrap_fill_and_leave_nothing(tmp_path) -> None:
     try:
         assert all(c.welcome is not None and c.welcome.ring for c in clients)
         assert not names(os.getpid())  # mapped: the names are gone, only the mappings hold the rings
-        # 200 steps each, then a prefill-sized step (1.2 MB): larger than the ring, so its rows go in a frame
-        in_threads([Sessions(c, f"c{i}-", 16, i) for i, c in enumerate(clients)], steps=200, last_rows=300)
+        # 200 steps each, then a prefill-sized step (1.2 MB): larger than the ring, so its rows go in a frame.
+        # Client 1 writes its rows into regions it claims (sent where they lie), client 0 has them copied in.
+        sessions = [Sessions(c, f"c{i}-", 16, i, claim=i == 1) for i, c in enumerate(clients)]
+        in_threads(sessions, steps=200, last_rows=300)
         assert reg.get_sample_value("draft_client_shm_steps_total") >= 400
+        assert sessions[1].claimed >= 150 and clients[1].stats()["rows_in_place"] == sessions[1].claimed
+        assert clients[0].stats()["rows_in_place"] == 0
         assert reg.get_sample_value("draft_client_shm_fallbacks_total", {"reason": "ring_full"}) >= 2
         assert all(c._io.handshake.ring.generation >= 200 for c in clients)  # type: ignore[union-attr]
         met = srv.metrics()
@@ -245,7 +261,7 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
     reg = CollectorRegistry()
     c = _client(srv.endpoint, transport="shm", shm_ring_mib=1, budget_ms=50.0, registry=reg)
     try:
-        s = Sessions(c, "s", 4, 1)
+        s = Sessions(c, "s", 4, 1, claim=True)  # rows written in place: the old ring's stay valid until resent
         for _ in range(10):
             assert s.check(s.step()) == 4
         first = c.welcome.ring  # type: ignore[union-attr]
@@ -266,6 +282,7 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
         for _ in range(5):
             assert s.check(s.step()) == 4
         assert reg.get_sample_value("draft_client_shm_steps_total") > shm_before  # rows through the ring again
+        assert c.stats()["rows_in_place"] >= 5  # into the new ring too
         assert not names(os.getpid()) and not names(server_pid)
     finally:
         c.close()

@@ -128,3 +128,40 @@ def test_the_encoder_keeps_rows_of_host_taps_where_they_are() -> None:
     t = bf16(3, 4)
     out = enc(t)
     assert np.array_equal(out, bits(t)) and enc.pinned is None  # CPU taps: no device copy, no buffer
+
+
+def test_the_encoder_writes_rows_into_a_claimed_ring_region_equal_to_its_own() -> None:
+    """``claim`` (``DraftClient.claim_rows``): every wire format's rows land in a region of the
+    client's shm ring, equal to what the encoder makes without it; the ring sends them where they
+    lie. No region: the rows come out as before."""
+    from protocol.shm import HEADER_BYTES
+    from target_client.client.ring import ClientRing
+    from target_client.projection import Projection
+
+    hidden = 32
+    g = torch.Generator().manual_seed(9)
+    proj = Projection(
+        proj=(torch.randn(hidden, WIDTH, generator=g) * 0.1).numpy(),
+        norm=(1 + 0.1 * torch.randn(hidden, generator=g)).numpy(),
+        proj_dtype="F32",
+        norm_dtype="F32",
+        eps=1e-6,
+        names=("context_proj.weight", "context_norm.weight"),
+    )
+    taps = torch.randn(6, WIDTH, generator=g)  # float32 taps: the bf16 format rounds them on the way in
+    ring = ClientRing(1 << 20)
+    try:
+        lo = ring._base
+        for fmt in ("bf16", "fp8", "projected"):
+            enc = WireEncoder(fmt, projection=proj if fmt == "projected" else None)
+            want = enc(taps)
+            got = enc(taps, claim=ring.claim)
+            assert got.dtype == want.dtype and np.array_equal(got, want), fmt
+            assert lo + HEADER_BYTES <= got.ctypes.data < lo + ring.size and enc.claimed == 1, fmt
+            at = ring.in_place(got)
+            assert at is not None and at.nbytes == want.nbytes, fmt
+        enc = WireEncoder("bf16")
+        assert np.array_equal(enc(taps, claim=lambda n, pin: None), bits(taps.to(torch.bfloat16)))
+        assert enc.claimed == 0
+    finally:
+        ring.close()

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -89,6 +90,133 @@ def test_ring_never_rewrites_what_the_server_may_read() -> None:
     ring.close()
     server_mm.close()
     assert not _names()
+
+
+def test_claimed_regions_are_never_rewritten_while_viewed_or_read() -> None:
+    """The model above with rows written in place too: claimed regions go out where they lie (or
+    never, or by copy), views of them are dropped at random, out of order; no region anyone may
+    still read (the server, a live view) is ever handed out again."""
+    ring = ClientRing(1 << 16)
+    server_mm = open_ring(ring.announce)
+    ring.confirm()
+    rnd = random.Random(11)
+    views: dict[int, tuple[np.ndarray, bytes]] = {}  # id -> (a caller's live view, what it wrote)
+    sent: dict[int, tuple[RowsAt, bytes]] = {}
+    held: set[int] = set()
+    seen = in_place = 0
+    for i in range(4000):
+        x = rnd.random()
+        if x < 0.35:  # a caller claims a region and writes its rows
+            n = rnd.choice([64, 700, 4000, 9000])
+            buf = ring.claim(n)
+            if buf is None:
+                continue
+            data = rnd.randbytes(n)
+            buf[:] = np.frombuffer(data, np.uint8)
+            rows = buf.view(np.uint8).reshape(1, n)  # what goes to the client: a view
+            del buf
+            views[i] = (rows, data)
+            if rnd.random() < 0.8:  # the I/O thread sends it (else: it went in a frame, or never)
+                at = ring.in_place(rows)
+                assert at is not None and ring.in_place(rows) is None  # once
+                in_place += 1
+                assert region_rows(server_mm, at).tobytes() == data  # the server reads what was written
+                sent[at.generation] = (at, data)
+                if rnd.random() < 0.9:
+                    seen = at.generation
+                    held.add(at.generation)
+        elif x < 0.55:  # plain puts in between
+            data = rnd.randbytes(rnd.choice([64, 3000]))
+            at = ring.put([np.frombuffer(data, np.uint8).reshape(1, -1)])
+            if at is not None:
+                sent[at.generation] = (at, data)
+                seen = at.generation
+                held.add(at.generation)
+        elif x < 0.75 and views:  # a caller lets go of some rows (the resend buffer's ack)
+            views.pop(rnd.choice(list(views)))
+        else:
+            for g in list(held):
+                if rnd.random() < 0.5:
+                    held.discard(g)
+            if rnd.random() < 0.7:
+                ring.ack(RingAck(ring.name, seen, tuple(sorted(held))))
+        for rows, data in views.values():  # every live view still holds what its caller wrote
+            assert rows.tobytes() == data, f"a viewed region was rewritten at step {i}"
+        for g in held:
+            at, data = sent[g]
+            assert region_rows(server_mm, at).tobytes() == data, f"region {g} rewritten at step {i}"
+    assert in_place > 300
+    views.clear()
+    del rows
+    ring.ack(RingAck(ring.name, ring.generation, ()))  # the server is done with everything
+    assert ring.free_bytes == ring.size - HEADER_BYTES  # everything came back
+    ring.close()
+    server_mm.close()
+    assert not _names()
+
+
+def test_in_place_takes_only_the_start_of_a_claimed_region_once() -> None:
+    ring = ClientRing(1 << 16)
+    try:
+        buf = ring.claim(1024)
+        assert buf is not None and buf.flags.writeable
+        rows = buf.view(np.uint16).reshape(4, 128)
+        assert ring.in_place(np.zeros((4, 128), np.uint16)) is None  # not in the ring
+        assert ring.in_place(rows[1:]) is None  # not where the region starts
+        at = ring.in_place(rows)
+        assert at is not None and at.nbytes == 1024 and ring.in_place(rows) is None
+        ring.cancel(at.generation)  # never sent after all: free once the views go too
+        assert ring.free_bytes < ring.size - HEADER_BYTES
+        del buf, rows
+        assert ring.free_bytes == ring.size - HEADER_BYTES
+    finally:
+        ring.close()
+
+
+def test_claim_pins_the_ring_once_and_stops_after_a_refusal() -> None:
+    calls: list[tuple[int, int]] = []
+    undone: list[int] = []
+
+    def pin(address: int, nbytes: int):
+        calls.append((address, nbytes))
+        return lambda: undone.append(address)
+
+    ring = ClientRing(1 << 16)
+    a = ring.claim(100, pin)
+    b = ring.claim(100, pin)
+    assert a is not None and b is not None and len(calls) == 1 and calls[0][1] == ring.size
+    assert calls[0][0] == a.__array_interface__["data"][0] - HEADER_BYTES - 64  # the mapping's start
+    del a, b
+    ring.close()
+    assert undone == [calls[0][0]] and ring.claim(100) is None  # closed: no more claims
+
+    def refuse(address: int, nbytes: int):
+        raise RuntimeError("cudaHostRegister failed")
+
+    ring = ClientRing(1 << 16)
+    try:
+        assert ring.claim(100, refuse) is None and ring.claim(100) is None
+        assert ring.pin_error is not None and "cudaHostRegister" in ring.pin_error
+        assert ring.put([np.zeros((1, 100), np.uint8)]) is not None  # copies still go
+    finally:
+        ring.close()
+
+
+def test_claimed_rows_let_go_on_another_thread_free_their_region() -> None:
+    ring = ClientRing(1 << 16)
+    try:
+        bufs = [ring.claim(8000) for _ in range(7)]
+        assert all(b is not None for b in bufs) and ring.claim(20000) is None
+
+        def drop() -> None:
+            bufs.clear()
+
+        t = threading.Thread(target=drop)
+        t.start()
+        t.join()
+        assert ring.claim(20000) is not None
+    finally:
+        ring.close()
 
 
 def test_cancel_frees_an_unsent_region_and_acks_of_another_ring_are_ignored() -> None:
