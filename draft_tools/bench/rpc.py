@@ -8,7 +8,9 @@ same run, against one server process bound to tcp and ipc at once:
   loopback tcp and over ipc;
 * product: DraftClient.step() against the draft server (checksum drafter with a K3-sized
   contract) over ``tcp`` (loopback), ``ipc``, and ``ipc+shm`` (rows through the client's shared-
-  memory ring, the Step carries only where they are; "k3" only), reporting the client's wait,
+  memory ring, the Step carries only where they are; "k3" only) and ``ipc+shm in place`` (the
+  caller writes each step's rows into a region of the ring it claims, untimed as a target's
+  device-to-host copy, and the client sends them where they lie), reporting the client's wait,
   the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
 * with CUDA: ``ipc+cuda_ipc`` too ("k3" only): the rows on the GPU, copied device to device through
   the client's CUDA IPC buffer (the checksum server declares the GPU; its digests then include a
@@ -131,8 +133,12 @@ def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.ta
 
 
 def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str = "frames") -> dict:
+    """``transport`` "shm_in_place": shm, each step's rows written (untimed, as a target's
+    device-to-host copy lands) into a region the client claims, which goes out where it lies."""
     from target_client import ClientConfig, DraftClient, StepRequest
 
+    in_place = transport == "shm_in_place"
+    transport = "shm" if in_place else transport
     cfg = ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench", transport=transport, shm_ring_mib=64)
     client = DraftClient(cfg)
     welcome = client.connect(wait=True)
@@ -145,9 +151,19 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str =
     # every step overwrites positions [0, rows): context stays small, so compute stays flat
     reqs = [StepRequest(f"s{i}", 0, rows, 1, contract.block_size) for i in range(n)]
     waits, server, compute = [], [], []
+    claimed = 0
     for it in range(iters + 20):
+        step_taps = taps
+        if in_place and taps is not None:
+            buf = client.claim_rows(taps.nbytes)
+            if buf is not None:
+                step_taps = buf.view(np.uint16).reshape(taps.shape)
+                step_taps[:] = taps
+                claimed += 1
+                del buf
         t = time.perf_counter()
-        replies = client.step(reqs, taps)
+        replies = client.step(reqs, step_taps)
+        del step_taps
         wait = (time.perf_counter() - t) * 1000
         assert all(len(r.tokens) == contract.block_size for r in replies), "bench step failed"
         timing = client.last_timing
@@ -165,6 +181,7 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str =
         "compute_p50_ms": pct(compute, 50),
         "overhead_p50_ms": pct(over, 50),
         "overhead_p99_ms": pct(over, 99),
+        "rows_in_place": claimed,
     }
 
 
@@ -197,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         ("ipc", f"ipc://{tmp}/srv.sock", "frames", "ipc"),
     ]
     runs.append(("ipc+shm", runs[1][1], "shm", "ipc"))
+    runs.append(("ipc+shm in place", runs[1][1], "shm_in_place", "ipc"))
     cuda = cuda_available() and not args.endpoint
     if cuda:
         runs.append(("ipc+cuda_ipc", runs[1][1], "cuda_ipc", "cuda_ipc"))
@@ -226,14 +244,14 @@ def main(argv: list[str] | None = None) -> int:
                     floors["cuda_ipc"] = floor_rtt(f"ipc://{tmp}/floor.sock", 0, n, width, args.iters, 20)
                 mb = n * rows * width * 2 / 1e6
                 for name, ep, transport, floor_of in runs:
-                    if transport in ("shm", "cuda_ipc") and not rows:
+                    if transport in ("shm", "shm_in_place", "cuda_ipc") and not rows:
                         continue  # no rows: the same message as ipc
                     prod = bench_product(ep, n, rows, args.iters, transport)
                     floor = floors[floor_of]
                     row = {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "transport": name}
                     results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
                     print(
-                        f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:8s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
+                        f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:16s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
                         f" | client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | compute "
                         f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
                         flush=True,
@@ -256,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "transport": (
             f"running server at {args.endpoint}"
             if args.endpoint
-            else "tcp loopback, ipc, ipc+shm" + (", ipc+cuda_ipc (GPU 0)" if cuda else "")
+            else "tcp loopback, ipc, ipc+shm, ipc+shm in place" + (", ipc+cuda_ipc (GPU 0)" if cuda else "")
         ),
         "results": results,
     }

@@ -184,3 +184,29 @@ def test_tiny_pair_acceptance_by_wire_format() -> None:
     assert got["bf16"].mean > 1.5
     assert got["projected"] == got["bf16"]
     assert abs(got["fp8"].mean - got["bf16"].mean) <= 0.1
+
+
+@pytest.mark.parametrize("dtype", [DType.BF16, DType.F32, DType.U8])
+def test_nonfinite_rows_finds_rows_gone_bad_from_a_sample_of_whole_cache_lines(dtype: DType) -> None:
+    """The NaN/Inf check reads one 64-byte run in 61 of each row (what a diverged target's rows
+    show everywhere): a row of NaN or of Inf is found wherever it is and whatever its width, a clean
+    row never; a value in a run it reads is found, one in a run it skips is not (it is a sample)."""
+    rng = np.random.default_rng(0)
+    for width in (40, 35840):
+        x = torch.from_numpy(rng.standard_normal((12, width), dtype=np.float32))
+        x[3] = float("nan")
+        x[8] = float("inf")
+        x[10, 0] = float("nan")  # in the first run: read
+        if width > 100:
+            x[11, 40] = float("nan")  # in a skipped run (f32: values 16-31 are the 2nd run; bf16: 32-63)
+        if dtype == DType.BF16:
+            rows = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        elif dtype == DType.F32:
+            rows = x.numpy()
+        else:
+            x[10:] = 1.0  # fp8: any NaN shows in the row's scale; rows 10 and 11 are clean here
+            rows = quantize_fp8(x).numpy()
+        bad = nonfinite_rows(rows, dtype)
+        want = {3, 8} | ({10} if dtype != DType.U8 else set())
+        assert set(np.nonzero(bad)[0]) == want, (dtype, width)
+        assert not nonfinite_rows(rows[[0, 1, 2]], dtype).any()
