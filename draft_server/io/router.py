@@ -127,18 +127,21 @@ _RECLAIM_S = 0.02  # the I/O thread watches the socket again this long after the
 _RECLAIM_MS = 20
 _BATCH = 256  # messages per pass, so replies and sweeps keep going under a flood
 
-NONFINITE_EVERY = 61  # one 64-byte block in this many per row is read for NaN/Inf (a prime: any period shows up)
+NONFINITE_RUNS = 4  # 64-byte runs read per row for NaN/Inf, spread over the row
 _LINE = 64  # bytes: a cache line, what a read of memory costs anyway
 
 
 def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
-    """bool [rows]: rows whose sampled values hold NaN or Inf (every NONFINITE_EVERY-th run of 64
-    bytes of each row, read whole: memory traffic goes by cache lines, so a strided sample of single
-    values would read every other line of the rows, 0.8 ms for 64 sessions x 3 rows of K3 taps
-    just written by a client on the 2-core VM).
+    """bool [rows]: rows whose sampled values hold NaN or Inf: NONFINITE_RUNS runs of 64 bytes of
+    each row, the first and the rest spread evenly, each read whole. A diverged target puts NaN
+    across whole rows, so a sample finds it; the rows were just written by another process, so each
+    line read is a trip to memory: a strided sample of single values (every 61st) read every other
+    line of the rows, 0.8 ms for 64 sessions x 3 rows of K3 taps on the 2-core VM, and one line in
+    61 still 0.3 ms. The result only feeds a metric: NaN/Inf never reaches another session (the
+    attention paths mask at the load).
 
-    A diverged target puts NaN across whole rows, so a sample finds it. ``dtype`` U8: fp8 rows,
-    whose NaN is the e4m3 code S.1111.111, or whose float32 scale is not finite."""
+    ``dtype`` U8: fp8 rows, whose NaN is the e4m3 code S.1111.111, or whose float32 scale is not
+    finite (any NaN in a row's taps makes it so)."""
     if dtype == DType.U8:
         w = taps.shape[1] - SCALE_BYTES
         scale = np.ascontiguousarray(taps[:, w:]).view(np.float32)[:, 0]
@@ -150,16 +153,16 @@ def nonfinite_rows(taps: np.ndarray, dtype: DType) -> np.ndarray:
 
 
 def _lines(taps: np.ndarray, width: int) -> np.ndarray:
-    """A view [rows, blocks, values] of every NONFINITE_EVERY-th 64-byte run of each row's first
+    """A view [rows, runs, values] of NONFINITE_RUNS evenly spread 64-byte runs of each row's first
     ``width`` values (the whole row when it is shorter than one run)."""
     per = max(1, _LINE // taps.itemsize)
     runs = width // per
     if runs == 0 or taps.strides[1] != taps.itemsize:
         return taps[:, None, :width]
-    n = (runs - 1) // NONFINITE_EVERY + 1
-    step = NONFINITE_EVERY * per * taps.itemsize
+    n = min(NONFINITE_RUNS, runs)
+    every = runs // n  # runs apart: the last read run ends inside the row
     return np.lib.stride_tricks.as_strided(
-        taps, (taps.shape[0], n, per), (taps.strides[0], step, taps.itemsize), writeable=False
+        taps, (taps.shape[0], n, per), (taps.strides[0], every * per * taps.itemsize, taps.itemsize), writeable=False
     )
 
 

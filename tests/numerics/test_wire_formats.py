@@ -188,9 +188,9 @@ def test_tiny_pair_acceptance_by_wire_format() -> None:
 
 @pytest.mark.parametrize("dtype", [DType.BF16, DType.F32, DType.U8])
 def test_nonfinite_rows_finds_rows_gone_bad_from_a_sample_of_whole_cache_lines(dtype: DType) -> None:
-    """The NaN/Inf check reads one 64-byte run in 61 of each row (what a diverged target's rows
-    show everywhere): a row of NaN or of Inf is found wherever it is and whatever its width, a clean
-    row never; a value in a run it reads is found, one in a run it skips is not (it is a sample)."""
+    """The NaN/Inf check reads a few 64-byte runs of each row (what a diverged target's rows show
+    everywhere): a row of NaN or of Inf is found whatever its width, a clean row never; a value in a
+    run it reads is found, one in a run it skips is not (it is a sample)."""
     rng = np.random.default_rng(0)
     for width in (40, 35840):
         x = torch.from_numpy(rng.standard_normal((12, width), dtype=np.float32))
