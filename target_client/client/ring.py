@@ -56,6 +56,8 @@ class ClientRing:
         self._claims: dict[int, tuple[int, int]] = {}  # a claimed region's rows offset -> (region id, nbytes)
         self._let_go: collections.deque[int] = collections.deque()  # claimed regions no array views now
         self._unpin: Callable[[], object] | None = None
+        self._retire = threading.RLock()  # the unpin after close (finalizers may nest in one thread)
+        self._live_at_close: set[int] = set()  # claimed regions still viewed when the ring closed
         self.pin_error: str | None = None  # why page-locking the segment failed (claims then stop)
         self._closed = False
         self.in_place_steps = 0  # steps whose rows went where the caller wrote them
@@ -119,8 +121,27 @@ class ClientRing:
             at = HEADER_BYTES + offset + STAMP_BYTES
             self._claims[at] = (rid, nbytes)
         rows = np.frombuffer(self._mm, np.uint8, nbytes, at)
-        weakref.finalize(rows, self._let_go.append, rid).atexit = False
+        weakref.finalize(rows, self._released, rid).atexit = False
         return rows
+
+    def _released(self, rid: int) -> None:
+        """No array views claimed region ``rid`` any more (a finalizer: any thread, maybe inside
+        the lock's holder, so it never takes that lock)."""
+        self._let_go.append(rid)
+        if self._closed:
+            self._unpin_when_free()
+
+    def _unpin_when_free(self) -> None:
+        """After ``close``: page-unlock the segment once no claimed array lives (a device-to-host
+        copy into one may still be in flight; the mapping lives as long as they do)."""
+        with self._retire:
+            if self._unpin is None or not self._live_at_close <= set(self._let_go):
+                return
+            unpin, self._unpin = self._unpin, None
+        try:
+            unpin()
+        except Exception:  # best effort: the pages go at exit anyway
+            pass
 
     def in_place(self, rows: np.ndarray) -> RowsAt | None:
         """Where ``rows`` lie when they are the start of a claimed region that has not gone out: the
@@ -152,8 +173,9 @@ class ClientRing:
                 self.regions.ack(ack)
 
     def _drain(self) -> None:
-        """Claimed regions no array views any more (lock held)."""
-        while self._let_go:
+        """Claimed regions no array views any more (lock held; after ``close`` the queue stays for
+        ``_unpin_when_free``)."""
+        while self._let_go and not self._closed:
             rid = self._let_go.popleft()
             self.regions.unview(rid)
             for at, (r, _) in list(self._claims.items()):
@@ -165,13 +187,12 @@ class ClientRing:
         views it) and remove the name if it is still there."""
         self._unlink()
         with self._lock:
+            if self._closed:
+                return
+            self._drain()
+            self._live_at_close = {rid for rid, _ in self._claims.values()}
             self._closed = True
-            unpin, self._unpin = self._unpin, None
-        if unpin is not None:
-            try:
-                unpin()
-            except Exception:  # best effort: the mapping goes at exit anyway
-                pass
+        self._unpin_when_free()
         try:
             self._mm.close()
         except BufferError:  # a view still alive somewhere: the mapping goes with it

@@ -186,9 +186,17 @@ def test_claim_pins_the_ring_once_and_stops_after_a_refusal() -> None:
     b = ring.claim(100, pin)
     assert a is not None and b is not None and len(calls) == 1 and calls[0][1] == ring.size
     assert calls[0][0] == a.__array_interface__["data"][0] - HEADER_BYTES - 64  # the mapping's start
-    del a, b
+    del a
     ring.close()
-    assert undone == [calls[0][0]] and ring.claim(100) is None  # closed: no more claims
+    assert undone == [] and ring.claim(100) is None  # b lives (a copy into it may be in flight); closed
+    del b
+    assert undone == [calls[0][0]]  # unlocked once the last claimed array went
+
+    ring = ClientRing(1 << 16)
+    c = ring.claim(100, pin)
+    del c
+    ring.close()
+    assert len(calls) == 2 and undone[-1] == calls[1][0]  # nothing claimed lives: unlocked at close
 
     def refuse(address: int, nbytes: int):
         raise RuntimeError("cudaHostRegister failed")
