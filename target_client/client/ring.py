@@ -19,6 +19,8 @@ caller's device library provides), so a device-to-host copy lands in it at the b
 
 Threads: ``claim`` on any thread, the rest on the I/O thread; one lock around the allocator (a
 finalizer only appends to a queue, drained under the lock: it may run inside the lock's holder).
+After ``close`` the segment is page-unlocked once no claimed array lives, by the finalizer of the
+last one (a device-to-host copy into it may still be in flight at close).
 The segment's name is unlinked by ``confirm`` (the Welcome named it) or ``close`` (a refusal, a
 lost ring, the client's end), whichever comes first.
 """
