@@ -35,6 +35,7 @@ class DSparkModel:
     linear = staticmethod(gemm.linear)
     linear_add = staticmethod(ops.linear_add)
     swiglu_add = staticmethod(ops.swiglu_add)
+    norm_linear = staticmethod(ops.norm_linear)  # rms_norm then a projection: one kernel where it can be
 
     def __init__(self, cfg: DSparkConfig, w: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
         self.cfg, self.w, self.device, self.dtype = cfg, w, device, dtype
@@ -76,6 +77,7 @@ class DSparkModel:
         from draft_server.models.exl3 import linear as exl3
 
         self.linear, self.linear_add, self.swiglu_add = exl3.linear, exl3.linear_add, exl3.swiglu_add
+        self.norm_linear = exl3.norm_linear
         for name, mod in self.linears.items():
             if name in self.w:
                 self.w[name] = mod
@@ -104,11 +106,16 @@ class DSparkModel:
         return fused and (cache is None or cache.dtype == x.dtype)
 
     def attention(
-        self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+        self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:
-        """Layer i attention of block rows u [N, B, H] (cos/sin of their positions) over their context
-        and the block itself: the heads' output [N, B, heads * v], before ``o_proj``."""
+        """Layer i attention of block rows h [N, B, H] (the residual stream: the layer's
+        ``input_layernorm`` goes with the first projection, ``norm_linear``; cos/sin of their
+        positions) over their context and the block itself: the heads' output [N, B, heads * v],
+        before ``o_proj``."""
         raise NotImplementedError
+
+    def input_norm(self, i: int) -> torch.Tensor:
+        return self.w[f"layers.{i}.input_layernorm.weight"]
 
     # -- shared ------------------------------------------------------------------------------
     def context(self, taps: torch.Tensor) -> torch.Tensor:
@@ -138,16 +145,15 @@ class DSparkModel:
         h = F.embedding(ids, self.embed)
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
-            u = rms_norm(h, w[p + "input_layernorm.weight"], eps)
-            o = self.attention(i, u, rope, ctx)
+            o = self.attention(i, h, rope, ctx)
             o_b = w.get(p + "self_attn.o_proj.bias")
             h = (
                 self.linear_add(h, o, w[p + "self_attn.o_proj.weight"])
                 if o_b is None
                 else h + self.linear(o, w[p + "self_attn.o_proj.weight"], o_b)
             )
-            u = rms_norm(h, w[p + "post_attention_layernorm.weight"], eps)
-            h = self.swiglu_add(h, u, self.gate_up[i], w[p + "mlp.down_proj.weight"])
+            post = (w[p + "post_attention_layernorm.weight"], eps)
+            h = self.swiglu_add(h, h, self.gate_up[i], w[p + "mlp.down_proj.weight"], post)
         return rms_norm(h, self.final_norm, eps)
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:

@@ -105,3 +105,89 @@ def test_the_tuner_offers_skinny_only_for_few_half_precision_rows() -> None:
     assert few and all(name.startswith("skinny ") for name in few)
     assert not gemm.TUNER._skinny_kernels(torch.randn(65, 1024, dtype=torch.bfloat16, device=DEV), w, None)
     assert not gemm.TUNER._skinny_kernels(torch.randn(7, 1024, device=DEV), w.float(), None)
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    from draft_server.models.kernels.fused import silu_mul
+
+    return silu_mul(gu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 7, 33])
+def test_the_swiglu_prologue_reads_exactly_what_silu_mul_writes(M: int, split: int, dtype: torch.dtype) -> None:
+    """``swiglu=True``: the down projection of [gate | up] equals the kernel on ``silu_mul``'s output, bit
+    for bit (the activation formed as the tiles load, with its arithmetic and rounding)."""
+    g = torch.Generator().manual_seed(M + split)
+    gu = (torch.randn(M, 2 * K, generator=g) * 3).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEV, dtype)
+    h = torch.randn(M, N, generator=g).to(DEV, dtype)
+    k = SkinnyGemm(M, N, K, SkinnyConfig(block_n=32, block_k=32, split=split), DEV)
+    assert torch.equal(k(gu, w, h, swiglu=True), k(_silu_mul(gu), w, h))
+    wide = torch.zeros(M, 3 * K, dtype=dtype, device=DEV)  # rows strided, as a slice of a wider product
+    wide[:, : 2 * K] = gu
+    assert torch.equal(k(wide[:, : 2 * K], w, h, swiglu=True), k(_silu_mul(gu), w, h))
+    assert int(k.cnt.abs().sum()) == 0
+
+
+def _rms(x: torch.Tensor, nw: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * nw.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("M", [1, 7, 33])
+def test_the_rms_prologue_computes_the_normed_product_the_same_way_every_call(
+    M: int, residual: bool, split: int, dtype: torch.dtype
+) -> None:
+    """``norm=(weight, eps)``: the product of ``rms_norm(x)``, the row's 1 / rms summed over every slice
+    of K (partials in a fixed order): within the dtype's rounding of the float64 product, and the same
+    bits on every call."""
+    x, w, h, _ = _operands(M, dtype, residual, seed=7)
+    x = x * torch.linspace(0.1, 4.0, M, device=DEV, dtype=dtype)[:, None]  # rows of different scales
+    nw = (1 + 0.2 * torch.randn(K, generator=torch.Generator().manual_seed(1))).to(DEV, dtype)
+    eps = 1e-6
+    want = _rms(x, nw, eps) @ w.double().t() + (h.double() if h is not None else 0)
+    k = SkinnyGemm(M, N, K, SkinnyConfig(block_n=32, block_k=32, split=split), DEV)
+    first = k(x, w, h, norm=(nw, eps))
+    torch.testing.assert_close(first.double(), want, **_tol(dtype))
+    assert int(k.cnt.abs().sum()) == 0
+    assert torch.equal(first, k(x, w, h, norm=(nw, eps)))
+    with pytest.raises(ValueError, match="norm's weight"):
+        k(x, w, h, norm=(nw[: K // 2], eps))
+
+
+def test_ops_fold_the_norm_and_swiglu_into_a_shape_tuned_to_skinny() -> None:
+    """``ops.norm_linear`` and ``ops.swiglu_add`` take the tuner's skinny kernel with its prologue for
+    a shape it chose, and compose the ops as before for any other: same values, one kernel each."""
+    from draft_server.models.layers import ops
+
+    dtype, M = DTYPES[0], 7
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+    w = (torch.randn(2 * K, K, generator=g) / K**0.5).to(DEV, dtype)  # gate | up, each K wide
+    down = (torch.randn(N, K, generator=g) / K**0.5).to(DEV, dtype)
+    h = torch.randn(M, N, generator=g).to(DEV, dtype)
+    plain_gu = ops.norm_linear(x, nw, 1e-6, w)  # no choice for the shape: the norm, then the product
+    plain = ops.swiglu_add(h, x, w, down, (nw, 1e-6))
+    assert torch.equal(plain_gu, torch.nn.functional.linear(ops.rms_norm(x, nw, 1e-6), w))
+    up_key, down_key = (2 * K, K, M, dtype, False), (N, K, M, dtype, True)
+    k_up = SkinnyGemm(M, 2 * K, K, SkinnyConfig(block_n=32, block_k=64, split=2), DEV)
+    k_down = SkinnyGemm(M, N, K, SkinnyConfig(block_n=32, block_k=64, split=2), DEV)
+    try:
+        for key, kern in ((up_key, k_up), (down_key, k_down)):
+            gemm.TUNER.choice[key] = "skinny"
+            gemm.TUNER.skinny[key, x.device] = kern
+        gu = ops.norm_linear(x, nw, 1e-6, w)
+        assert torch.equal(gu, k_up(x, w, norm=(nw, 1e-6)))
+        torch.testing.assert_close(gu.double(), plain_gu.double(), **_tol(dtype))
+        fused = ops.swiglu_add(h, x, w, down, (nw, 1e-6))
+        assert torch.equal(fused, k_down(_silu_mul(gu), down, h))  # the activation exactly as silu_mul's
+        torch.testing.assert_close(fused.double(), plain.double(), **_tol(dtype))
+    finally:
+        for key in (up_key, down_key):
+            del gemm.TUNER.choice[key], gemm.TUNER.skinny[key, x.device]

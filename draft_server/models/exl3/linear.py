@@ -249,11 +249,27 @@ def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Linear) -> to
     return out
 
 
+def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor | Linear) -> torch.Tensor:
+    """rms_norm(x) @ W.T (``ops.norm_linear`` for a dense weight)."""
+    if isinstance(w, torch.Tensor):
+        return ops.norm_linear(x, norm_w, eps, w)
+    return linear(ops.rms_norm(x, norm_w, eps), w)
+
+
 def swiglu_add(
-    h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor | Linear, down: torch.Tensor | Linear
+    h: torch.Tensor,
+    x: torch.Tensor,
+    gate_up: torch.Tensor | Linear,
+    down: torch.Tensor | Linear,
+    norm: ops.Norm | None = None,
 ) -> torch.Tensor:
-    """h + down(silu(gate(x)) * up(x)). Separate gate and up sources (a two-part ``FusedLinear``) are
-    activated straight from their products: no concatenation, one rounding."""
+    """h + down(silu(gate(x)) * up(x)); ``norm`` (weight, eps): of ``rms_norm(x)``. Separate gate and
+    up sources (a two-part ``FusedLinear``) are activated straight from their products: no
+    concatenation, one rounding."""
+    if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
+        return ops.swiglu_add(h, x, gate_up, down, norm)
+    if norm is not None:
+        x = ops.rms_norm(x, norm[0], norm[1])
     if (
         isinstance(gate_up, FusedLinear)
         and len(gate_up.parts) == 2

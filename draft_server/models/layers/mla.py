@@ -102,16 +102,15 @@ class K3DSpark(DSparkModel):
             cache.write(slots, self._latent(kv, self.kv_a_norm, cos, sin, layers_first=True))
 
     def attention(
-        self, i: int, u: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
+        self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:
         cfg, w, p = self.cfg, self.w, f"layers.{i}.self_attn."
-        N, B, _ = u.shape
+        N, B, _ = h.shape
         nh, nope = cfg.num_heads, cfg.qk_nope_head_dim
         cos, sin = rope
-        qkv_a = self.linear(u, self.qkv_a[i])  # [q_a (q_lora) | kv_a (576)]
-        q = self.linear(
-            rms_norm(qkv_a[..., : cfg.q_lora_rank], w[p + "q_a_layernorm.weight"], self.eps), w[p + "q_b_proj.weight"]
-        )
+        qkv_a = self.norm_linear(h, self.input_norm(i), self.eps, self.qkv_a[i])  # [q_a (q_lora) | kv_a (576)]
+        q_a = qkv_a[..., : cfg.q_lora_rank]
+        q = self.norm_linear(q_a, w[p + "q_a_layernorm.weight"], self.eps, w[p + "q_b_proj.weight"])
         q = q.view(N, B, nh, nope + cfg.qk_rope_head_dim)
         q_nope = q.view(N * B, nh, -1)[..., :nope].transpose(0, 1)  # [nh, N*B, nope], read in place
         c, s = cos[:, :, None], sin[:, :, None]

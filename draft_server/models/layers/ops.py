@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from draft_server.models import gemm
 from draft_server.models.config import RopeSpec, yarn_mscale
 
+Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
+
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for norms, softmax and sampling: float64 stays float64."""
@@ -70,9 +72,32 @@ def swiglu_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torch.
     return F.silu(g.to(dtype)) * u.to(dtype)
 
 
-def swiglu_add(h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]."""
-    return linear_add(h, swiglu(gemm.linear(x, gate_up)), down)
+def swiglu_add(
+    h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, norm: Norm | None = None
+) -> torch.Tensor:
+    """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]; ``norm``
+    (weight, eps): of ``rms_norm(x)`` (``norm_linear``). Where the tuner took the skinny kernel for the
+    down projection, it forms silu(gate) * up itself as it reads them (the same values: one kernel less)."""
+    gu = gemm.linear(x, gate_up) if norm is None else norm_linear(x, norm[0], norm[1], gate_up)
+    if gu.dim() >= 2 and gu.stride(-1) == 1:  # the tuner's table decides (plain off CUDA)
+        gu2, h2 = gu.reshape(-1, gu.shape[-1]), h.reshape(-1, h.shape[-1])
+        k = gemm.tuned_skinny(gu2[:, : gu2.shape[1] // 2], down, h2)
+        if k is not None:
+            return k(gu2, down, h2, swiglu=True).view(h.shape)
+    return linear_add(h, swiglu(gu), down)
+
+
+def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x, norm_w, eps) @ w.T. Where the tuner took the skinny kernel for the product, one
+    kernel: x's tiles times the norm weight as they load, each row's 1 / rms applied to its sum (the
+    norm's scale after the product: the same product to within bf16 rounding, as another GEMM
+    strategy's summation order is)."""
+    if x.dim() >= 2 and x.stride(-1) == 1 and norm_w.dim() == 1 and norm_w.stride(0) == 1:
+        x2 = x.reshape(-1, x.shape[-1])
+        k = gemm.tuned_skinny(x2, w, None)
+        if k is not None:
+            return k(x2, w, norm=(norm_w, eps)).view(*x.shape[:-1], w.shape[0])
+    return gemm.linear(rms_norm(x, norm_w, eps), w)
 
 
 def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
