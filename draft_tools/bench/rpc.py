@@ -110,7 +110,7 @@ def pct(xs: list[float], q: float) -> float:
     return round(float(np.percentile(np.asarray(xs), q)), 4)
 
 
-def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.tap_width) -> dict:
+def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.tap_width, gap_s: float = 0.0) -> dict:
     from protocol import Step, StepEntry, encode, spec_for
 
     ctx = zmq.Context.instance()
@@ -128,11 +128,13 @@ def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.ta
         s.recv_multipart()
         if it >= 20:
             waits.append((time.perf_counter() - t) * 1000)
+        if gap_s:
+            time.sleep(gap_s)
     s.close()
     return {"p50_ms": pct(waits, 50), "p99_ms": pct(waits, 99)}
 
 
-def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str = "frames") -> dict:
+def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str = "frames", gap_s: float = 0.0) -> dict:
     """``transport`` "shm_in_place": shm, each step's rows written (untimed, as a target's
     device-to-host copy lands) into a region the client claims, which goes out where it lies."""
     from target_client import ClientConfig, DraftClient, StepRequest
@@ -171,6 +173,8 @@ def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str =
             waits.append(wait)
             server.append(timing.server_ms)
             compute.append(timing.compute_ms)
+        if gap_s:
+            time.sleep(gap_s)
     client.free([r.session for r in reqs])
     client.close()
     over = [w - c for w, c in zip(waits, compute, strict=True)]
@@ -191,6 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--iters", type=int, default=300, help="timed calls per configuration")
     ap.add_argument("--out", default="bench/results/rpc_loopback.json", help="JSON file for the results")
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="idle time after each call, floor and product alike (a target's forward between its steps: "
+        "threads that sleep meanwhile take time to wake)",
+    )
+    ap.add_argument("--sessions", default=",".join(map(str, SESSIONS)), help="session counts to run")
+    ap.add_argument("--payloads", default=",".join(ROWS), help="empty and/or k3")
     ap.add_argument(
         "--endpoint",
         default="",
@@ -235,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         probe.close()
         width = w.contract.tap_width if w is not None else width
     try:
-        for payload, rows in ROWS.items():
-            for n in SESSIONS:
-                floors = {k: bench_floor(ep, n, rows, args.iters, width) for k, ep in echo_eps.items()}
+        gap = args.gap_ms / 1000.0
+        for payload, rows in ((p, ROWS[p]) for p in args.payloads.split(",")):
+            for n in (int(x) for x in args.sessions.split(",")):
+                floors = {k: bench_floor(ep, n, rows, args.iters, width, gap) for k, ep in echo_eps.items()}
                 if cuda and rows:
                     from draft_tools.bench.cuda_ipc import floor_rtt
 
@@ -246,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, ep, transport, floor_of in runs:
                     if transport in ("shm", "shm_in_place", "cuda_ipc") and not rows:
                         continue  # no rows: the same message as ipc
-                    prod = bench_product(ep, n, rows, args.iters, transport)
+                    prod = bench_product(ep, n, rows, args.iters, transport, gap)
                     floor = floors[floor_of]
                     row = {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "transport": name}
                     results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
@@ -271,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_1m_at_end": os.getloadavg()[0],
         },
         "iters": args.iters,
+        "gap_ms": args.gap_ms,
         "transport": (
             f"running server at {args.endpoint}"
             if args.endpoint

@@ -15,6 +15,11 @@ from draft_server.models import gemm
 from draft_server.models.config import RopeSpec, yarn_mscale
 
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
+# The down projection forms silu(gate) * up itself only for row tiles this small: every program of
+# the skinny GEMM forms it for its whole x tile (rows x block_k) again, which for 16 rows already
+# takes the kernel's main loop from 177 to 772 instructions per tile (sm_90, ``kernel_inspect
+# skinny --prologue swiglu``; the RMS prologue 399), while the weight bytes per tile stay the same.
+SWIGLU_PROLOGUE_ROWS = 16
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,7 +87,7 @@ def swiglu_add(
     if gu.dim() >= 2 and gu.stride(-1) == 1:  # the tuner's table decides (plain off CUDA)
         gu2, h2 = gu.reshape(-1, gu.shape[-1]), h.reshape(-1, h.shape[-1])
         k = gemm.tuned_skinny(gu2[:, : gu2.shape[1] // 2], down, h2)
-        if k is not None:
+        if k is not None and k.bm <= SWIGLU_PROLOGUE_ROWS:
             return k(gu2, down, h2, swiglu=True).view(h.shape)
     return linear_add(h, swiglu(gu), down)
 
