@@ -13,6 +13,8 @@
 #           page-locked copy vs written in place -> $OUT/ring_rows.json; then early_taps_gpu with the taps
 #           on the GPU through the proposer's encoder, both ways, predicted commits, B = 8, 32, 64
 #           -> $OUT/early_taps_ring.json
+#   gap     draft-bench back to back and with 10 ms idle gaps (a target's forward) between calls, floor and
+#           product alike, 1 / 16 / 64 sessions -> $OUT/rpc_gap0.json, $OUT/rpc_gap10.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -48,14 +50,21 @@ ring() {
         --modes predicted_commit --encode host,ring,host,ring --taps-device cuda --out "$OUT/early_taps_ring.json" \
         "$@" 2>&1 | grep -v Warn | tee "$OUT/ring.log" | grep "^B="
 }
+gap() {
+    for g in 0 10; do
+        timeout "$(left)" python3 -m draft_tools.bench.rpc --iters 150 --gap-ms $g --sessions 1,16,64 \
+            --out "$OUT/rpc_gap$g.json" "$@" 2>&1 | grep -E "^(empty|k3)"
+    done
+}
 case "$task" in
     test) run_test "$@" ;;
     ring) ring "$@" ;;
+    gap) gap "$@" ;;
     early) early "$@" ;;
     proj) proj "$@" ;;
     prep) prep "$@" ;;
     all) run_test; early; proj; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|ring|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"
