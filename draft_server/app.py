@@ -132,6 +132,7 @@ class DraftServer:
             prefill_chunk_rows=cfg.prefill_chunk_rows,
             batch_window_ms=cfg.batch_window_ms,
             session_ttl_s=cfg.session_ttl_s,
+            idle_spin_ms=cfg.idle_spin_ms,
         )
         self.router = Router(
             cfg,

@@ -111,6 +111,11 @@ class ServerConfig:
     max_batch_sessions: int = _f(256, "sessions drafted in one engine iteration")
     prefill_chunk_rows: int = _f(512, "longer entries are ingested in chunks of this size between decode batches")
     batch_window_ms: float = _f(0.0, "a fixed wait before each decode batch (0: none, only for clients due back)")
+    idle_spin_ms: float = _f(
+        0.0,
+        "after each batch the idle engine polls for work without sleeping for this long (e.g. 20: a target's "
+        "forward), trading one CPU core for the time a sleeping thread takes to wake; 0: it sleeps at once",
+    )
     session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
     watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")
     watchdog_exit: bool = _f(
@@ -165,8 +170,8 @@ class ServerConfig:
         for name in ["max_budget_ms", "session_ttl_s", "watchdog_s"]:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.batch_window_ms < 0 or self.checksum_delay_ms < 0:
-            raise ValueError("batch_window_ms and checksum_delay_ms must be >= 0")
+        if self.batch_window_ms < 0 or self.checksum_delay_ms < 0 or self.idle_spin_ms < 0:
+            raise ValueError("batch_window_ms, idle_spin_ms and checksum_delay_ms must be >= 0")
         if self.prefill_chunk_rows > self.max_batch_rows:
             raise ValueError("prefill_chunk_rows must be <= max_batch_rows")
         if self.attention not in ("auto", "paged", "dense"):

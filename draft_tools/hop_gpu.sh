@@ -13,8 +13,8 @@
 #           page-locked copy vs written in place -> $OUT/ring_rows.json; then early_taps_gpu with the taps
 #           on the GPU through the proposer's encoder, both ways, predicted commits, B = 8, 32, 64
 #           -> $OUT/early_taps_ring.json
-#   gap     draft-bench back to back and with 10 ms idle gaps (a target's forward) between calls, floor and
-#           product alike, 1 / 16 / 64 sessions -> $OUT/rpc_gap0.json, $OUT/rpc_gap10.json
+#   gap     draft-bench back to back, with 10 ms idle gaps (a target's forward) between calls, floor and
+#           product alike, and with the gaps and --idle-spin-ms 20, 1 / 16 / 64 sessions -> $OUT/rpc_gap*.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -51,9 +51,10 @@ ring() {
         "$@" 2>&1 | grep -v Warn | tee "$OUT/ring.log" | grep "^B="
 }
 gap() {
-    for g in 0 10; do
-        timeout "$(left)" python3 -m draft_tools.bench.rpc --iters 150 --gap-ms $g --sessions 1,16,64 \
-            --out "$OUT/rpc_gap$g.json" "$@" 2>&1 | grep -E "^(empty|k3)"
+    for run in "0 0" "10 0" "10 20"; do
+        set -- $run
+        timeout "$(left)" python3 -m draft_tools.bench.rpc --iters 150 --gap-ms $1 --idle-spin-ms $2 \
+            --sessions 1,16,64 --out "$OUT/rpc_gap$1_spin$2.json" 2>&1 | grep -E "^(empty|k3)"
     done
 }
 case "$task" in

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -90,6 +91,24 @@ def assert_on_time(call, budget_ms: float, what: str = "step"):
         f"{what} took {took:.2f} ms ({host:.2f} ms on the run queue or in GC) with a {budget_ms:.1f} ms budget"
     )
     return out
+
+
+def run_all(fn, args: list[tuple], timeout: float = 60.0) -> list[BaseException]:
+    """``fn(*a)`` for each ``a`` in ``args``, each in its own thread, all at once; the exceptions raised."""
+    errors: list[BaseException] = []
+
+    def one(*a) -> None:
+        try:
+            fn(*a)
+        except BaseException as e:  # reported to the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def wait_for(pred, timeout: float = 10.0) -> bool:

@@ -38,6 +38,11 @@ entries' budgets allow), starting at once when the last of them arrives. A clien
 turnaround is a batch or longer (a target engine between its forwards) is never waited for; with
 one client nothing is ever held. Not with a fixed ``batch_window_ms``, which waits blindly instead.
 
+Idle. With nothing to do the engine waits on its bell (and the socket it watches) in a blocking
+poll; with ``idle_spin_ms`` it first polls without sleeping for that long after its last batch, so
+the next step of a target that is between its forwards finds it awake (a thread that slept, and the
+core under it, take time to wake: ``bench/results/rpc_idle_spin_cpu.json``).
+
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
 restarts the session at pos (counted by cause). Every reply names the context [start, end) its
 session holds. Sessions are keyed by (owner, session id).
@@ -123,6 +128,7 @@ class Engine:
         prefill_chunk_rows: int,
         batch_window_ms: float,
         session_ttl_s: float,
+        idle_spin_ms: float = 0.0,
     ) -> None:
         self.drafter = drafter
         self.metrics = metrics
@@ -133,6 +139,8 @@ class Engine:
         self.max_batch_sessions = max_batch_sessions
         self.chunk = prefill_chunk_rows
         self.window_s = batch_window_ms / 1000.0
+        self.spin_s = idle_spin_ms / 1000.0
+        self._busy_t = time.monotonic()  # when the engine last did work (the idle spin counts from it)
         self.ttl_s = session_ttl_s
         self.sessions = SessionTable(drafter, metrics, max_sessions, session_ttl_s)
         self.admission = Admission(drafter, self.sessions, metrics, max_queue_rows, max_batch_rows)
@@ -211,7 +219,9 @@ class Engine:
                 did = self._iteration()
                 self._sweep()
                 self._flush_metrics()
-                if not did:
+                if did:
+                    self._busy_t = time.monotonic()
+                else:
                     self._wait()  # inside: it reads the socket (the router's code) when it watches it
             except Exception:  # the loop must survive anything a batch (or a message it read) does
                 log.exception("engine iteration failed")
@@ -228,15 +238,22 @@ class Engine:
         if watch:
             self._poll.register(sock[0], select.POLLIN)  # type: ignore[index]
         try:
-            if not self._inbox and not self._stop.is_set():
-                fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
+            fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
+            ready: list[int] = []
+            if self.spin_s and timeout_s >= 0.05 and max(fds) < 1024:  # not a hold: that has its own end
+                spin_end = self._busy_t + self.spin_s  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
+                while not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
+                    ready = select.select(fds, [], [], 0)[0]
+                    if ready:
+                        break
+            if not ready and not self._inbox and not self._stop.is_set():
                 if timeout_s < 0.05 and max(fds) < 1024:
                     # select's timeout has microseconds (poll's is whole milliseconds): a hold is short
                     ready = select.select(fds, [], [], max(timeout_s, 0.0))[0]
                 else:
                     ready = [fd for fd, _ in self._poll.poll(max(1, int(timeout_s * 1000)))]
-                if self._bell.fd in ready:
-                    self._bell.drain()
+            if self._bell.fd in ready:
+                self._bell.drain()
         finally:
             if watch:
                 self._poll.unregister(sock[0])  # type: ignore[index]

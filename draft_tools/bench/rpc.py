@@ -61,13 +61,14 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_checksum(endpoint: str) -> None:
+def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0) -> None:
     from draft_server.app import DraftServer
     from draft_server.config import ServerConfig
     from draft_server.drafters.checksum import ChecksumDrafter
 
     drafter = ChecksumDrafter(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
-    srv = DraftServer(ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum"), drafter)
+    cfg = ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum", idle_spin_ms=idle_spin_ms)
+    srv = DraftServer(cfg, drafter)
     srv.start()
     print("READY", flush=True)
     sys.stdin.read()  # until the parent closes stdin
@@ -95,9 +96,9 @@ def cuda_floor_server(endpoint: str) -> subprocess.Popen:
     return p
 
 
-def spawn(mode: str, endpoint: str) -> subprocess.Popen:
+def spawn(mode: str, endpoint: str, *extra: str) -> subprocess.Popen:
     p = subprocess.Popen(
-        [sys.executable, "-m", "draft_tools.bench.rpc", f"--{mode}", endpoint],
+        [sys.executable, "-m", "draft_tools.bench.rpc", f"--{mode}", endpoint, *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -211,10 +212,16 @@ def main(argv: list[str] | None = None) -> int:
         "checksum server; the bare-ZeroMQ echo floor still runs locally",
     )
     ap.add_argument("--serve", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--idle-spin-ms",
+        type=float,
+        default=0.0,
+        help="the server's --idle-spin-ms (its engine polls, unslept, this long)",
+    )
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
-        serve_checksum(args.serve)
+        serve_checksum(args.serve, args.idle_spin_ms)
         return 0
     if args.echo:
         serve_echo(args.echo)
@@ -236,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     echoes = [spawn("echo", ep) for ep in echo_eps.values()]
     if cuda:  # the CUDA IPC floor's importer (on the same GPU as the checksum server)
         echoes.append(cuda_floor_server(f"ipc://{tmp}/floor.sock"))
-    srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}")
+    spin = ["--idle-spin-ms", str(args.idle_spin_ms)]
+    srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}", *spin)
     ep_srv = runs[0][1]
     results = []
     width = K3.tap_width
@@ -286,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "iters": args.iters,
         "gap_ms": args.gap_ms,
+        "idle_spin_ms": args.idle_spin_ms,
         "transport": (
             f"running server at {args.endpoint}"
             if args.endpoint
