@@ -191,3 +191,35 @@ def test_ops_fold_the_norm_and_swiglu_into_a_shape_tuned_to_skinny() -> None:
     finally:
         for key in (up_key, down_key):
             del gemm.TUNER.choice[key], gemm.TUNER.skinny[key, x.device]
+
+
+def test_a_launch_shape_that_cannot_hold_a_prologue_falls_back_to_the_composition_for_good() -> None:
+    """A prologue's extra tiles may not fit a tuned launch shape's shared memory on the GPU (Triton's
+    OutOfResources at its first launch, in the warm-up): the ops compose as before, from then on."""
+    from triton.runtime.errors import OutOfResources
+
+    from draft_server.models.layers import ops
+
+    class NoRoom(SkinnyGemm):
+        def __call__(self, x, w, h=None, norm=None, swiglu=False):  # type: ignore[no-untyped-def, override]
+            if norm is not None or swiglu:
+                self.refused = getattr(self, "refused", 0) + 1
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return super().__call__(x, w, h)
+
+    dtype, M = DTYPES[0], 7
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(M, K, generator=g).to(DEV, dtype)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEV, dtype)
+    key = (N, K, M, dtype, False)
+    k = NoRoom(M, N, K, SkinnyConfig(block_n=32, block_k=64, split=2), DEV)
+    gemm.TUNER.choice[key] = "skinny"
+    gemm.TUNER.skinny[key, x.device] = k
+    try:
+        for _ in range(3):
+            y = ops.norm_linear(x, nw, 1e-6, w)
+            assert torch.equal(y, gemm.linear(ops.rms_norm(x, nw, 1e-6), w))  # the norm, then the product
+        assert k.refused == 1 and k.prologue_off  # tried once, never again
+    finally:
+        del gemm.TUNER.choice[key], gemm.TUNER.skinny[key, x.device]

@@ -6,7 +6,9 @@ RoPE angles are formed in float64 from integer positions, so large positions kee
 
 from __future__ import annotations
 
+import logging
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from draft_server.models import gemm
 from draft_server.models.config import RopeSpec, yarn_mscale
 
+log = logging.getLogger(__name__)
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
 # The down projection forms silu(gate) * up itself only for row tiles this small: every program of
 # the skinny GEMM forms it for its whole x tile (rows x block_k) again, which for 16 rows already
@@ -88,8 +91,26 @@ def swiglu_add(
         gu2, h2 = gu.reshape(-1, gu.shape[-1]), h.reshape(-1, h.shape[-1])
         k = gemm.tuned_skinny(gu2[:, : gu2.shape[1] // 2], down, h2)
         if k is not None and k.bm <= SWIGLU_PROLOGUE_ROWS:
-            return k(gu2, down, h2, swiglu=True).view(h.shape)
+            y = _with_prologue(k, gu2, down, h2, swiglu=True)
+            if y is not None:
+                return y.view(h.shape)
     return linear_add(h, swiglu(gu), down)
+
+
+def _with_prologue(k: Any, *args: Any, **kw: Any) -> torch.Tensor | None:
+    """The skinny kernel ``k`` with a prologue, or None when its launch shape cannot hold the
+    prologue's extra tiles on this GPU (then never again for it: the composition runs instead). A
+    first call happens in the step's warm-up, before any graph is captured."""
+    if getattr(k, "prologue_off", False):
+        return None
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return k(*args, **kw)
+    except OutOfResources as e:
+        k.prologue_off = True
+        log.warning("skinny GEMM %s: no prologue (%s)", (k.rows, k.out, k.inp), e)
+        return None
 
 
 def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
@@ -100,8 +121,9 @@ def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tens
     if x.dim() >= 2 and x.stride(-1) == 1 and norm_w.dim() == 1 and norm_w.stride(0) == 1:
         x2 = x.reshape(-1, x.shape[-1])
         k = gemm.tuned_skinny(x2, w, None)
-        if k is not None:
-            return k(x2, w, norm=(norm_w, eps)).view(*x.shape[:-1], w.shape[0])
+        y = _with_prologue(k, x2, w, norm=(norm_w, eps)) if k is not None else None
+        if y is not None:
+            return y.view(*x.shape[:-1], w.shape[0])
     return gemm.linear(rms_norm(x, norm_w, eps), w)
 
 
