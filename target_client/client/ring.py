@@ -56,6 +56,7 @@ class ClientRing:
         del view  # an exported buffer would keep ``close`` from unmapping
         self._lock = threading.Lock()
         self._claims: dict[int, tuple[int, int]] = {}  # a claimed region's rows offset -> (region id, nbytes)
+        self._claimed_at: dict[int, int] = {}  # region id -> its rows offset
         self._let_go: collections.deque[int] = collections.deque()  # claimed regions no array views now
         self._unpin: Callable[[], object] | None = None
         self._retire = threading.RLock()  # the unpin after close (finalizers may nest in one thread)
@@ -122,6 +123,7 @@ class ClientRing:
             rid, offset = got
             at = HEADER_BYTES + offset + STAMP_BYTES
             self._claims[at] = (rid, nbytes)
+            self._claimed_at[rid] = at
         rows = np.frombuffer(self._mm, np.uint8, nbytes, at)
         weakref.finalize(rows, self._released, rid).atexit = False
         return rows
@@ -180,9 +182,7 @@ class ClientRing:
         while self._let_go and not self._closed:
             rid = self._let_go.popleft()
             self.regions.unview(rid)
-            for at, (r, _) in list(self._claims.items()):
-                if r == rid:
-                    del self._claims[at]
+            self._claims.pop(self._claimed_at.pop(rid), None)
 
     def close(self) -> None:
         """Unmap (the server's mapping, if any, lives on; so does this one while a claimed array

@@ -249,11 +249,13 @@ def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Linear) -> to
     return out
 
 
-def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor | Linear) -> torch.Tensor:
-    """rms_norm(x) @ W.T (``ops.norm_linear`` for a dense weight)."""
+def norm_linear(
+    x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor | Linear, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    """rms_norm(x) @ W.T (+ b) (``ops.norm_linear`` for a dense weight)."""
     if isinstance(w, torch.Tensor):
-        return ops.norm_linear(x, norm_w, eps, w)
-    return linear(ops.rms_norm(x, norm_w, eps), w)
+        return ops.norm_linear(x, norm_w, eps, w, b)
+    return linear(ops.rms_norm(x, norm_w, eps), w, b)
 
 
 def swiglu_add(

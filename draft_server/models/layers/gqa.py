@@ -15,7 +15,7 @@ import torch
 
 from draft_server.models.attention import AttentionContext, TokenLayout
 from draft_server.models.config import DSparkConfig
-from draft_server.models.layers.ops import rms_norm, rms_rope
+from draft_server.models.layers.ops import rms_rope
 from draft_server.models.model import DSparkModel
 
 
@@ -93,10 +93,7 @@ class Qwen3DSpark(DSparkModel):
         N, B, _ = h.shape
         H, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin = rope[0][:, :, None], rope[1][:, :, None]  # [N, B, 1, hd/2]
-        if self.qkv_b[i] is None:
-            qkv = self.norm_linear(h, self.input_norm(i), self.eps, self.qkv[i])
-        else:  # a bias (Qwen2-style): the norm, then the biased projection
-            qkv = self.linear(rms_norm(h, self.input_norm(i), self.eps), self.qkv[i], self.qkv_b[i])
+        qkv = self.norm_linear(h, self.input_norm(i), self.eps, self.qkv[i], self.qkv_b[i])
         qkv = qkv.view(N * B, H + 2 * nkv, hd)
         q = rms_rope(qkv[:, :H].view(N, B, H, hd), w[p + "q_norm.weight"], self.eps, self.rope, cos, sin)
         k_raw, v = qkv[:, H : H + nkv], qkv[:, H + nkv :]

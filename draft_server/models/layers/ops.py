@@ -113,18 +113,20 @@ def _with_prologue(k: Any, *args: Any, **kw: Any) -> torch.Tensor | None:
         return None
 
 
-def norm_linear(x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x, norm_w, eps) @ w.T. Where the tuner took the skinny kernel for the product, one
+def norm_linear(
+    x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None = None
+) -> torch.Tensor:
+    """rms_norm(x, norm_w, eps) @ w.T (+ b). Where the tuner took the skinny kernel for the product (no bias), one
     kernel: x's tiles times the norm weight as they load, each row's 1 / rms applied to its sum (the
     norm's scale after the product: the same product to within bf16 rounding, as another GEMM
     strategy's summation order is)."""
-    if x.dim() >= 2 and x.stride(-1) == 1 and norm_w.dim() == 1 and norm_w.stride(0) == 1:
+    if b is None and x.dim() >= 2 and x.stride(-1) == 1 and norm_w.dim() == 1 and norm_w.stride(0) == 1:
         x2 = x.reshape(-1, x.shape[-1])
         k = gemm.tuned_skinny(x2, w, None)
         y = _with_prologue(k, x2, w, norm=(norm_w, eps)) if k is not None else None
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0])
-    return gemm.linear(rms_norm(x, norm_w, eps), w)
+    return gemm.linear(rms_norm(x, norm_w, eps), w, b)
 
 
 def rope_inv_freq(spec: RopeSpec) -> tuple[torch.Tensor, float]:
