@@ -14,7 +14,8 @@
 #           on the GPU through the proposer's encoder, both ways, predicted commits, B = 8, 32, 64
 #           -> $OUT/early_taps_ring.json
 #   gap     draft-bench back to back, with 10 ms idle gaps (a target's forward) between calls, floor and
-#           product alike, and with the gaps and --idle-spin-ms 20, 1 / 16 / 64 sessions -> $OUT/rpc_gap*.json
+#           product alike, and with the gaps and --idle-spin-ms 20, 1 / 16 / 64 sessions, each beside the
+#           client's wait_spin_ms 0.3 (--client-spin-ms) in the same run -> $OUT/rpc_gap*.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -54,7 +55,7 @@ gap() {
     for run in "0 0" "10 0" "10 20"; do
         set -- $run
         timeout "$(left)" python3 -m draft_tools.bench.rpc --iters 150 --gap-ms $1 --idle-spin-ms $2 \
-            --sessions 1,16,64 --out "$OUT/rpc_gap$1_spin$2.json" 2>&1 | grep -E "^(empty|k3)"
+            --client-spin-ms 0.3 --sessions 1,16,64 --out "$OUT/rpc_gap$1_spin$2.json" 2>&1 | grep -E "^(empty|k3)"
     done
 }
 case "$task" in

@@ -135,14 +135,19 @@ def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.ta
     return {"p50_ms": pct(waits, 50), "p99_ms": pct(waits, 99)}
 
 
-def bench_product(endpoint: str, n: int, rows: int, iters: int, transport: str = "frames", gap_s: float = 0.0) -> dict:
+def bench_product(
+    endpoint: str, n: int, rows: int, iters: int, transport: str = "frames", gap_s: float = 0.0, spin_ms: float = 0.0
+) -> dict:
     """``transport`` "shm_in_place": shm, each step's rows written (untimed, as a target's
-    device-to-host copy lands) into a region the client claims, which goes out where it lies."""
+    device-to-host copy lands) into a region the client claims, which goes out where it lies.
+    ``spin_ms``: the client's ``wait_spin_ms``."""
     from target_client import ClientConfig, DraftClient, StepRequest
 
     in_place = transport == "shm_in_place"
     transport = "shm" if in_place else transport
-    cfg = ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="bench", transport=transport, shm_ring_mib=64)
+    cfg = ClientConfig(
+        endpoint=endpoint, budget_ms=1000.0, name="bench", transport=transport, shm_ring_mib=64, wait_spin_ms=spin_ms
+    )
     client = DraftClient(cfg)
     welcome = client.connect(wait=True)
     contract = welcome.contract if welcome is not None else K3  # a running server: its own contract
@@ -218,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="the server's --idle-spin-ms (its engine polls, unslept, this long)",
     )
+    ap.add_argument(
+        "--client-spin-ms",
+        type=float,
+        default=0.0,
+        help="also run 'ipc+shm in place' with the client's wait_spin_ms at this (its caller polls, unslept, "
+        "from this long before the reply is due), beside the same run without",
+    )
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -228,18 +240,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     tmp = tempfile.mkdtemp(prefix="draft-bench-")
     echo_eps = {"tcp": f"tcp://127.0.0.1:{free_port()}", "ipc": f"ipc://{tmp}/echo.sock"}
-    # (name, endpoint, client transport, the floor it is set beside)
+    # (name, endpoint, client transport, the floor it is set beside, the client's wait_spin_ms)
     runs = [
-        ("tcp", f"tcp://127.0.0.1:{free_port()}", "frames", "tcp"),
-        ("ipc", f"ipc://{tmp}/srv.sock", "frames", "ipc"),
+        ("tcp", f"tcp://127.0.0.1:{free_port()}", "frames", "tcp", 0.0),
+        ("ipc", f"ipc://{tmp}/srv.sock", "frames", "ipc", 0.0),
     ]
-    runs.append(("ipc+shm", runs[1][1], "shm", "ipc"))
-    runs.append(("ipc+shm in place", runs[1][1], "shm_in_place", "ipc"))
+    runs.append(("ipc+shm", runs[1][1], "shm", "ipc", 0.0))
+    runs.append(("ipc+shm in place", runs[1][1], "shm_in_place", "ipc", 0.0))
+    if args.client_spin_ms:
+        runs.append(("ipc+shm in place, client spin", runs[1][1], "shm_in_place", "ipc", args.client_spin_ms))
     cuda = cuda_available() and not args.endpoint
     if cuda:
-        runs.append(("ipc+cuda_ipc", runs[1][1], "cuda_ipc", "cuda_ipc"))
+        runs.append(("ipc+cuda_ipc", runs[1][1], "cuda_ipc", "cuda_ipc", 0.0))
     if args.endpoint:
-        runs = [("given", args.endpoint, "frames", "tcp")]
+        runs = [("given", args.endpoint, "frames", "tcp", 0.0)]
     echoes = [spawn("echo", ep) for ep in echo_eps.values()]
     if cuda:  # the CUDA IPC floor's importer (on the same GPU as the checksum server)
         echoes.append(cuda_floor_server(f"ipc://{tmp}/floor.sock"))
@@ -265,15 +279,15 @@ def main(argv: list[str] | None = None) -> int:
 
                     floors["cuda_ipc"] = floor_rtt(f"ipc://{tmp}/floor.sock", 0, n, width, args.iters, 20)
                 mb = n * rows * width * 2 / 1e6
-                for name, ep, transport, floor_of in runs:
+                for name, ep, transport, floor_of, spin_ms in runs:
                     if transport in ("shm", "shm_in_place", "cuda_ipc") and not rows:
                         continue  # no rows: the same message as ipc
-                    prod = bench_product(ep, n, rows, args.iters, transport, gap)
+                    prod = bench_product(ep, n, rows, args.iters, transport, gap, spin_ms)
                     floor = floors[floor_of]
                     row = {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "transport": name}
                     results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
                     print(
-                        f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:16s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
+                        f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:29s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
                         f" | client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | compute "
                         f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
                         flush=True,
@@ -295,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "gap_ms": args.gap_ms,
         "idle_spin_ms": args.idle_spin_ms,
+        "client_spin_ms": args.client_spin_ms,
         "transport": (
             f"running server at {args.endpoint}"
             if args.endpoint

@@ -34,7 +34,10 @@ for the GIL). Ownership is sticky between a caller's steps, so a caller that ste
 hands nothing over; the I/O thread takes the socket back once the owner has stopped watching for
 ``_RECLAIM_S`` (meanwhile a Pong or a late reply waits at most that long), and at once when the
 owner leaves while other calls wait. A pass elsewhere that reads a reply while a caller owns the
-socket rings the owner (its reply may be among them, and its FD's edge gone).
+socket rings the owner (its reply may be among them, and its FD's edge gone). With
+``ClientConfig.wait_spin_ms`` the owner sleeps only until that long before its reply is due (its
+previous wait's length), then polls without sleeping for at most twice that long: the reply finds
+it awake, not waiting for the scheduler to run a woken thread.
 
 A burst larger than the budget (``resend`` module docstring, "catching up"): a step that misses,
 or is answered EXPIRED, while its session's big rows are unproven leaves the session behind; its
@@ -161,6 +164,8 @@ class IoLoop:
         self._owner_polling = False  # the owner is in its wait now (only the owner clears it)
         self._owner_seen = 0.0  # when the owner last stopped waiting
         self._unread = False  # the latest read of ZMQ_EVENTS saw a reply waiting (so its FD edge is gone)
+        self._spin_s = cfg.wait_spin_ms / 1000.0  # the owner's unslept polling before a reply is due
+        self._last_wait_s = 0.0  # the owner's previous wait, entry to reply (what the next one is expected to take)
         self._shut = False  # the thread has shut the loop down (socket gone)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
@@ -254,12 +259,25 @@ class IoLoop:
     def _watch(self, fut: Future, deadline: float) -> None:
         """The owner's wait: poll the socket (and the owner's ring) until ``fut`` is done or the
         deadline passes, and run a pass for what arrives."""
+        t0 = time.monotonic()
+        # ``wait_spin_ms``: unslept from spin_from (due: the previous wait's length) to spin_to
+        spin_from = t0 + self._last_wait_s - self._spin_s
+        spin_to = spin_from + 2.0 * self._spin_s if self._spin_s else -math.inf
         try:
             while not fut.done():
-                ms = math.ceil((deadline - time.monotonic()) * 1000.0)
+                now = time.monotonic()
+                ms = math.ceil((deadline - now) * 1000.0)
                 if ms <= 0:
                     return
-                for fd, _ in self._owner_poll.poll(0 if self._unread else ms):  # FD's edge taken: look now
+                if self._unread:  # FD's edge taken: look now
+                    ready = self._owner_poll.poll(0)
+                elif now < spin_to:  # asleep until spin_from (to the millisecond below it), then unslept
+                    ready = self._owner_poll.poll(min(ms, int((spin_from - now) * 1000.0)) if now < spin_from else 0)
+                    if not ready:
+                        continue
+                else:
+                    ready = self._owner_poll.poll(ms)
+                for fd, _ in ready:
                     if fd == self._owner_bell.fd:
                         self._owner_bell.drain()
                 if self._closing or not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -271,6 +289,8 @@ class IoLoop:
                     self._wakeups.release()
                 if wake:
                     self._wake()
+            if self._spin_s and fut.done():
+                self._last_wait_s = time.monotonic() - t0
         finally:
             self._owner_seen = time.monotonic()
             self._owner_polling = False

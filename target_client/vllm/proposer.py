@@ -67,6 +67,10 @@ Configuration (environment variables, read in the worker process):
                            step, several times slower): ``wire.PinnedRows``; a step's region is reused once
                            the client lets go of its rows. With ``shm`` the rows go straight into the ring
                            (page-locked once): ``DraftClient.claim_rows``.
+``DRAFT_WAIT_SPIN_MS``     the engine thread waiting for drafts polls without sleeping from this long before
+                           they are due (its previous wait) for at most twice as long (``ClientConfig.
+                           wait_spin_ms``; default 0: it sleeps): a core of the target's host for the
+                           wake-up of a sleeping thread on every step.
 ``DRAFT_TRIM``             ``0``: send every draft to verification (default: load-aware trimming, below).
 ``DRAFT_DEBUG_CHECKS``     ``1``: cross-check positions against the runner each step and re-raise
                            internal errors instead of falling back (tests only).
@@ -184,6 +188,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import math
 import os
 import socket
 import threading
@@ -277,8 +282,9 @@ def wire_encoder() -> WireEncoder:
     return WireEncoder(fmt, projection, pinned_mib=int(_env_number("DRAFT_PINNED_MIB", 256, int)))
 
 
-def _env_number(name: str, default: float, kind: type = float) -> Any:
-    """``kind(os.environ[name])``: a float must be > 0, an int >= 0; unset or empty: the default."""
+def _env_number(name: str, default: float, kind: type = float, zero: bool = False) -> Any:
+    """``kind(os.environ[name])``: a float must be > 0 (>= 0 with ``zero``), an int >= 0; unset or
+    empty: the default."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -286,8 +292,9 @@ def _env_number(name: str, default: float, kind: type = float) -> Any:
         value = kind(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
-    if not (value >= 0 if kind is int else value > 0):
-        raise ValueError(f"{name}={raw!r} must be {'>= 0' if kind is int else '> 0'}")
+    at_least_zero = kind is int or zero
+    if not (value >= 0 if at_least_zero else value > 0) or not math.isfinite(value):
+        raise ValueError(f"{name}={raw!r} must be {'>= 0' if at_least_zero else '> 0'}")
     return value
 
 
@@ -359,6 +366,7 @@ class RemoteDSparkProposer:
                 transport=transport,
                 shm_ring_mib=int(_env_number("DRAFT_SHM_RING_MIB", 64, int)),
                 cuda_ipc_mib=int(_env_number("DRAFT_CUDA_IPC_MIB", 64, int)),
+                wait_spin_ms=float(_env_number("DRAFT_WAIT_SPIN_MS", 0.0, float, zero=True)),
             )
         )
         self._contract_checked = False

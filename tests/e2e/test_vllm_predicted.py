@@ -9,7 +9,8 @@ aux hidden states at settle time (the early taps stopped at the predicted end). 
 must equal vLLM without speculation under the same penalty, token for token.
 
 The rows travel through the shared-memory ring (``DRAFT_TRANSPORT=shm``), written straight into
-regions the proposer claims (``DraftClient.claim_rows``), the rows encoded at settle time too.
+regions the proposer claims (``DraftClient.claim_rows``), the rows encoded at settle time too,
+and the engine thread waits for its drafts spinning near their due time (``DRAFT_WAIT_SPIN_MS``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def test_mispredicted_commits_keep_greedy_output_equal_to_plain() -> None:
     )
     # a budget no step misses on a loaded 2-core machine: the drafts, and so the run, are deterministic
     env = {**os.environ, "DRAFT_SERVER_ENDPOINT": endpoint, "DRAFT_BUDGET_MS": "5000", "DRAFT_TRANSPORT": "shm"}
+    env["DRAFT_WAIT_SPIN_MS"] = "0.5"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cfg = {"target": str(target), "prompts": PROMPTS, "max_tokens": 48, "repetition_penalty": 1.3}
     try:
