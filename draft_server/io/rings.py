@@ -113,13 +113,16 @@ class Rings:
                 ErrorCode.TRANSPORT, f"shm ring {at.ring} is not mapped for this connection (send a Hello)", call_id
             )
         ring.used = time.monotonic()
-        ring.seen = max(ring.seen, at.generation)
         try:
-            region = region_rows(ring.mm, at)
+            region: np.ndarray | None = region_rows(ring.mm, at)
         except RingError as e:
-            raise ProtocolError(ErrorCode.BAD_FRAMES, f"shm ring {at.ring}: {e}", call_id) from None
-        with ring.lock:
-            ring.held.add(at.generation)
+            region, error = None, e
+        with ring.lock:  # one update: a reply's ack (another thread) never names ``seen`` without ``held``
+            ring.seen = max(ring.seen, at.generation)
+            if region is not None:
+                ring.held.add(at.generation)
+        if region is None:
+            raise ProtocolError(ErrorCode.BAD_FRAMES, f"shm ring {at.ring}: {error}", call_id) from None
         weakref.finalize(region, ring.release, at.generation)
         return region
 

@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--end-grace-s", type=float, default=10.0, help="extra wait beyond the TTL for zero sessions")
     g.add_argument("--reconnect-ivl-ms", type=int, default=10, help="engines' ZeroMQ reconnect interval")
     g.add_argument(
+        "--transport",
+        choices=("frames", "shm"),
+        default="frames",
+        help="where the engines' rows travel: in the messages, or (one server) through each engine's "
+        "shared-memory ring, written in place into regions it claims (DraftClient.claim_rows) as the vLLM "
+        "proposer does, copied in when none is free",
+    )
+    g.add_argument(
         "--reference",
         action=argparse.BooleanOptionalAction,
         default=None,

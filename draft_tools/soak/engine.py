@@ -114,6 +114,9 @@ class EngineSpec:
     # Dump every thread's stack for a call still waiting at budget + 5 ms (the ``.stacks`` file the
     # soak reads; ``LateStacks``). Off for runs that never read the stacks.
     late_stacks: bool = True
+    # "shm": rows through the client's shared-memory ring, written into regions it claims when one is
+    # free (``_in_ring``), as the vLLM proposer does; "frames": in the messages
+    transport: str = "frames"
 
 
 @dataclass
@@ -148,6 +151,10 @@ class _Session:
     left: set[str] = field(default_factory=set)  # servers it moved away from
     moved_back: int = 0  # moves to a server it had left before (a fleet never does that)
     tokens: array.array | None = None  # every draft token, kept for model drafters (compared with the reference)
+    # t0 of its ingest-only steps sent as early Taps: nobody waits for those, so their reply is taken
+    # as OK; if the proxy dropped that Taps, rows past the client's resend buffer are lost (a long
+    # prompt's) and the server restarts the session later (the report counts it touched then)
+    unwaited_t0: list[float] = field(default_factory=list)
 
     def summary(self, finished: bool) -> tuple[Any, ...]:
         # a tuple of numbers (and a tuple of tokens): the collector stops tracking it, so a
@@ -171,6 +178,7 @@ class _Session:
             self.first_server,
             self.moves,
             self.moved_back,
+            tuple(self.unwaited_t0),
         )
 
 
@@ -192,6 +200,7 @@ SESSION_COLUMNS = (
     "first_server",
     "moves",
     "moved_back",
+    "unwaited_t0",
 )
 # Columns of a fleet move record: a session changed server and drafted again (or never did).
 MOVE_COLUMNS = (
@@ -385,6 +394,19 @@ def _predict(reqs: list, spans: list, verified: list, rng: np.random.Generator, 
     return out
 
 
+def _in_ring(client: Any, rows: np.ndarray) -> np.ndarray:
+    """``rows`` written into a region of the client's shared-memory ring it claims (sent where they
+    lie; the client counts them in ``rows_in_place``), else ``rows`` as they are (not connected,
+    the ring full, a fleet)."""
+    claim = getattr(client, "claim_rows", None)
+    buf = claim(rows.nbytes) if claim is not None and rows.nbytes else None
+    if buf is None:
+        return rows
+    view = buf.view(rows.dtype).reshape(rows.shape)
+    view[:] = rows
+    return view
+
+
 def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, progress: Any) -> None:
     from prometheus_client import CollectorRegistry
 
@@ -404,8 +426,13 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
             breaker_backoff_ms=spec.breaker_backoff_ms,
             connect_timeout_s=spec.connect_timeout_s,
             registry=CollectorRegistry(),
+            transport=spec.transport,
         )
     )
+
+    def ring_rows(rows: np.ndarray) -> np.ndarray:
+        return _in_ring(client, rows) if spec.transport == "shm" else rows
+
     calls = array.array("d")  # flat, len(CALL_COLUMNS) per call: no GC-tracked object per call
     # A call still waiting at budget + 5 ms gets every thread's Python stack dumped (``LateStacks``),
     # followed by a marker line that names the call. The soak attaches these stacks to the calls it
@@ -501,7 +528,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 and bool(reqs)
                 and client.send_taps(
                     [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, sent, strict=True)],
-                    np.ascontiguousarray(np.concatenate(sent)),
+                    ring_rows(np.ascontiguousarray(np.concatenate(sent))),
                     exact=all(g is not None or len(a) == q.rows for q, a, g in zip(reqs, spans, guessed, strict=True)),
                 )
             )
@@ -527,7 +554,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 for (i, _), g in zip(wanted, got, strict=True):
                     replies[i] = g
             else:
-                replies = client.step(reqs, taps_all)
+                replies = client.step(reqs, ring_rows(taps_all) if taps_all is not None else None)
             t1 = time.monotonic()
             if watch is not None:
                 watch.disarm()
@@ -556,6 +583,8 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                         s.digest_total = (s.digest_total + row_digest(taps[i], req.pos + i)) & ((1 << 64) - 1)
                         s.cum.append(s.digest_total)
                 s.end += req.rows
+                if early and not req.k:
+                    s.unwaited_t0.append(t0)
                 if s.steps == 0:
                     s.first_t0 = t0
                 s.last_t1 = t1

@@ -206,14 +206,24 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
             for s in _sessions(eng):
                 if s["finished"] and s["all_ok"]:
                     ref_crc[(eng["spec"]["index"], s["number"])] = (s["steps"], s["draft_crc"], s.get("tokens") or [])
-    prefix_mism = 0
+    lost_taps = lost_taps_restarted = 0
+    # this engine's requests the proxy dropped or held back: an unwaited ingest-only early Taps
+    # among them (``unwaited_t0``: its reply was taken as OK) touched its session
+    lost: dict[str, list[float]] = {}
+    for ev in (res.proxy or {}).get("events", []):
+        if ev[1] in ("drop_taps", "drop_request", "delay_request"):
+            lost.setdefault(ev[2], []).append(ev[0])
+    after_s = args.budget_ms / 1000.0 + 0.05
     for eng in res.engines:
         idx = eng["spec"]["index"]
+        mine = lost.get(f"soak-e{idx}", [])
         for s in _sessions(eng):
-            t = (not s["all_ok"]) or s["epochs"] > 1 or _overlaps(s["first_t0"], s["last_t1"], windows)
+            dropped = any(t0 - 0.01 <= t <= t0 + after_s for t0 in s.get("unwaited_t0", ()) for t in mine)
+            lost_taps += dropped
+            lost_taps_restarted += dropped and bool(s.get("restarted"))
+            t = dropped or (not s["all_ok"]) or s["epochs"] > 1 or _overlaps(s["first_t0"], s["last_t1"], windows)
             if t:
                 touched += 1
-                prefix_mism += 0
                 continue
             untouched += 1
             checked += s["checked"]
@@ -240,6 +250,8 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
         "method": how,
         "sessions_touched": touched,
         "sessions_untouched": untouched,
+        "sessions_touched_by_a_lost_unwaited_taps": lost_taps,
+        "of_them_restarted_by_the_server": lost_taps_restarted,
         "untouched_entries_checked": checked,
         "untouched_sessions_mismatched": mism,
         "reference_sessions_compared": compared,
@@ -412,6 +424,14 @@ def analyze(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> 
     }
     if getattr(args, "servers", 1) > 1:
         inv["moved_sessions_resume"] = _moves(args, res)
+    if getattr(args, "transport", "frames") == "shm":
+        in_place = [int(e.get("client_stats", {}).get("rows_in_place", 0)) for e in res.engines]
+        inv["shm_rows_in_place"] = {
+            "ok": bool(in_place) and all(n > 0 for n in in_place) and not res.ring_names_left,
+            "rule": "every engine sent rows in place in its ring; no ring name left in /dev/shm after the engines",
+            "steps_in_place_by_engine": in_place,
+            "ring_names_left": res.ring_names_left,
+        }
     live = res.end_sessions.get("live_at_end")
     inv["zero_sessions_at_end"] = {"ok": live == 0, **res.end_sessions}
     mem = _memory(args, res)

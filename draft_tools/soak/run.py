@@ -280,6 +280,19 @@ class RunResult:
     server_tail: list[str]
     host_stalls: list[tuple[float, float]]  # (time the canary should have woken, seconds late)
     slow_events_by_server: list[list[float]] = field(default_factory=list)  # slow_events, per server
+    ring_names_left: list[str] = field(default_factory=list)  # /dev/shm rings of the engines left after them
+
+
+def _rings_of(pids: set[int]) -> list[str]:
+    """The shared-memory ring names in /dev/shm that processes ``pids`` made (``protocol.shm``: a
+    client unlinks its ring's name once the server mapped it, and when it closes)."""
+    from protocol.shm import PREFIX, SHM_DIR
+
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(PREFIX) and n[len(PREFIX) :].split("-")[0] in {str(p) for p in pids})
 
 
 def _server_cmd(args: argparse.Namespace, port: int, mport: int, chaos: bool) -> list[str]:
@@ -509,6 +522,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
                 checksum=args.drafter == "checksum",
                 max_steps=max_steps[i] if max_steps else 0,
                 reconnect_ivl_ms=args.reconnect_ivl_ms,
+                transport=args.transport,
                 early_taps="taps" in args.modes,  # in the fault-free pass too: the same drafts
                 mispredict_p=0.25 if "taps" in args.modes else -1.0,  # predicted commits, a quarter wrong
             )
@@ -563,6 +577,7 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
         for p in procs:
             _wait_proc(p, 60)
         t_end = time.monotonic()
+        rings_left = _rings_of({p.pid for p in procs if p.pid is not None})
         # every engine freed its sessions; vanished clients' sessions age out by TTL
         deadline = time.monotonic() + args.session_ttl_s + args.end_grace_s
         live = None
@@ -628,4 +643,5 @@ def run_pass(args: argparse.Namespace, workdir: str, chaos: bool, max_steps: lis
         server_tail=merged["server_tail"],
         host_stalls=[tuple(x) for x in (_load(canary_path) or [])],  # type: ignore[misc]
         slow_events_by_server=merged["slow_events_by_server"],
+        ring_names_left=rings_left,
     )

@@ -360,7 +360,8 @@ class DraftClient:
             pending=len(io.pending),
             io_thread_alive=io.thread.is_alive(),
             early_taps_declined=self._taps_declined,
-            rows_in_place=getattr(hs.ring, "in_place_steps", 0),
+            rows_in_place=hs.in_place_before + getattr(hs.ring, "in_place_steps", 0),
+            spare_rings_used=hs.spares_used,
         )
         return d
 

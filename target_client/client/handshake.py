@@ -17,7 +17,11 @@ shared-memory ring (``ring.ClientRing``, made right before the Hello goes out, s
 connection is up); the Welcome must name it back, mapped, and the ring's name is unlinked then. A
 server that does not offer shm, or cannot map the ring, is a refusal like a wire format's ("shm"),
 or a fall back to frames for the life of the client ("auto"). A ring a server lost (it restarted,
-or dropped the ring after the session TTL) is replaced by a new one at the next Hello.
+or dropped the ring after the session TTL) is replaced by a new one at the next Hello. Making a
+ring takes tens of milliseconds (every page allocated: 40-65 ms for 64 MiB on the 2-core VM), so
+when the breaker opens (the server may be gone) a spare is made on a thread of its own
+(``prepare_spare``), and the Hello after a restart names it at once; the spare goes when the
+breaker closes on the same ring (the server was only slow or paused) and at the end.
 
 With "cuda_ipc" (``protocol.cuda_ipc``) the Hello names the client's CUDA IPC buffer instead
 (``target_client.cuda.ipc.CudaRing``, made at the first Hello on ``device`` and kept for the
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from concurrent.futures import Future
 from typing import Any
 
@@ -77,6 +82,11 @@ class Handshake:
         self.transport = Transport.CUDA_IPC.value if self.cuda else Transport.SHM.value  # the one a refusal names
         self.device = device  # cuda_ipc: the buffer's device index (None: this process has no CUDA)
         self._ring_error: str | None = None  # why this client could not make a ring (a local refusal)
+        self.in_place_before = 0  # rows in place (``ClientRing.in_place_steps``) of the rings let go
+        self.spares_used = 0  # Hellos that named a spare ring made ahead (``prepare_spare``)
+        self._spare: ClientRing | None = None  # made ahead, for the Hello after a restart
+        self._spare_wanted = False  # a spare is being made or is there
+        self._spare_lock = threading.Lock()  # the two above (the maker's thread sets ``_spare``)
 
     @property
     def ready(self) -> bool:
@@ -98,12 +108,57 @@ class Handshake:
         if self.ring is not None and self.ring.mapped:
             self.drop_ring()
         if self.ring is None:
+            spare = self._take_spare()
+            if spare is not None:
+                self.ring = spare
+                self.spares_used += 1
+                self._ring_error = None
+                return spare
             try:
                 self.ring = ClientRing(self.cfg.shm_ring_mib << 20)
                 self._ring_error = None
             except RingError as e:
                 self._ring_error = f"transport 'shm' refused: {e}"
         return self.ring
+
+    def prepare_spare(self) -> None:
+        """The breaker opened (the server may be gone): make the ring the Hello after a restart needs
+        now, on a thread of its own, unless one is made or being made (shm only)."""
+        if self.shm_off or self.cuda or self.ring is None or not self.ring.mapped:
+            return
+        with self._spare_lock:
+            if self._spare_wanted:
+                return
+            self._spare_wanted = True
+        threading.Thread(target=self._make_spare, name=f"draft-client-ring-{self.cfg.name}", daemon=True).start()
+
+    def _make_spare(self) -> None:
+        try:
+            ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20)
+        except RingError as e:
+            log.warning("draft client %s: no spare shm ring: %s", self.cfg.name, e)
+            ring = None
+        with self._spare_lock:
+            keep = self._spare_wanted and ring is not None
+            if keep:
+                self._spare = ring
+            else:
+                self._spare_wanted = False
+        if not keep and ring is not None:  # let go meanwhile (taken, dropped, closed)
+            ring.close()
+
+    def _take_spare(self) -> ClientRing | None:
+        """The spare, if it is made (else None: one still being made is closed by its maker)."""
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+            self._spare_wanted = False
+        return spare
+
+    def drop_spare(self) -> None:
+        """No spare wanted (the breaker closed on the ring the server maps, or the end)."""
+        spare = self._take_spare()
+        if spare is not None:
+            spare.close()
 
     def _hello_cuda(self) -> Any | None:
         if self.ring is not None:
@@ -128,6 +183,7 @@ class Handshake:
         if self.cuda and not closing:
             self.ring.mapped = False
             return
+        self.in_place_before += self.ring.in_place_steps
         self.ring.close()
         self.ring = None
 

@@ -920,10 +920,13 @@ class IoLoop:
                 b.probe_ms,
             )
             self._set_gate()
+            self.handshake.prepare_spare()  # the ring a restarted server would need, made meanwhile
 
     def _breaker_closed(self) -> None:
         log.info("draft client %s: server answers pings again, breaker closed", self.cfg.name)
         self._set_gate()
+        if not self.handshake.verifying:  # on the ring the server maps (a re-Hello would take the spare)
+            self.handshake.drop_spare()
 
     def _set_gate(self) -> None:
         hs = self.handshake
@@ -959,6 +962,7 @@ class IoLoop:
             self._m.breaker_open.dec()
         self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
         self.handshake.drop_ring(closing=True)
+        self.handshake.drop_spare()
         self._shut = True
 
     def _close_commands(self) -> None:

@@ -288,3 +288,62 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
         c.close()
         srv.kill()
     assert not names(os.getpid())
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_restart(tmp_path) -> None:
+    """Two clients with rows in place. The server is killed: once a client's breaker opens it makes
+    the ring a re-Hello will need on a thread of its own (a 64 MiB ring takes 40-65 ms on the 2-core
+    VM, several target steps), so after the restart the Hello names that spare at once. Then the
+    server is paused: the spares made meanwhile go once the breaker closes on the same rings."""
+    srv = ipc_server(tmp_path)
+    clients = [_client(srv.endpoint, transport="shm", shm_ring_mib=1, budget_ms=50.0, name=f"c{i}") for i in (0, 1)]
+    sessions = [Sessions(c, f"c{i}-", 3, 10 + i, claim=True) for i, c in enumerate(clients)]
+    me = os.getpid()
+
+    def step_all() -> list[int]:
+        return [s.check(s.step()) for s in sessions]
+
+    def until_drafting() -> int:
+        for i in range(60):
+            if step_all() == [3, 3]:
+                return i
+            time.sleep(0.01)
+        raise AssertionError("no drafts after the server came back")
+
+    try:
+        for _ in range(5):
+            assert step_all() == [3, 3]
+        assert not names(me)  # the mapped rings' names are gone
+        srv.kill()
+        for _ in range(6):  # misses: the breakers open
+            step_all()
+        assert wait_for(lambda: len(names(me)) == 2), names(me)  # a spare each, named in /dev/shm until used
+        spares = {"/" + n for n in names(me)}
+        srv.start()
+        until_drafting()
+        for c in clients:
+            assert c.welcome is not None and c.welcome.ring in spares, (c.welcome, spares)
+            assert c.stats()["spare_rings_used"] == 1
+        for _ in range(3):
+            assert step_all() == [3, 3]
+        assert not names(me)
+
+        srv.pause()
+        try:
+            for _ in range(6):
+                step_all()
+            assert wait_for(lambda: len(names(me)) == 2), names(me)
+        finally:
+            srv.resume()
+        until_drafting()
+        for _ in range(3):
+            assert step_all() == [3, 3]
+        assert wait_for(lambda: not names(me)), names(me)  # no restart: the spares were let go
+        assert [c.stats()["spare_rings_used"] for c in clients] == [1, 1]
+        assert all(c.stats()["rows_in_place"] >= 8 for c in clients)  # counted over both rings
+    finally:
+        for c in clients:
+            c.close()
+        srv.kill()
+    assert not names(me)

@@ -376,3 +376,36 @@ def test_client_config_checks_its_transport() -> None:
         ClientConfig("ipc:///x", transport="cuda")
     with pytest.raises(ValueError, match="shm_ring_mib"):
         ClientConfig("ipc:///x", transport="shm", shm_ring_mib=0)
+
+
+def test_an_ack_built_while_a_region_is_looked_up_never_frees_it(monkeypatch) -> None:
+    """The I/O thread looks up a Step's region while the engine thread builds a reply's ack for the
+    same connection: the ack must not name the region's generation as seen before it is held (the
+    client would write that region again before the server read it)."""
+    import draft_server.io.rings as rings_mod
+
+    ring = ClientRing(1 << 16)
+    rings = Rings(idle_s=60.0, gauge=_Gauge())
+    rings.map(b"c1", b"c1", ring.announce, 1)
+    ring.confirm()
+    at = ring.put([np.arange(64, dtype=np.uint16).reshape(2, 32)])
+    assert at is not None
+    inside, go = threading.Event(), threading.Event()
+
+    def slow_region_rows(mm, where):  # the lookup, held up halfway
+        inside.set()
+        assert go.wait(5)
+        return region_rows(mm, where)
+
+    monkeypatch.setattr(rings_mod, "region_rows", slow_region_rows)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(rings.rows(b"c1", b"c1", at, 2)))
+    t.start()
+    assert inside.wait(5)
+    ack = rings.ack(b"c1")  # the engine thread's reply, meanwhile
+    go.set()
+    t.join(5)
+    assert ack is not None and (ack.seen < at.generation or at.generation in ack.held), ack
+    assert rings.ack(b"c1") == RingAck(ring.name, at.generation, (at.generation,))  # held once looked up
+    got.clear()
+    ring.close()
