@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport",
         choices=("frames", "shm"),
         default="frames",
-        help="where the engines' rows travel: in the messages, or (one server) through each engine's "
-        "shared-memory ring, written in place into regions it claims (DraftClient.claim_rows) as the vLLM "
-        "proposer does, copied in when none is free",
+        help="where the engines' rows travel: in the messages, or through each engine's shared-memory rings, "
+        "written in place into regions it claims (DraftClient.claim_rows) as the vLLM proposer does (one "
+        "server), copied in when none is free (or with --servers above 1: one ring per server)",
     )
     g.add_argument(
         "--reference",
