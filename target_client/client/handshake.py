@@ -19,9 +19,9 @@ server that does not offer shm, or cannot map the ring, is a refusal like a wire
 or a fall back to frames for the life of the client ("auto"). A ring a server lost (it restarted,
 or dropped the ring after the session TTL) is replaced by a new one at the next Hello. Making a
 ring takes tens of milliseconds (every page allocated: 40-65 ms for 64 MiB on the 2-core VM), so
-when the breaker opens (the server may be gone) a spare is made on a thread of its own
-(``prepare_spare``), and the Hello after a restart names it at once; the spare goes when the
-breaker closes on the same ring (the server was only slow or paused) and at the end.
+when a step misses (the server may be gone) a spare is made on a thread of its own
+(``prepare_spare``), and the Hello after a restart names it at once; the spare goes when a step
+is answered in time on the same ring (the server was only slow or paused) and at the end.
 
 With "cuda_ipc" (``protocol.cuda_ipc``) the Hello names the client's CUDA IPC buffer instead
 (``target_client.cuda.ipc.CudaRing``, made at the first Hello on ``device`` and kept for the
@@ -122,8 +122,9 @@ class Handshake:
         return self.ring
 
     def prepare_spare(self) -> None:
-        """The breaker opened (the server may be gone): make the ring the Hello after a restart needs
-        now, on a thread of its own, unless one is made or being made (shm only)."""
+        """A step missed (the server may be gone): make the ring the Hello after a restart needs now,
+        on a thread of its own, unless one is made or being made (shm only). Waiting for the breaker
+        to open would be too late: a server restarted within its 5 misses finds no spare."""
         if self.shm_off or self.cuda or self.ring is None or not self.ring.mapped:
             return
         with self._spare_lock:
@@ -155,7 +156,9 @@ class Handshake:
         return spare
 
     def drop_spare(self) -> None:
-        """No spare wanted (the breaker closed on the ring the server maps, or the end)."""
+        """No spare wanted (a step answered in time on the ring the server maps, or the end)."""
+        if not self._spare_wanted:  # the common case, every answered step: no lock
+            return
         spare = self._take_spare()
         if spare is not None:
             spare.close()
@@ -183,7 +186,7 @@ class Handshake:
         if self.cuda and not closing:
             self.ring.mapped = False
             return
-        self.in_place_before += self.ring.in_place_steps
+        self.in_place_before += getattr(self.ring, "in_place_steps", 0)  # shm rings count them
         self.ring.close()
         self.ring = None
 

@@ -736,6 +736,8 @@ class IoLoop:
             return
         if self.breaker.success():  # a call in flight when the breaker opened came back in time
             self._breaker_closed()
+        if not self.handshake.verifying:  # answered in time on the ring the server maps: no restart
+            self.handshake.drop_spare()
         self.advised_k = msg.advised_k
         self._c.entries_answered(msg.results)
 
@@ -909,6 +911,7 @@ class IoLoop:
             self.handshake.fail_waiters(message, fields)
 
     def _miss(self, now: float) -> None:
+        self.handshake.prepare_spare()  # the ring a restarted server would need, made meanwhile
         b = self.breaker
         if b.miss(now):
             self._m.breaker_opens.inc()
@@ -920,13 +923,10 @@ class IoLoop:
                 b.probe_ms,
             )
             self._set_gate()
-            self.handshake.prepare_spare()  # the ring a restarted server would need, made meanwhile
 
     def _breaker_closed(self) -> None:
         log.info("draft client %s: server answers pings again, breaker closed", self.cfg.name)
         self._set_gate()
-        if not self.handshake.verifying:  # on the ring the server maps (a re-Hello would take the spare)
-            self.handshake.drop_spare()
 
     def _set_gate(self) -> None:
         hs = self.handshake

@@ -292,10 +292,12 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
 
 @pytest.mark.timeout(180)
 def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_restart(tmp_path) -> None:
-    """Two clients with rows in place. The server is killed: once a client's breaker opens it makes
+    """Two clients with rows in place. The server is killed: at a client's first missed step it makes
     the ring a re-Hello will need on a thread of its own (a 64 MiB ring takes 40-65 ms on the 2-core
     VM, several target steps), so after the restart the Hello names that spare at once. Then the
-    server is paused: the spares made meanwhile go once the breaker closes on the same rings."""
+    server is paused: the spares made meanwhile go once a step is answered in time on the same
+    rings. And a server back within the breaker's misses (killed and restarted after 2) finds the
+    spare too."""
     srv = ipc_server(tmp_path)
     clients = [_client(srv.endpoint, transport="shm", shm_ring_mib=1, budget_ms=50.0, name=f"c{i}") for i in (0, 1)]
     sessions = [Sessions(c, f"c{i}-", 3, 10 + i, claim=True) for i, c in enumerate(clients)]
@@ -341,6 +343,15 @@ def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_r
             assert step_all() == [3, 3]
         assert wait_for(lambda: not names(me)), names(me)  # no restart: the spares were let go
         assert [c.stats()["spare_rings_used"] for c in clients] == [1, 1]
+
+        srv.kill()
+        for _ in range(2):  # two misses each: the breakers stay closed
+            step_all()
+        assert wait_for(lambda: len(names(me)) == 2), names(me)
+        srv.start()
+        until_drafting()
+        assert [c.stats()["spare_rings_used"] for c in clients] == [2, 2]
+        assert all(c.stats()["breaker_opens"] == 2 for c in clients)  # the kill and the pause only
         assert all(c.stats()["rows_in_place"] >= 8 for c in clients)  # counted over both rings
     finally:
         for c in clients:
