@@ -345,13 +345,13 @@ def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_r
         assert [c.stats()["spare_rings_used"] for c in clients] == [1, 1]
 
         srv.kill()
-        for _ in range(2):  # two misses each: the breakers stay closed
+        for _ in range(2):  # two misses each: the breakers are still closed
             step_all()
-        assert wait_for(lambda: len(names(me)) == 2), names(me)
+        assert all(c.stats()["breaker_opens"] == 2 for c in clients)  # the kill and the pause before
+        assert wait_for(lambda: len(names(me)) == 2), names(me)  # the spares are there already
         srv.start()
         until_drafting()
         assert [c.stats()["spare_rings_used"] for c in clients] == [2, 2]
-        assert all(c.stats()["breaker_opens"] == 2 for c in clients)  # the kill and the pause only
         assert all(c.stats()["rows_in_place"] >= 8 for c in clients)  # counted over both rings
     finally:
         for c in clients:
