@@ -87,6 +87,7 @@ class Handshake:
         self._spare: ClientRing | None = None  # made ahead, for the Hello after a restart
         self._spare_wanted = False  # a spare is being made or is there
         self._spare_lock = threading.Lock()  # the two above (the maker's thread sets ``_spare``)
+        self._spare_failed = False  # no room for one: not tried again until a new ring is mapped
 
     @property
     def ready(self) -> bool:
@@ -125,7 +126,7 @@ class Handshake:
         """A step missed (the server may be gone): make the ring the Hello after a restart needs now,
         on a thread of its own, unless one is made or being made (shm only). Waiting for the breaker
         to open would be too late: a server restarted within its 5 misses finds no spare."""
-        if self.shm_off or self.cuda or self.ring is None or not self.ring.mapped:
+        if self.shm_off or self.cuda or self.ring is None or not self.ring.mapped or self._spare_failed:
             return
         with self._spare_lock:
             if self._spare_wanted:
@@ -137,7 +138,8 @@ class Handshake:
         try:
             ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20)
         except RingError as e:
-            log.warning("draft client %s: no spare shm ring: %s", self.cfg.name, e)
+            log.warning("draft client %s: no spare shm ring (a restart makes one then): %s", self.cfg.name, e)
+            self._spare_failed = True
             ring = None
         with self._spare_lock:
             keep = self._spare_wanted and ring is not None
@@ -275,6 +277,7 @@ class Handshake:
         self.layout = row_layout(self.cfg.wire_format, self.pinned, w.wire)
         if self.ring is not None and w.ring == self.ring.name and not self.ring.mapped:
             self.ring.confirm()  # mapped there: the name goes, only the two mappings hold the ring
+            self._spare_failed = False
         self.contract_id = w.contract_id
         self.need_hello = self.hello_due = self.verifying = False
         lifted = self.refused is not None

@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -409,3 +410,53 @@ def test_an_ack_built_while_a_region_is_looked_up_never_frees_it(monkeypatch) ->
     assert rings.ack(b"c1") == RingAck(ring.name, at.generation, (at.generation,))  # held once looked up
     got.clear()
     ring.close()
+
+
+def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monkeypatch) -> None:
+    """``Handshake.prepare_spare`` (a step missed): one spare however often it is asked, named by the
+    next Hello; dropped when unneeded; and where /dev/shm has no room for it, one warning and no
+    further tries until a new ring is mapped (not a 64 MiB attempt per missed step)."""
+    import target_client.client.handshake as hs_mod
+
+    hs = Handshake(ClientConfig("ipc:///x", transport="shm", shm_ring_mib=1), Counters(None))
+    name = hs.hello(1).ring.name  # type: ignore[union-attr]
+    hs.accept(_welcome(("frames", "shm"), name))
+    made: list[int] = []
+    real = hs_mod.ClientRing
+
+    def counting(nbytes: int) -> ClientRing:
+        made.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(hs_mod, "ClientRing", counting)
+    for _ in range(3):
+        hs.prepare_spare()
+    deadline = time.monotonic() + 5
+    while hs._spare is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(made) == 1 and len(_names()) == 1  # one spare, named in /dev/shm until used
+    spare = hs._spare
+    assert hs.rehello() and hs.hello(2).ring == spare.announce and hs.spares_used == 1  # type: ignore[union-attr]  # the Hello names it
+    hs.accept(_welcome(("frames", "shm"), spare.name))  # type: ignore[union-attr]
+    assert not _names()
+
+    hs.prepare_spare()
+    while hs._spare is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(made) == 2 and len(_names()) == 1
+    hs.drop_spare()  # answered in time on the same ring
+    assert hs._spare is None and not _names()
+
+    def no_room(nbytes: int) -> ClientRing:
+        made.append(nbytes)
+        raise RingError("no room")
+
+    monkeypatch.setattr(hs_mod, "ClientRing", no_room)
+    hs.prepare_spare()
+    while hs._spare_wanted and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for _ in range(3):
+        hs.prepare_spare()
+    time.sleep(0.05)
+    assert len(made) == 3 and hs._spare is None  # tried once
+    hs.drop_ring(closing=True)
