@@ -147,7 +147,7 @@ class Handshake:
                 self._spare = ring
             else:
                 self._spare_wanted = False
-        if not keep and ring is not None:  # let go meanwhile (taken, dropped, closed)
+        if not keep and ring is not None:  # let go meanwhile (taken, dropped, closed): on this thread
             ring.close()
 
     def _take_spare(self) -> ClientRing | None:
@@ -163,7 +163,7 @@ class Handshake:
             return
         spare = self._take_spare()
         if spare is not None:
-            spare.close()
+            spare.close(unmap_later=True)  # never on a step's path: the unmapping takes milliseconds
 
     def _hello_cuda(self) -> Any | None:
         if self.ring is not None:
