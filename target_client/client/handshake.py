@@ -110,14 +110,10 @@ class Handshake:
         if self.ring is not None and self.ring.mapped:
             self.drop_ring()
         if self.ring is None:
-            spare = self._take_spare()
-            if spare is not None:
-                self.ring = spare
-                self.spares_used += 1
-                self._ring_error = None
-                return spare
+            spare = self._take_spare()  # made ahead (``prepare_spare``), else a new one now
+            self.spares_used += spare is not None
             try:
-                self.ring = ClientRing(self.cfg.shm_ring_mib << 20)
+                self.ring = spare if spare is not None else ClientRing(self.cfg.shm_ring_mib << 20)
                 self._ring_error = None
             except RingError as e:
                 self._ring_error = f"transport 'shm' refused: {e}"
