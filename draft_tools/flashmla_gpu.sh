@@ -8,7 +8,6 @@
 #   step    draft_tools.bench.flash_step: the K3 step, FlashMLA vs Triton drafter, one process -> $OUT/flash_step.json
 #   bench   draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact -> $OUT/draft_step.json
 #   fused   draft_tools.bench.fused_step: the step with the fused kernels vs before them -> $OUT/fused_step.json
-#           (`fused --unfuse prologues`: only the skinny GEMM's norm and SwiGLU prologues vs before them)
 #   all     test, then step
 #   pack SRC CUTLASS   (here, not on the device) .flashmla/flashmla_src.tgz from a deepseek-ai/FlashMLA
 #           checkout and a CUTLASS checkout at FlashMLA's submodule pin (only what the build reads)

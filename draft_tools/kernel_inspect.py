@@ -51,9 +51,8 @@ def _kernel(which: str, a: argparse.Namespace) -> tuple[Any, dict[str, str], dic
     if which == "skinny":
         from draft_server.models.kernels import skinny
 
-        ptrs = {"X": "*bf16", "W": "*bf16", "H": "*bf16", "Y": "*bf16", "PART": "*fp32", "CNT": "*i32", "NW": "*bf16"}
-        pro = {"none": skinny.NO_PROLOGUE, "swiglu": skinny.SWIGLU, "rms": skinny.RMS}[a.prologue]
-        const = dict(HAS_H=False, BLOCK_M=16, BLOCK_N=a.block_n, BLOCK_K=a.block_k, UPCAST=False, PRO=pro)
+        ptrs = {"X": "*bf16", "W": "*bf16", "H": "*bf16", "Y": "*bf16", "PART": "*fp32", "CNT": "*i32"}
+        const = dict(HAS_H=False, BLOCK_M=16, BLOCK_N=a.block_n, BLOCK_K=a.block_k, UPCAST=False)
         return skinny._skinny_kernel, ptrs, const
     from draft_server.models.kernels import paged_attention as pa
 
@@ -127,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-k", type=int, default=256)
     ap.add_argument("--warps", type=int, default=None)
     ap.add_argument("--stages", type=int, default=None)
-    ap.add_argument(
-        "--prologue", default="none", choices=["none", "swiglu", "rms"], help="skinny: what it folds into its loads"
-    )
     a = ap.parse_args(argv)
     defaults = {"mla": (64, 64, 8, 2), "gqa": (32, 64, 2, 3), "skinny": (16, 128, 4, 2)}[a.kernel]
     for name, d in zip(("block_m", "block_n", "warps", "stages"), defaults, strict=True):

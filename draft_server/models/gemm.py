@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import statistics
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -193,18 +192,6 @@ def _gemm(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Ten
     else:
         y = _RUN[s](x2, w, h2)
     return y.view(*lead, w.shape[0])
-
-
-def tuned_skinny(x2: torch.Tensor, w: torch.Tensor, h2: torch.Tensor | None) -> Any:
-    """The skinny kernel (``SkinnyGemm``) the tuner took for the product x2 [M, in] @ w.T (+ h2), or
-    None: another strategy, or operands it cannot read. What ``layers.ops`` folds a norm or SwiGLU into."""
-    key = (int(w.shape[0]), int(w.shape[1]), int(x2.shape[0]), x2.dtype, h2 is not None)
-    if TUNER.strategy(key, x2, w, h2) != "skinny" or not _unit_stride(x2, w, h2):
-        return None
-    from draft_server.models.kernels.skinny import SkinnyGemm
-
-    k = TUNER.skinny.get((key, x2.device))
-    return k if isinstance(k, SkinnyGemm) else None
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

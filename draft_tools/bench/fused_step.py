@@ -6,11 +6,9 @@ kernel instead of three, written straight into its cache slots (no index_copy); 
 written straight into FlashMLA's query buffer instead of a copy after; a GQA head's RMSNorm + RoPE
 in one kernel, and its K/V written into their slots by one kernel (no stack, no index_copy); each
 greedy Markov step in two kernels (the embedding gathered inside the argmax kernel, d2t applied in
-its final pass); and (``--unfuse prologues`` compares only these) a layer's RMSNorm and the
-down projection's SwiGLU folded into the skinny GEMM after them. One drafter per preset, captured
-twice: once with the model's ``rope``, ``_latent``, ``_fused_rows``, ``norm_linear``,
-``swiglu_add``, ``gqa.rms_rope`` and ``step.greedy_chain`` swapped for the compositions they
-replace (``unfused``), once as shipped (``fused``); both FastSteps share
+its final pass). One drafter per preset, captured twice: once with the model's ``rope``,
+``_latent``, ``_fused_rows``, ``gqa.rms_rope`` and ``step.greedy_chain`` swapped
+for the compositions they replace (``unfused``), once as shipped (``fused``); both FastSteps share
 the weights, the KV cache and the GEMM tuner's choices, so only the fusion differs. Steps of 3 new
 rows + 7 drafts per session at 1,024 context rows (CUDA graphs; taps in registered host memory)
 are timed interleaved, rounds alternating which goes first, at each B, beside the floor measured in
@@ -37,7 +35,7 @@ import torch
 from draft_server.models import gemm
 from draft_server.models import step as step_mod
 from draft_server.models.kernels import fused
-from draft_server.models.layers import gqa, ops
+from draft_server.models.layers import gqa
 from draft_server.models.layers.ops import Rope, rms_norm
 from draft_server.models.presets import PRESETS, random_drafter
 from draft_tools.bench.draft_step_gpu import (
@@ -104,42 +102,8 @@ def _unfused_chain(m, z, anchors, k, sts):  # type: ignore[no-untyped-def]
     return torch.stack(toks, dim=1), conf
 
 
-def _unfused_norm_linear(x, nw, eps, w):  # type: ignore[no-untyped-def]
-    """A layer's RMSNorm and the projection after it as two kernels (before the skinny GEMM's prologue)."""
-    return gemm.linear(rms_norm(x, nw, eps), w)
-
-
-def _unfused_swiglu_add(h, x, gate_up, down, norm=None):  # type: ignore[no-untyped-def]
-    """The MLP as before the prologues: norm, gate/up, silu_mul, down + residual as four kernels."""
-    if norm is not None:
-        x = rms_norm(x, norm[0], norm[1])
-    return ops.linear_add(h, ops.swiglu(gemm.linear(x, gate_up)), down)
-
-
-def _unfuse(m: Any, what: str) -> None:
-    """Swap the compositions of ``what`` ("all", or "prologues": only the skinny GEMM's norm and
-    SwiGLU prologues) into the model and the step for the unfused capture (``_refuse`` undoes it)."""
-    m.norm_linear, m.swiglu_add = _unfused_norm_linear, _unfused_swiglu_add
-    if what == "prologues":
-        return
-    rope = UnfusedRope.__new__(UnfusedRope)
-    rope.__dict__.update(m.rope.__dict__)
-    m.rope = rope
-    gqa.rms_rope = _unfused_rms_rope
-    step_mod.greedy_chain = _unfused_chain
-    m._fused_rows = lambda x, cos, cache=None: False  # the cache written by index_copy
-    if hasattr(m, "lat"):
-        m._latent = _unfused_latent(m)
-
-
 def bench_preset(
-    name: str,
-    floors: dict[str, float],
-    rounds: int,
-    steps: int,
-    dev: torch.device,
-    sizes: tuple[int, ...] = SIZES,
-    unfuse: str = "all",
+    name: str, floors: dict[str, float], rounds: int, steps: int, dev: torch.device, sizes: tuple[int, ...] = SIZES
 ) -> dict[str, Any]:
     res: dict[str, Any] = {"preset": name}
     t0 = time.perf_counter()
@@ -147,19 +111,25 @@ def bench_preset(
     d = random_drafter(PRESETS[name], dev, 8 << 30 if dev.type == "cuda" else 64 << 20, dtype, attention="paged")
     res["weights_s"] = time.perf_counter() - t0
     m = d.model
-    res["unfused"] = unfuse
     fused_rope, fused_rms_rope, fused_chain = m.rope, gqa.rms_rope, step_mod.greedy_chain
+    unfused_rope = UnfusedRope.__new__(UnfusedRope)
+    unfused_rope.__dict__.update(fused_rope.__dict__)
     fasts = {}
     for mode in ("unfused", "fused"):  # the unfused capture first: the GEMM tuner's timings come from it
         if mode == "unfused":
-            _unfuse(m, unfuse)
+            m.rope = unfused_rope
+            gqa.rms_rope = _unfused_rms_rope
+            step_mod.greedy_chain = _unfused_chain
+            m._fused_rows = lambda x, cos, cache=None: False  # the cache written by index_copy
+            if hasattr(m, "lat"):
+                m._latent = _unfused_latent(m)
         t0 = time.perf_counter()
         try:
             res[f"{mode}_prepare"] = d.prepare(64, 4096)
         finally:
             m.rope, gqa.rms_rope, step_mod.greedy_chain = fused_rope, fused_rms_rope, fused_chain
-            for attr in ("_latent", "_fused_rows", "norm_linear", "swiglu_add"):
-                m.__dict__.pop(attr, None)
+            m.__dict__.pop("_latent", None)
+            m.__dict__.pop("_fused_rows", None)
         res[f"{mode}_prepare_s"] = time.perf_counter() - t0
         fasts[mode] = d.fast
         log(f"{name} {mode}: captured in {res[f'{mode}_prepare_s']:.1f} s")
@@ -229,13 +199,6 @@ def main() -> int:
     ap.add_argument("--presets", default="k3,qwen3-8b")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument(
-        "--unfuse",
-        default="all",
-        choices=["all", "prologues"],
-        help="what the unfused side undoes: every fusion this bench knows, or only the skinny GEMM's "
-        "norm and SwiGLU prologues (2026-12-05, third session)",
-    )
     args = ap.parse_args()
     dev = torch.device("cuda")
     report: dict[str, Any] = {
@@ -250,7 +213,7 @@ def main() -> int:
             json.dump(report, f, indent=1, default=float)
 
     for name in args.presets.split(","):
-        report[name] = bench_preset(name, report["floors"], args.rounds, args.steps, dev, unfuse=args.unfuse)
+        report[name] = bench_preset(name, report["floors"], args.rounds, args.steps, dev)
         save()
     save()
     return 0

@@ -23,9 +23,8 @@ def _inspect(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("prologue", ["none", "swiglu", "rms"])
-def test_the_skinny_gemm_compiles_for_sm90_with_a_pipelined_loop_and_no_spills(prologue: str) -> None:
-    res = _inspect("skinny", "--block-n", "64", "--block-k", "256", "--stages", "3", "--prologue", prologue)
+def test_the_skinny_gemm_compiles_for_sm90_with_a_pipelined_loop_and_no_spills() -> None:
+    res = _inspect("skinny", "--block-n", "64", "--block-k", "256", "--stages", "3")
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["shared_bytes"] > 0 and out["registers"] > 0

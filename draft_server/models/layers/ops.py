@@ -6,9 +6,7 @@ RoPE angles are formed in float64 from integer positions, so large positions kee
 
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +14,7 @@ import torch.nn.functional as F
 from draft_server.models import gemm
 from draft_server.models.config import RopeSpec, yarn_mscale
 
-log = logging.getLogger(__name__)
 Norm = tuple[torch.Tensor, float]  # an RMSNorm's weight and eps
-# The down projection forms silu(gate) * up itself only for row tiles this small: every program of
-# the skinny GEMM forms it for its whole x tile (rows x block_k) again, which for 16 rows already
-# takes the kernel's main loop from 177 to 772 instructions per tile (sm_90, ``kernel_inspect
-# skinny --prologue swiglu``; the RMS prologue 399), while the weight bytes per tile stay the same.
-SWIGLU_PROLOGUE_ROWS = 16
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -84,48 +76,16 @@ def swiglu_add(
     h: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, norm: Norm | None = None
 ) -> torch.Tensor:
     """h + down(silu(gate(x)) * up(x)), with gate and up stacked in one weight [2F, H]; ``norm``
-    (weight, eps): of ``rms_norm(x)`` (``norm_linear``). Where the tuner took the skinny kernel for the
-    down projection, it forms silu(gate) * up itself as it reads them (the same values: one kernel less)."""
+    (weight, eps): of ``rms_norm(x)`` (``norm_linear``)."""
     gu = gemm.linear(x, gate_up) if norm is None else norm_linear(x, norm[0], norm[1], gate_up)
-    if gu.dim() >= 2 and gu.stride(-1) == 1:  # the tuner's table decides (plain off CUDA)
-        gu2, h2 = gu.reshape(-1, gu.shape[-1]), h.reshape(-1, h.shape[-1])
-        k = gemm.tuned_skinny(gu2[:, : gu2.shape[1] // 2], down, h2)
-        if k is not None and k.bm <= SWIGLU_PROLOGUE_ROWS:
-            y = _with_prologue(k, gu2, down, h2, swiglu=True)
-            if y is not None:
-                return y.view(h.shape)
     return linear_add(h, swiglu(gu), down)
-
-
-def _with_prologue(k: Any, *args: Any, **kw: Any) -> torch.Tensor | None:
-    """The skinny kernel ``k`` with a prologue, or None when its launch shape cannot hold the
-    prologue's extra tiles on this GPU (then never again for it: the composition runs instead). A
-    first call happens in the step's warm-up, before any graph is captured."""
-    if getattr(k, "prologue_off", False):
-        return None
-    from triton.runtime.errors import OutOfResources
-
-    try:
-        return k(*args, **kw)
-    except OutOfResources as e:
-        k.prologue_off = True
-        log.warning("skinny GEMM %s: no prologue (%s)", (k.rows, k.out, k.inp), e)
-        return None
 
 
 def norm_linear(
     x: torch.Tensor, norm_w: torch.Tensor, eps: float, w: torch.Tensor, b: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """rms_norm(x, norm_w, eps) @ w.T (+ b). Where the tuner took the skinny kernel for the product (no bias), one
-    kernel: x's tiles times the norm weight as they load, each row's 1 / rms applied to its sum (the
-    norm's scale after the product: the same product to within bf16 rounding, as another GEMM
-    strategy's summation order is)."""
-    if b is None and x.dim() >= 2 and x.stride(-1) == 1 and norm_w.dim() == 1 and norm_w.stride(0) == 1:
-        x2 = x.reshape(-1, x.shape[-1])
-        k = gemm.tuned_skinny(x2, w, None)
-        y = _with_prologue(k, x2, w, norm=(norm_w, eps)) if k is not None else None
-        if y is not None:
-            return y.view(*x.shape[:-1], w.shape[0])
+    """rms_norm(x, norm_w, eps) @ w.T (+ b): the seam where a quantized weight takes its own way
+    (``exl3.norm_linear``)."""
     return gemm.linear(rms_norm(x, norm_w, eps), w, b)
 
 
