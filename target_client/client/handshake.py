@@ -21,7 +21,8 @@ or dropped the ring after the session TTL) is replaced by a new one at the next 
 ring takes tens of milliseconds (every page allocated: 40-65 ms for 64 MiB on the 2-core VM), so
 when a step misses (the server may be gone) a spare is made on a thread of its own
 (``prepare_spare``), and the Hello after a restart names it at once; the spare goes when a step
-is answered in time on the same ring (the server was only slow or paused) and at the end.
+is answered in time on the same ring (the server was only slow or paused) ``SPARE_KEEP_S`` after
+the last miss, and at the end.
 
 With "cuda_ipc" (``protocol.cuda_ipc``) the Hello names the client's CUDA IPC buffer instead
 (``target_client.cuda.ipc.CudaRing``, made at the first Hello on ``device`` and kept for the
@@ -52,6 +53,7 @@ log = logging.getLogger("target_client")
 
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 _HELLO_SEND_RETRY_S = 0.02  # retry of a Hello that could not be sent (no live connection yet)
+SPARE_KEEP_S = 30.0  # a spare ring outlives the last missed step by this long
 
 Refusal = tuple[str, tuple[str, ...]]  # (message, the contract fields that differ)
 
@@ -89,6 +91,7 @@ class Handshake:
         self._spare_wanted = False  # a spare is being made or is there
         self._spare_lock = threading.Lock()  # the two above (the maker's thread sets ``_spare``)
         self._spare_failed = False  # no room for one: not tried again until a new ring is mapped
+        self._last_miss = -math.inf  # when a step last missed (``prepare_spare``; ``drop_spare`` keeps it)
 
     @property
     def ready(self) -> bool:
@@ -119,10 +122,11 @@ class Handshake:
                 self._ring_error = f"transport 'shm' refused: {e}"
         return self.ring
 
-    def prepare_spare(self) -> None:
-        """A step missed (the server may be gone): make the ring the Hello after a restart needs now,
-        on a thread of its own, unless one is made or being made (shm only). Waiting for the breaker
-        to open would be too late: a server restarted within its 5 misses finds no spare."""
+    def prepare_spare(self, now: float) -> None:
+        """A step missed at ``now`` (the server may be gone): make the ring the Hello after a restart
+        needs now, on a thread of its own, unless one is made or being made (shm only). Waiting for
+        the breaker to open would be too late: a server restarted within its 5 misses finds no spare."""
+        self._last_miss = now
         if self.shm_off or self.cuda or self.ring is None or not self.ring.mapped or self._spare_failed:
             return
         with self._spare_lock:
@@ -158,9 +162,13 @@ class Handshake:
             self._spare_wanted = False
         return spare
 
-    def drop_spare(self) -> None:
-        """No spare wanted (a step answered in time on the ring the server maps, or the end)."""
+    def drop_spare(self, now: float | None = None) -> None:
+        """No spare wanted: at ``now`` a step was answered in time on the ring the server maps, and
+        the last miss is ``SPARE_KEEP_S`` ago (a server that misses again soon finds the spare still
+        there: not one made and unmapped per miss, 40 ms of a core each); None: the end."""
         if not self._spare_wanted:  # the common case, every answered step: no lock
+            return
+        if now is not None and now - self._last_miss < SPARE_KEEP_S:
             return
         spare = self._take_spare()
         if spare is not None:

@@ -737,7 +737,7 @@ class IoLoop:
         if self.breaker.success():  # a call in flight when the breaker opened came back in time
             self._breaker_closed()
         if not self.handshake.verifying:  # answered in time on the ring the server maps: no restart
-            self.handshake.drop_spare()
+            self.handshake.drop_spare(now)
         self.advised_k = msg.advised_k
         self._c.entries_answered(msg.results)
 
@@ -911,7 +911,7 @@ class IoLoop:
             self.handshake.fail_waiters(message, fields)
 
     def _miss(self, now: float) -> None:
-        self.handshake.prepare_spare()  # the ring a restarted server would need, made meanwhile
+        self.handshake.prepare_spare(now)  # the ring a restarted server would need, made meanwhile
         b = self.breaker
         if b.miss(now):
             self._m.breaker_opens.inc()

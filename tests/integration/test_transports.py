@@ -291,13 +291,17 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
 
 
 @pytest.mark.timeout(180)
-def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_restart(tmp_path) -> None:
+def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_restart(tmp_path, monkeypatch) -> None:
     """Two clients with rows in place. The server is killed: at a client's first missed step it makes
     the ring a re-Hello will need on a thread of its own (a 64 MiB ring takes 40-65 ms on the 2-core
     VM, several target steps), so after the restart the Hello names that spare at once. Then the
-    server is paused: the spares made meanwhile go once a step is answered in time on the same
-    rings. And a server back within the breaker's misses (killed and restarted after 2) finds the
-    spare too."""
+    server is paused: the spares made meanwhile stay while steps answered in time on the same rings
+    follow the last miss closely, and go once one is answered ``SPARE_KEEP_S`` after it. And a
+    server back within the breaker's misses (killed and restarted after 2) finds the spare too."""
+    import target_client.client.handshake as hs_mod
+
+    keep_s = 1.5
+    monkeypatch.setattr(hs_mod, "SPARE_KEEP_S", keep_s)
     srv = ipc_server(tmp_path)
     clients = [_client(srv.endpoint, transport="shm", shm_ring_mib=1, budget_ms=50.0, name=f"c{i}") for i in (0, 1)]
     sessions = [Sessions(c, f"c{i}-", 3, 10 + i, claim=True) for i, c in enumerate(clients)]
@@ -339,8 +343,13 @@ def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_r
         finally:
             srv.resume()
         until_drafting()
+        resumed = time.monotonic()
         for _ in range(3):
             assert step_all() == [3, 3]
+        if time.monotonic() - resumed < keep_s / 2:  # (a slow machine may be past it already)
+            assert len(names(me)) == 2, names(me)  # kept: the last miss is recent
+        time.sleep(max(0.0, resumed + keep_s - time.monotonic()))
+        assert step_all() == [3, 3]
         assert wait_for(lambda: not names(me)), names(me)  # no restart: the spares were let go
         assert [c.stats()["spare_rings_used"] for c in clients] == [1, 1]
 

@@ -414,8 +414,9 @@ def test_an_ack_built_while_a_region_is_looked_up_never_frees_it(monkeypatch) ->
 
 def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monkeypatch) -> None:
     """``Handshake.prepare_spare`` (a step missed): one spare however often it is asked, named by the
-    next Hello; dropped when unneeded; and where /dev/shm has no room for it, one warning and no
-    further tries until a new ring is mapped (not a 64 MiB attempt per missed step)."""
+    next Hello; kept while steps miss now and then, dropped once none has for ``SPARE_KEEP_S``; and
+    where /dev/shm has no room for it, one warning and no further tries until a new ring is mapped
+    (not a 64 MiB attempt per missed step)."""
     import target_client.client.handshake as hs_mod
 
     hs = Handshake(ClientConfig("ipc:///x", transport="shm", shm_ring_mib=1), Counters(None))
@@ -430,7 +431,7 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
 
     monkeypatch.setattr(hs_mod, "ClientRing", counting)
     for _ in range(3):
-        hs.prepare_spare()
+        hs.prepare_spare(time.monotonic())
     deadline = time.monotonic() + 5
     while hs._spare is None and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -440,11 +441,18 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
     hs.accept(_welcome(("frames", "shm"), spare.name))  # type: ignore[union-attr]
     assert not _names()
 
-    hs.prepare_spare()
+    missed = time.monotonic()
+    hs.prepare_spare(missed)
     while hs._spare is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(made) == 2 and len(_names()) == 1
-    hs.drop_spare()  # answered in time on the same ring
+    hs.drop_spare(missed + hs_mod.SPARE_KEEP_S / 2)  # answered in time on the same ring, soon after the miss
+    assert hs._spare is not None and len(_names()) == 1  # kept: a server that misses again finds it
+    hs.prepare_spare(missed + hs_mod.SPARE_KEEP_S / 2)  # missed again: the same spare, none made
+    assert len(made) == 2
+    hs.drop_spare(missed + hs_mod.SPARE_KEEP_S)  # answered in time, the last miss SPARE_KEEP_S / 2 ago
+    assert hs._spare is not None
+    hs.drop_spare(missed + 1.5 * hs_mod.SPARE_KEEP_S)
     assert hs._spare is None and not _names()
 
     def no_room(nbytes: int) -> ClientRing:
@@ -452,11 +460,11 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
         raise RingError("no room")
 
     monkeypatch.setattr(hs_mod, "ClientRing", no_room)
-    hs.prepare_spare()
+    hs.prepare_spare(time.monotonic())
     while hs._spare_wanted and time.monotonic() < deadline:
         time.sleep(0.005)
     for _ in range(3):
-        hs.prepare_spare()
+        hs.prepare_spare(time.monotonic())
     time.sleep(0.05)
     assert len(made) == 3 and hs._spare is None  # tried once
     hs.drop_ring(closing=True)
