@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 from concurrent.futures import Future
 from typing import Any
@@ -136,10 +135,6 @@ class Handshake:
         threading.Thread(target=self._make_spare, name=f"draft-client-ring-{self.cfg.name}", daemon=True).start()
 
     def _make_spare(self) -> None:
-        try:  # behind the engine's own threads for the CPU (Linux: a thread's own nice value)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except (AttributeError, OSError):
-            pass
         try:
             ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20)
         except RingError as e:
