@@ -189,11 +189,16 @@ def test_drafting_resumes_after_a_burst_larger_than_the_budget_from_every_commit
         assert all(fully_drafted(s) for s in eng_b.steps[-10:])
         assert all(any(len(r.reply.tokens) == K for r in s) for s in eng_a.steps[-1:])
         # ... from every committed row: each draft is the whole context's, no session restarted
-        assert check_drafts(eng_a) > 0 and check_drafts(eng_b) > 0
+        # (a machine far slower than this test assumes makes a catching-up session's unacknowledged
+        # rows outgrow its resend buffer, and the client then restarts the session: the stats say so)
+        st_a, st_b = a.stats(), b.stats()
         restarts = {k: v for k, v in srv.metrics().items() if k.startswith("draft_server_session_restarts_total")}
+        try:
+            assert check_drafts(eng_a) > 0 and check_drafts(eng_b) > 0
+        except AssertionError as e:
+            raise AssertionError(f"{e}; server restarts {restarts}; client A {st_a}") from None
         assert not any(restarts.values()), restarts
         # the bursts cost their own steps, not the breaker: it never opened, for either client
-        st_a, st_b = a.stats(), b.stats()
         assert st_a["breaker_opens"] == 0 and st_b["breaker_opens"] == 0, (st_a, st_b)
         assert st_a["catching_up_entries"] > 0
     finally:
