@@ -207,18 +207,28 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
                 if s["finished"] and s["all_ok"]:
                     ref_crc[(eng["spec"]["index"], s["number"])] = (s["steps"], s["draft_crc"], s.get("tokens") or [])
     lost_taps = lost_taps_restarted = 0
-    # this engine's requests the proxy dropped or held back: an unwaited ingest-only early Taps
-    # among them (``unwaited_t0``: its reply was taken as OK) touched its session
+    # this engine's requests the proxy dropped or held back, and replies it dropped: an unwaited
+    # ingest-only early Taps among them (``unwaited_t0``: nobody waited for its reply) touched its
+    # session. A lost reply too: its rows then count as unacknowledged, a long prompt's more than a
+    # step may resend, and the client gives them up and restarts the session (``resend``)
     lost: dict[str, list[float]] = {}
+    lost_replies: dict[str, list[float]] = {}
     for ev in (res.proxy or {}).get("events", []):
         if ev[1] in ("drop_taps", "drop_request", "delay_request"):
             lost.setdefault(ev[2], []).append(ev[0])
+        elif ev[1] == "drop_reply":
+            lost_replies.setdefault(ev[2], []).append(ev[0])
+    reply_s = args.budget_ms / 1000.0 + 0.05  # a Taps call's reply comes back within its budget
     for eng in res.engines:
         idx = eng["spec"]["index"]
         mine = lost.get(f"soak-e{idx}", [])
+        replies = lost_replies.get(f"soak-e{idx}", [])
         for s in _sessions(eng):
             # the Taps leaves just before the step's t0; 20 ms for the proxy to see it on a loaded host
-            dropped = any(t0 - 0.01 <= t <= t0 + 0.02 for t0 in s.get("unwaited_t0", ()) for t in mine)
+            t0s = s.get("unwaited_t0", ())
+            dropped = any(t0 - 0.01 <= t <= t0 + 0.02 for t0 in t0s for t in mine) or any(
+                t0 - 0.01 <= t <= t0 + reply_s for t0 in t0s for t in replies
+            )
             lost_taps += dropped
             lost_taps_restarted += dropped and bool(s.get("restarted"))
             t = dropped or (not s["all_ok"]) or s["epochs"] > 1 or _overlaps(s["first_t0"], s["last_t1"], windows)
