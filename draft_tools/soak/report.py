@@ -35,6 +35,20 @@ def _pct(x: np.ndarray, q: float) -> float | None:
     return float(np.percentile(x, q)) if len(x) else None
 
 
+def _nearest(res: RunResult, idx: int, t0s: Any) -> str:
+    """The proxy's fault on engine ``idx``'s traffic nearest to one of its unwaited Taps steps ``t0s``
+    (what an untouched session's restart would be looked up by)."""
+    ident = f"soak-e{idx}"
+    best = min(
+        ((abs(t - t0), t - t0, kind) for t, kind, who, *_ in (res.proxy or {}).get("events", []) if who == ident
+         for t0 in t0s),
+        default=None,
+    )  # fmt: skip
+    if best is None:
+        return f"{len(t0s)} unwaited Taps steps, no proxy fault near one"
+    return f"{len(t0s)} unwaited Taps steps, the nearest proxy fault {best[2]} at {best[1] * 1000:+.1f} ms"
+
+
 def _touching_windows(res: RunResult, margin_s: float) -> list[tuple[float, float]]:
     out = []
     for e in res.events:
@@ -240,7 +254,10 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
             if s["mismatched"] or s.get("restarted"):  # an untouched session must keep all its context
                 mism += 1
                 if len(examples) < 5:
-                    examples.append(f"engine {idx} session {s['number']}: {s['mismatched']}/{s['checked']} differ")
+                    examples.append(
+                        f"engine {idx} session {s['number']}: {s['mismatched']}/{s['checked']} differ, "
+                        f"{s.get('restarted') or 0} restarted; {_nearest(res, idx, t0s)}"
+                    )
             if ref is not None and s["finished"]:
                 r = ref_crc.get((idx, s["number"]))
                 if r is not None and r[0] == s["steps"]:

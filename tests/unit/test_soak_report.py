@@ -55,3 +55,7 @@ def test_a_restarted_session_the_proxy_never_touched_fails_the_invariant() -> No
     ):
         ref = _reference(ARGS, _run(events), None)
         assert ref["sessions_untouched"] == 1 and ref["untouched_sessions_mismatched"] == 1, events
+        (example,) = ref["examples"]  # it says what to look at: this engine's nearest proxy fault
+        assert example.startswith("engine 0 session 7: 0/10 differ, 1 restarted; 1 unwaited Taps steps")
+        mine = [e for e in events if e[2] == "soak-e0"]
+        assert (f"{mine[0][1]} at +" in example) if mine else ("no proxy fault near one" in example), example
