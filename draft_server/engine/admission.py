@@ -46,17 +46,31 @@ class Admission:
         return self._queued_rows
 
     def try_admit_rows(self, owner: bytes, rows: int) -> bool:
-        if not rows:
-            return True
+        return self.admit_rows(owner, [rows])[0]
+
+    def admit_rows(self, owner: bytes, rows: list[int]) -> list[bool]:
+        """Admit one Step's entries' rows in order (0: nothing to queue, always admitted): whether each
+        fits the row queue and, with other clients about, ``owner``'s fair share of it."""
+        out = [True] * len(rows)
+        if not any(rows):
+            return out
         with self._lock:
             mine = self._by_client.get(owner, 0)
             clients = len(self._by_client.keys() | self.sessions.owners() | {owner})
             share = self.max_queue_rows // clients
-            if self._queued_rows + rows > self.max_queue_rows or (clients > 1 and mine + rows > share):
-                return False
-            self._queued_rows += rows
-            self._by_client[owner] = mine + rows
-        return True
+            queued = self._queued_rows
+            for i, n in enumerate(rows):
+                if not n:
+                    continue
+                if queued + n > self.max_queue_rows or (clients > 1 and mine + n > share):
+                    out[i] = False
+                    continue
+                queued += n
+                mine += n
+            self._queued_rows = queued
+            if mine:
+                self._by_client[owner] = mine
+        return out
 
     def retire_rows(self, owner: bytes, rows: int) -> None:
         """Rows that left the queue: ingested, or dropped with their entry."""

@@ -588,10 +588,13 @@ class Engine:
         later(m.batch_sessions.observe, len(drafts))
         for call in {id(w.call): w.call for _, w in placed}.values():
             call.compute_s += dt  # once per call: its entries shared this batch
+        retired: dict[bytes, int] = {}
         for s, w in placed:  # each session's placed entries are its queue's head, in order
             s.pending.popleft()
-            self.admission.retire_rows(w.call.owner, w.rows)
+            retired[w.call.owner] = retired.get(w.call.owner, 0) + w.rows
             w.taps = None
+        for owner, rows in retired.items():
+            self.admission.retire_rows(owner, rows)
         drafted = sum(len(out.tokens) for out in outs)
         if drafted:  # queued before the replies go: a scrape after a reply counts its drafts
             later(m.drafted_tokens.inc, drafted)
@@ -714,6 +717,8 @@ def _joined(items: list[IngestItem], most: int) -> list[IngestItem]:
     no item is longer than one entry could be, so the drafter's working memory stays what it was);
     the drafter ingests an item in one pass, a session repeated in one call in a pass per repeat.
     Rows on the device stay their own items."""
+    if len(items) < 2:  # the common case: one entry per session in a decode batch
+        return items
     out: list[IngestItem] = []
     parts: list[list[np.ndarray]] = []
     rows: list[int] = []

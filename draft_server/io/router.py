@@ -641,6 +641,8 @@ class Router:
         taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer, locate)
         dtype = row_layout(step.wire, self.contract, self.offer)[0]
         bad_rows = nonfinite_rows(taps, dtype) if isinstance(taps, np.ndarray) else None  # not device rows
+        if bad_rows is not None and not bad_rows.any():
+            bad_rows = None  # the common case: no per-entry counts to take
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
         waited = self._waited_unread_ms(ident, step, recv_t)
@@ -648,6 +650,10 @@ class Router:
         if unread:
             self.metrics.stale_steps.labels("unread").inc()
         admission = self.engine.admission
+        entries = step.entries
+        admitted = admission.admit_rows(
+            owner, [e.rows if err is None else 0 for e, err in zip(entries, errors, strict=True)]
+        )
         works: list[Work] = []
         row = 0
         for i, (e, err) in enumerate(zip(step.entries, errors, strict=True)):
@@ -658,7 +664,7 @@ class Router:
                 continue
             if bad_rows is not None and e.rows and (n_bad := int(bad_rows[row - e.rows : row].sum())):
                 self._count_nonfinite(owner, n_bad)
-            if not admission.try_admit_rows(owner, e.rows):
+            if not admitted[i]:
                 self._set(call, i, admission.overloaded("queue full"))
                 continue
             end = e.pos + e.rows

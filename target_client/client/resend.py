@@ -57,6 +57,8 @@ CATCH_UP_MAX_S = 5.0
 
 
 def chunk_rows(chunks: list[Chunk]) -> int:
+    if len(chunks) == 1:
+        return len(chunks[0][1])
     return sum(len(a) for _, a in chunks)
 
 
@@ -154,10 +156,7 @@ class SessionRows:
 
         Returns (chunks ending exactly at ``pos``, at most ``limit`` rows; rows dropped).
         """
-        if self.sent_end > pos:  # rows sent at pos and later are superseded: perhaps rejected drafts there
-            self.tail_from = min(self.tail_from, pos)
-        if self.lost_end > pos:  # the new rows overwrite from pos: a context from pos on is clean
-            self.lost_end = pos
+        self.took(pos)
         chunks, self.chunks = self.chunks, []
         self.call_id = None
         if not chunks:
@@ -171,10 +170,23 @@ class SessionRows:
         kept = self.trimmed(chunks, limit, pos)
         return kept, dropped + chunk_rows(chunks) - chunk_rows(kept)
 
+    def took(self, pos: int) -> None:
+        """New rows at ``pos`` overwrite what was sent from there on (``take`` without the rows)."""
+        if self.sent_end > pos:  # rows sent at pos and later are superseded: perhaps rejected drafts there
+            self.tail_from = min(self.tail_from, pos)
+        if self.lost_end > pos:  # the new rows overwrite from pos: a context from pos on is clean
+            self.lost_end = pos
+
     def store(self, chunks: list[Chunk], limit: int, call_id: int | None) -> int:
         """Buffer ``chunks`` (what was just sent, or held back) as unacknowledged; rows dropped."""
         if not chunks:  # a step without rows for the session (its earlier ones acknowledged)
             self.chunks, self.call_id = [], None
+            return 0
+        if len(chunks) == 1 and 0 < len(chunks[0][1]) <= limit:  # the common case: one chunk that fits
+            end = chunks[0][0] + len(chunks[0][1])
+            if call_id is not None and end > self.sent_end:
+                self.sent_end = end
+            self.chunks, self.call_id = chunks, call_id
             return 0
         chunks = [c for c in chunks if len(c[1])]
         end = chunks[-1][0] + len(chunks[-1][1]) if chunks else 0

@@ -267,6 +267,29 @@ def merge_rows(
         s.last_used = now
         s.tapped = s.tapped or e.phase != Phase.WHOLE
         flying = s.call_id  # the call carrying the buffered rows (None: they never left)
+        if (
+            send
+            and flying is None
+            and not s.chunks
+            and s.retry_at <= now
+            and s.behind_since < 0
+            and s.unsure_call is None
+            and (new is None or new_fit)
+        ):  # the common case, nothing buffered nor held back: the general path below, unrolled
+            s.took(e.pos)
+            if new is not None and e.rows > limit:
+                s.sent_big(call_id, e.pos)
+            if s.lost_end >= 0:
+                e = msgspec.structs.replace(e, restart=True)
+            out.entries.append(e)
+            if new is not None:
+                out.parts.append(new)
+            out.index.append(i)
+            out.sessions.append(e.session)
+            out.ks.append(e.k)
+            if new is not None:
+                out.dropped += s.store([(e.pos, new)], limit, call_id)
+            continue
         carried = flying if (send and new is None and e.phase == Phase.COMMIT) else None
         if carried is not None and not (in_taps is not None and in_taps(carried)):
             carried = None

@@ -112,6 +112,20 @@ def test_a_row_flood_is_held_to_its_share_of_the_queue() -> None:
     assert adm.try_admit_rows(b"calm", 30)
 
 
+def test_one_steps_entries_are_admitted_in_order_as_one_at_a_time_would_be() -> None:
+    _, _, adm = _table(capacity=1000)  # max_queue_rows=100
+    assert adm.try_admit_rows(b"calm", 10)  # two clients: 50 rows each
+    # flood's entries: 20 and 25 fit its share, 10 more would not, rowless entries always go, 5 still fits
+    assert adm.admit_rows(b"flood", [20, 0, 25, 10, 0, 5]) == [True, True, True, False, True, True]
+    assert adm.queued_rows == 60
+    assert adm.admit_rows(b"flood", [1]) == [False]  # at its share exactly
+    assert adm.admit_rows(b"calm", [40, 1]) == [True, False]  # the queue's bound: 100 in all
+    adm.retire_rows(b"flood", 50)
+    adm.retire_rows(b"calm", 50)
+    assert adm.queued_rows == 0 and adm.admit_rows(b"flood", [0, 0]) == [True, True]
+    assert adm.admit_rows(b"flood", [100, 1]) == [True, False]  # alone: the whole queue, no more
+
+
 def test_advised_k_shrinks_as_the_queue_fills() -> None:
     _, _, adm = _table(capacity=1000)  # max_queue_rows=100
     assert adm.advised_k(5) == -1  # empty queue: no advice
