@@ -138,6 +138,17 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.commit_wait = Histogram(
+            "draft_server_commit_wait_seconds",
+            "Time early taps waited for the commits their call said follow at once (predicted commits), per wait",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit_wait_timeouts = Counter(
+            "draft_server_commit_wait_timeouts_total",
+            "Early-taps calls whose announced commits did not come within the wait's bound (lost, or a slow client)",
+            registry=r,
+        )
         self.batch_sessions = Histogram(
             "draft_server_batch_sessions", "Sessions drafted per engine iteration", buckets=SIZE_BUCKETS, registry=r
         )

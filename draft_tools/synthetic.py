@@ -170,7 +170,7 @@ class SyntheticTarget:
         early_rows = sum(r.rows for r in spans)
         sent = time.perf_counter()
         send_ms = 0.0
-        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim):
+        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=self.predicted):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
             ticket = self.client.submit_commit(commits) if self.predicted else None
             send_ms = (time.perf_counter() - sent) * 1000.0

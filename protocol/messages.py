@@ -316,6 +316,10 @@ class Step(_Message, tag="step"):
     wire: str = WireFormat.BF16.value  # the format of ``taps`` (one the server's Welcome offered)
     # None: the rows are payload frame ``taps.frame``; else they are here (``taps.frame`` is then -1)
     rows_at: RowsAt | None = None
+    # early taps whose commits the sender sends at once (predicted commits): a server may wait a moment
+    # for them before ingesting these rows alone, so that rows and drafts go in one batch. A hint:
+    # nothing waits for it, and a server that predates it ignores it
+    commit_follows: bool = False
 
 
 class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):

@@ -96,6 +96,9 @@ log = logging.getLogger("draft_server.engine")
 
 LONG_BATCH_S = 0.002  # an engine watching the socket hands it to the I/O thread before batches longer than this
 HOLD_FORGET_S = 10.0  # a client silent this long is no longer tracked
+# the longest early taps wait for the commits their call said follow at once (``Engine._commits_due``):
+# they come a client's step-building later (0.1-0.5 ms); this bound only matters when one is lost
+COMMIT_WAIT_S = 0.002
 
 
 @dataclass(slots=True)
@@ -129,6 +132,7 @@ class Engine:
         batch_window_ms: float,
         session_ttl_s: float,
         idle_spin_ms: float = 0.0,
+        commit_wait_s: float = COMMIT_WAIT_S,
     ) -> None:
         self.drafter = drafter
         self.metrics = metrics
@@ -140,6 +144,7 @@ class Engine:
         self.chunk = prefill_chunk_rows
         self.window_s = batch_window_ms / 1000.0
         self.spin_s = idle_spin_ms / 1000.0
+        self.commit_wait_s = commit_wait_s
         self._busy_t = time.monotonic()  # when the engine last did work (the idle spin counts from it)
         self.ttl_s = session_ttl_s
         self.sessions = SessionTable(drafter, metrics, max_sessions, session_ttl_s)
@@ -159,6 +164,8 @@ class Engine:
         self.busy_since: float | None = None  # set while the drafter runs (watchdog)
         self._last_sweep = time.monotonic()
         self._cadence: dict[bytes, _Cadence] = {}  # by owner: its turnaround, for holding a batch
+        self._commits_seen: dict[bytes, int] = {}  # by owner: its newest call with commits (``_commits_due``)
+        self._commit_wait_t0: float | None = None  # when the current wait for commits began
         self._hold_until: float | None = None  # the batch being formed waits for ``_hold_for`` until then
         self._hold_for: set[bytes] = set()
         self._hold_t0 = 0.0
@@ -298,6 +305,8 @@ class Engine:
                 self._resolve(old, EntryResult(Status.EXPIRED, end=old.end, message="superseded by a newer step"))
         if w.phase == Phase.TAPS:
             s.taps_call = w.call.call_id
+        elif w.phase == Phase.COMMIT and w.call.call_id > self._commits_seen.get(w.call.owner, 0):
+            self._commits_seen[w.call.owner] = w.call.call_id
         if w.phase == Phase.COMMIT and self._fold_commit(s, w):
             return
         s.pending.append(w)
@@ -387,6 +396,11 @@ class Engine:
                     continue
                 decode.append((c[turn], [w]))
                 rows += w.rows
+        if early and not ready and prefill is None and self._commits_due(early, now):
+            return True  # waited for commits that follow their taps: the next pass folds them in
+        if self._commit_wait_t0 is not None:  # the wait is over: the commits came (or their bound passed)
+            self.metrics.later.later(self.metrics.commit_wait.observe, now - self._commit_wait_t0)
+            self._commit_wait_t0 = None
         self._extend_runs(decode, budget - rows, taps_ok=not ready)
         if not decode and prefill is None:
             return False
@@ -446,6 +460,31 @@ class Engine:
         if now >= self._hold_until or not any(cad.awaiting for o in self._hold_for if (cad := self._cadence.get(o))):
             return self._end_hold(now)
         self._wait(self._hold_until - now)
+        return True
+
+    def _commits_due(self, early: dict[bytes, list[Session]], now: float) -> bool:
+        """Nothing but early taps queued, and a call of them said its commits follow at once (predicted
+        commits, ``Step.commit_follows``): wait for those commits, until ``commit_wait_s`` after the
+        call came at most, and return True (each folds into its session's taps: rows and drafts in one
+        batch, instead of an ingest batch the commit would queue behind); False to ingest now. A client
+        whose newer call already brought commits has none due."""
+        until = 0.0
+        for owner, sessions in early.items():
+            seen = self._commits_seen.get(owner, 0)
+            for s in sessions:
+                c = s.pending[0].call
+                if not c.commit_follows or c.call_id <= seen:
+                    continue
+                if now >= c.recv_t + self.commit_wait_s:  # lost, or a client far slower than its hint: no more waits
+                    c.commit_follows = False
+                    self.metrics.commit_wait_timeouts.inc()
+                    continue
+                until = max(until, c.recv_t + self.commit_wait_s)
+        if not until:
+            return False
+        if self._commit_wait_t0 is None:
+            self._commit_wait_t0 = now
+        self._wait(until - now)
         return True
 
     def _end_hold(self, now: float) -> bool:
@@ -695,6 +734,9 @@ class Engine:
         self.sessions.expire_idle(now)
         for o in [o for o, c in self._cadence.items() if now - c.reply_t > HOLD_FORGET_S]:
             del self._cadence[o]
+        if self._commits_seen:
+            live = self.sessions.owners()
+            self._commits_seen = {o: c for o, c in self._commits_seen.items() if o in live}
         self.metrics.kv_used.set(self.drafter.used_tokens())
 
     def _fail_all_pending(self, why: str) -> None:

@@ -30,6 +30,7 @@ class Call:
     queue_s: float = 0.0
     compute_s: float = 0.0
     payloads: list[bytes] = field(default_factory=list)  # reply frames (draft probabilities)
+    commit_follows: bool = False  # early taps whose commits follow at once (``Step.commit_follows``)
 
     def __post_init__(self) -> None:
         self.owner = self.owner or self.ident

@@ -645,6 +645,7 @@ class Router:
             bad_rows = None  # the common case: no per-entry counts to take
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
+        call.commit_follows = step.commit_follows
         waited = self._waited_unread_ms(ident, step, recv_t)
         unread = waited > step.budget_ms
         if unread:

@@ -41,6 +41,7 @@ class StepCall:
     phase: Phase = Phase.WHOLE  # of every entry (``protocol.Phase``)
     # cuda_ipc with device rows: an event on the caller's stream after them (the copy waits on it)
     ready: Any = None
+    commit_follows: bool = False  # early taps: the caller commits at once (``Step.commit_follows``)
 
 
 @dataclass(slots=True, eq=False)

@@ -218,6 +218,7 @@ class DraftClient:
         taps: np.ndarray | None,
         budget_ms: float | None = None,
         exact: bool = False,
+        commit_follows: bool = False,
     ) -> bool:
         """Early taps: the rows of a verify step (requests with ``k=0``, the span's rows by position,
         rejected ones included), sent by the I/O thread without waiting; acknowledged within the
@@ -225,7 +226,10 @@ class DraftClient:
         (``early_taps``), or when the span is larger than ``early_taps_max_mib`` and travels in
         frames: send the step's accepted rows with ``step()``. ``exact``: the caller knows the span
         holds only rows the step will commit (predicted commits), so it carries no more bytes than
-        the single message would: never declined for its size. ValueError for a caller bug.
+        the single message would: never declined for its size. ``commit_follows``: the caller sends
+        commits for (some of) these rows at once, before its sampling (predicted commits): the server
+        waits a moment for them instead of ingesting the rows alone first (``Step.commit_follows``).
+        ValueError for a caller bug.
         ``taps`` is kept by reference, as in ``step()``."""
         if not self.takes_taps(taps, exact):
             return False
@@ -238,6 +242,7 @@ class DraftClient:
             deadline = time.monotonic() + budget / 1000.0
             call = StepCall(entries, taps, deadline, send=self._io.gate is None, phase=Phase.TAPS)
             call.ready = self._ready(taps)
+            call.commit_follows = commit_follows
             self._io.submit(call)
         return True
 

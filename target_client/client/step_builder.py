@@ -440,6 +440,7 @@ def _step(
         sent_ms=time.monotonic() * 1000.0,  # lets the server spot a step it reads after its caller gave up
         wire=wire_format,
         rows_at=rows_at,
+        commit_follows=call.commit_follows and call.phase == Phase.TAPS,
     )
 
 

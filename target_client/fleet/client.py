@@ -324,8 +324,10 @@ class FleetClient:
         taps: np.ndarray | None,
         budget_ms: float | None = None,
         exact: bool = False,
+        commit_follows: bool = False,
     ) -> bool:
-        """Early taps over the fleet (``DraftClient.send_taps``, ``exact`` as there): each session's
+        """Early taps over the fleet (``DraftClient.send_taps``, ``exact`` and ``commit_follows`` as
+        there): each session's
         rows go to its server (new sessions are placed as by step()) without waiting. False, with
         nothing sent, when ``early_taps`` is off or any server would decline its part (then send the
         single message with step()). ValueError for a caller bug."""
@@ -342,7 +344,7 @@ class FleetClient:
         if not parts or not all(c.takes_taps(rows, exact) for c, _r, rows in parts):
             return False  # no server for any session, or one would decline its part
         for c, reqs, rows in parts:
-            c.send_taps(reqs, rows, budget_ms, exact)
+            c.send_taps(reqs, rows, budget_ms, exact, commit_follows)
         return True
 
     def commit(self, requests: Sequence[StepRequest], budget_ms: float | None = None) -> list[DraftReply]:

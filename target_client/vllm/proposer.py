@@ -600,7 +600,8 @@ class RemoteDSparkProposer:
             parts = [a.index_select(0, idx) for a in aux]
         rows = self._encode(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         exact = guess is not None and guess.exact
-        if not self.client.send_taps(requests, rows, exact=exact):
+        follows = guess is not None and bool(guess.requests)  # its predicted commits go right after
+        if not self.client.send_taps(requests, rows, exact=exact, commit_follows=follows):
             return False
         self._counts["taps_steps"] += 1
         self._counts["taps_rows"] += sent

@@ -52,10 +52,13 @@ class Engine:
 
     def taps(self, n: int, sent: int | None = None) -> tuple[int, np.ndarray]:
         """A span of ``n`` rows at the current end, of which the first ``sent`` (default all) go now
-        as early taps (fewer: predicted, ``exact``); (pos, rows)."""
+        as early taps (fewer: predicted, ``exact``, their commit right behind them); (pos, rows)."""
         pos, arr = self.end, random_taps(self.rng, n)
         m = n if sent is None else sent
-        assert self.client.send_taps([StepRequest(self.session, pos, m, 0, 0)], arr[:m], exact=sent is not None)
+        predicted = sent is not None
+        assert self.client.send_taps(
+            [StepRequest(self.session, pos, m, 0, 0)], arr[:m], exact=predicted, commit_follows=predicted
+        )
         return pos, arr
 
     def commit(self, pos: int, arr: np.ndarray, accepted: int, budget_ms: float = BUDGET) -> DraftReply:

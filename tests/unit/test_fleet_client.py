@@ -400,3 +400,33 @@ def test_a_fleet_declines_a_span_too_large_for_frames_unless_it_is_exact(servers
         assert wait_for(lambda: sum(len(sessions_on(s)) for s in srvs) == len(names))
         assert all(e.phase == Phase.TAPS for s in srvs for rec in s.steps() for e in rec.msg.entries)
         assert fc.stats()["early_taps_declined"] >= 1
+
+
+def test_taps_whose_commits_follow_say_so_on_the_wire_and_only_they(servers):
+    # send_taps(commit_follows=True) (predicted commits): each server's Taps Step carries the hint, so
+    # it waits for the commits instead of ingesting the rows alone; plain taps and the commits do not
+    srvs = servers(2)
+    for srv in srvs:
+        srv.features = (FEATURE_EARLY_TAPS,)
+    names = [f"f{i}" for i in range(6)]
+    rng = np.random.default_rng(3)
+    with fleet_of(srvs) as fc:
+        assert fc.connect(wait=True) is not None
+        assert wait_for(lambda: all(c.welcome is not None for c in fc._members.values()) and fc.early_taps)
+        spans = [StepRequest(s, 0, 2, 0, 0) for s in names]
+        assert fc.send_taps(spans, rng.integers(0, 1 << 16, size=(12, WIDTH), dtype=np.uint16))
+        ticket = fc.submit_commit([StepRequest(s, 2, 0, 5, 4) for s in names])
+        ticket.collect()
+        spans = [StepRequest(s, 2, 3, 0, 0) for s in names]
+        taps = rng.integers(0, 1 << 16, size=(18, WIDTH), dtype=np.uint16)
+        assert fc.send_taps(spans, taps, exact=True, commit_follows=True)
+        fc.submit_commit([StepRequest(s, 5, 0, 5, 4) for s in names]).collect()
+        assert wait_for(lambda: sum(len(s.steps()) for s in srvs) == 8)  # taps and commits, two steps, two servers
+        for srv in srvs:
+            steps = srv.steps()
+            assert [(rec.msg.entries[0].phase, rec.msg.commit_follows) for rec in steps] == [
+                (Phase.TAPS, False),
+                (Phase.COMMIT, False),
+                (Phase.TAPS, True),
+                (Phase.COMMIT, False),
+            ]
