@@ -77,6 +77,7 @@ class SyntheticTarget:
     sample_ms: float = 0.0  # the target's sampling between its forward and the commit (busy wait)
     predicted: bool = False  # with early taps: commit right after the taps, collect after sampling
     whole_spans: bool = False  # predicted, but the taps carry the whole span (as before 2026-12-05: a baseline)
+    hint: bool = True  # predicted: the taps say their commit follows (``Step.commit_follows``; off: a baseline)
     # how a step's taps become its rows: "" the pool's rows as they are (no copy); "host" through the
     # vLLM proposer's encoder (``WireEncoder``: a fresh copy, from ``taps_device`` into page-locked
     # memory when it is a GPU); "ring" the same encoder writing straight into the client's shm ring
@@ -170,7 +171,8 @@ class SyntheticTarget:
         early_rows = sum(r.rows for r in spans)
         sent = time.perf_counter()
         send_ms = 0.0
-        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=self.predicted):
+        follows = self.predicted and self.hint
+        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
             ticket = self.client.submit_commit(commits) if self.predicted else None
             send_ms = (time.perf_counter() - sent) * 1000.0

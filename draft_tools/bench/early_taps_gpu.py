@@ -44,14 +44,16 @@ from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
 
-# (name, early taps, predicted commits, whole spans): the commit after sampling; the commit right after
-# the taps, which carry the whole verified span (the proposer before 2026-12-05) or only the rows up to
-# the predicted end (now); the single message
+# (name, early taps, predicted commits, whole spans, hint): the commit after sampling; the commit right
+# after the taps, which carry the whole verified span (the proposer before 2026-12-05) or only the rows up
+# to the predicted end (now), and say that their commit follows (``Step.commit_follows``: the server waits
+# for it rather than ingest the rows alone) or not (before 2026-12-06); the single message
 MODES = (
-    ("early_taps", True, False, True),
-    ("predicted_whole_span", True, True, True),
-    ("predicted_commit", True, True, False),
-    ("single_message", False, False, True),
+    ("early_taps", True, False, True, False),
+    ("predicted_whole_span", True, True, True, False),
+    ("predicted_commit", True, True, False, True),
+    ("predicted_unhinted", True, True, False, False),
+    ("single_message", False, False, True, False),
 )
 
 
@@ -63,6 +65,7 @@ def measure(
     predicted: bool = False,
     whole: bool = True,
     encode: str = "",
+    hint: bool = False,
 ) -> dict[str, Any]:
     cfg = ClientConfig(
         endpoint=endpoint,
@@ -91,6 +94,7 @@ def measure(
             sample_ms=args.sample_ms,
             predicted=predicted,
             whole_spans=whole,
+            hint=hint,
             encode=encode,
             taps_device=args.taps_device,
         )
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,2,4,8,16,32,64")
     ap.add_argument("--k", type=int, default=7)
-    ap.add_argument("--modes", default=",".join(m[0] for m in MODES), help="which of the four modes to run")
+    ap.add_argument("--modes", default=",".join(m[0] for m in MODES), help="which of the modes to run")
     ap.add_argument("--steps", type=int, default=200, help="decode steps per run")
     ap.add_argument("--warmup", type=int, default=20, help="decode steps left out of the numbers, after the catch-up")
     ap.add_argument("--catch-up-steps", type=int, default=5000, help="most steps to wait for the prefill to be in")
@@ -218,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         a.projection_id = welcome.wire.projection_id
     try:
         for b in (int(x) for x in a.batches.split(",")):
-            for mode, early, predicted, whole in (m for m in MODES if m[0] in a.modes.split(",")):
+            for mode, early, predicted, whole, hint in (m for m in MODES if m[0] in a.modes.split(",")):
                 for enc in a.encode.split(","):
-                    r = {"B": b, "mode": mode, "encode": enc, **measure(endpoint, b, early, a, predicted, whole, enc)}
+                    got = measure(endpoint, b, early, a, predicted, whole, enc, hint)
+                    r = {"B": b, "mode": mode, "encode": enc, **got}
                     rows.append(r)
                     write()
                     print(
