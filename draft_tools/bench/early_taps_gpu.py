@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from draft_tools.common import free_port, start_server, stop_server
+from draft_tools.common import free_port, scrape, start_server, stop_server
 from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
@@ -55,6 +55,24 @@ MODES = (
     ("predicted_unhinted", True, True, False, False),
     ("single_message", False, False, True, False),
 )
+
+
+def commit_waits(before: dict[str, float], mport: int) -> dict[str, float]:
+    """The server's waits for commits that follow their taps (``Step.commit_follows``) during one run:
+    how many, their mean, and the timeouts (a commit later than the wait's bound)."""
+    if not mport:
+        return {}
+    after = scrape(mport)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    n = delta("draft_server_commit_wait_seconds_count")
+    return {
+        "server_commit_waits": n,
+        "server_commit_wait_mean_ms": round(delta("draft_server_commit_wait_seconds_sum") / n * 1000, 4) if n else 0.0,
+        "server_commit_wait_timeouts": delta("draft_server_commit_wait_timeouts_total"),
+    }
 
 
 def measure(
@@ -208,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
 
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         proc = spawn("serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint)
+        mport = 0  # the checksum server has no metrics endpoint
     else:
-        proc, endpoint, _ = start_server(
+        proc, endpoint, mport = start_server(
             a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
         )
     endpoint = ipc if a.transport == "shm" else endpoint
@@ -224,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         for b in (int(x) for x in a.batches.split(",")):
             for mode, early, predicted, whole, hint in (m for m in MODES if m[0] in a.modes.split(",")):
                 for enc in a.encode.split(","):
+                    before = scrape(mport) if mport else {}
                     got = measure(endpoint, b, early, a, predicted, whole, enc, hint)
-                    r = {"B": b, "mode": mode, "encode": enc, **got}
+                    r = {"B": b, "mode": mode, "encode": enc, **got, **commit_waits(before, mport)}
                     rows.append(r)
                     write()
                     print(
@@ -236,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  "
                         f"(server-compute {r['server_minus_compute_ms_p50']:.3f}, "
                         f"queue {r['queue_ms_p50']:.3f}, wait-server {r['wait_minus_server_ms_p50']:.3f}, "
-                        f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}",
+                        f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}"
+                        + (
+                            f"  commit waits {r['server_commit_waits']:.0f} (mean "
+                            f"{r['server_commit_wait_mean_ms']:.3f} ms, "
+                            f"{r['server_commit_wait_timeouts']:.0f} timed out)"
+                            if "server_commit_waits" in r
+                            else ""
+                        ),
                         flush=True,
                     )
     finally:
