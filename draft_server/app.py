@@ -14,6 +14,7 @@ serves and pings WATCHDOG=1 from its watchdog thread while healthy (``sd_notify`
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import logging
 import os
@@ -265,6 +266,17 @@ class DraftServer:
         os._exit(3)
 
 
+def settle_heap() -> None:
+    """Collect once, then freeze what start-up made (the drafter, its modules, the warm-up's objects:
+    about 170,000 tracked objects with the checksum drafter) out of the cyclic collector's reach. A
+    full collection walks all of them (30-65 ms with the GIL held, measured during start-up on the
+    2-core VM) in whatever step allocates when one falls due. Serving itself hardly collects (1-2
+    young collections per 1,000 steps of 64 sessions), so this bounds a rare stall, no more. Objects
+    made later are collected as usual; what start-up made is still freed by reference counting."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None = None) -> int:
     """Run ``draft-server serve`` until SIGINT/SIGTERM; 2, after one line on stderr, when it cannot start."""
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -276,6 +288,7 @@ def serve(cfg: ServerConfig, wrap: Callable[[Drafter], Drafter] | None = None) -
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    settle_heap()
     server.start()
     # one parseable line for supervisors and tests
     port = server.http.port if server.http else -1

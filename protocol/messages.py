@@ -85,7 +85,7 @@ class DType(enum.StrEnum):
 _ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.U8: 1}
 
 
-class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Describes payload frame ``frame`` (0 = first frame after the header)."""
 
     dtype: DType
@@ -192,7 +192,7 @@ class CudaIpcAnnounce(msgspec.Struct, frozen=True, omit_defaults=True):
     start_time: int = 0  # ... and this is still the process that pid names (/proc/PID/stat starttime)
 
 
-class RowsAt(msgspec.Struct, frozen=True, array_like=True):
+class RowsAt(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Where a Step's rows are when they are not in a payload frame: a region of the sender's
     shared-memory ring (``protocol.shm``) or of its CUDA IPC buffer (``protocol.cuda_ipc``)."""
 
@@ -202,7 +202,7 @@ class RowsAt(msgspec.Struct, frozen=True, array_like=True):
     generation: int  # which Step wrote the region (1, 2, ... per ring; shm: also its stamp)
 
 
-class RingAck(msgspec.Struct, frozen=True, array_like=True):
+class RingAck(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """What the server still reads of a client's ring (or CUDA IPC buffer), cumulative (a lost reply loses nothing):
     every region of generation <= ``seen`` that is not in ``held`` may be written again."""
 
@@ -223,7 +223,7 @@ class ServerLimits(msgspec.Struct, frozen=True):
     max_budget_ms: float
 
 
-class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class Sampling(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """Draft sampling. temperature 0 means greedy."""
 
     temperature: float = 0.0
@@ -240,7 +240,7 @@ class _Message(msgspec.Struct, frozen=True, tag_field="kind"):
     """Base of every top-level message: tagged by ``kind`` on the wire."""
 
 
-class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class StepEntry(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     """One request of the target's batch.
 
     ``rows`` committed rows at absolute positions pos..pos+rows-1 (their taps are the next
@@ -322,7 +322,7 @@ class Step(_Message, tag="step"):
     commit_follows: bool = False
 
 
-class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, gc=False):
     status: Status
     drafts: tuple[int, ...] = ()
     end: int = -1  # session context end after this entry (-1: not applied / unknown)
@@ -337,7 +337,7 @@ class EntryResult(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     start: int = -1
 
 
-class Timing(msgspec.Struct, frozen=True, array_like=True):
+class Timing(msgspec.Struct, frozen=True, array_like=True, gc=False):
     queue_ms: float  # receive -> batch start (largest over the call's entries)
     compute_ms: float  # engine time of the batches that served this call
     server_ms: float  # receive -> reply queued

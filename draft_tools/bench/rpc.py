@@ -62,13 +62,14 @@ def cuda_available() -> bool:
 
 
 def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0) -> None:
-    from draft_server.app import DraftServer
+    from draft_server.app import DraftServer, settle_heap
     from draft_server.config import ServerConfig
     from draft_server.drafters.checksum import ChecksumDrafter
 
     drafter = ChecksumDrafter(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
     cfg = ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum", idle_spin_ms=idle_spin_ms)
     srv = DraftServer(cfg, drafter)
+    settle_heap()  # as ``draft-server serve`` does
     srv.start()
     print("READY", flush=True)
     sys.stdin.read()  # until the parent closes stdin
