@@ -530,6 +530,7 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                     [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, sent, strict=True)],
                     ring_rows(np.ascontiguousarray(np.concatenate(sent))),
                     exact=all(g is not None or len(a) == q.rows for q, a, g in zip(reqs, spans, guessed, strict=True)),
+                    commit_follows=any(g is not None for g in guessed),  # as the proposer: its predictions go next
                 )
             )
             guess = None

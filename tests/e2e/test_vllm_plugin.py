@@ -371,10 +371,12 @@ class EarlyClient(FakeClient):
         self.log: list[tuple[str, list[Any], Any]] = []
         self._next = "commit"  # what the next submit_commit is: right after the taps, the predicted one
         self.exact: list[bool] = []  # send_taps' exact, per call
+        self.follows: list[bool] = []  # send_taps' commit_follows, per call
 
-    def send_taps(self, requests: list[Any], taps: Any, exact: bool = False) -> bool:
+    def send_taps(self, requests: list[Any], taps: Any, exact: bool = False, commit_follows: bool = False) -> bool:
         self.log.append(("taps", list(requests), taps.copy()))
         self.exact.append(exact)
+        self.follows.append(commit_follows)
         self._next = "predicted"
         return True
 
@@ -428,6 +430,7 @@ def test_predicted_commits_hit_miss_and_resend_the_rows_past_a_short_prediction(
     assert spans == [("a", 10, 3), ("b", 20, 1), ("c", 30, 3), ("d", 40, 4), ("e", 0, 4)], spans
     assert _flat_rows(c.log[0][2]) == [0, 1, 2, 4, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18, 19]
     assert c.exact == [False]  # d's rejected rows ride along: the span may be declined for its size
+    assert c.follows == [True]  # its predicted commits go right after: the server may wait for them
     sampled = [[5, 6, 9], [1, 2, 4], [7, 12], [1, 9], []]
     out = p.propose_remote(_ctx(ids, qsl, nd, sampled, pos, table))
     assert out[0] == [1, 13, 9]  # a: the predicted call's drafts, nothing sent for it
@@ -464,4 +467,5 @@ def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step
         assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
     assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
     assert c.exact == [True, True, False, False]  # a span with an unpredicted greedy request is not exact
+    assert c.follows == [True] * 4  # b is predicted every step: its commit follows its taps
     assert p.stats()["predicted_misses"] == 2
