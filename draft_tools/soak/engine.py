@@ -155,6 +155,10 @@ class _Session:
     # as OK; if the proxy dropped that Taps, rows past the client's resend buffer are lost (a long
     # prompt's) and the server restarts the session later (the report counts it touched then)
     unwaited_t0: list[float] = field(default_factory=list)
+    # the first OK reply naming a later start: (its step, t0, the start named, the context end before
+    # the step, the entry's pos, rows, k, whether the step went as early taps, the client's
+    # ``SessionRows.lost_end`` then: >= 0 when the client itself marked the session's entries restart)
+    first_restart: tuple[float, ...] = ()
 
     def summary(self, finished: bool) -> tuple[Any, ...]:
         # a tuple of numbers (and a tuple of tokens): the collector stops tracking it, so a
@@ -179,6 +183,7 @@ class _Session:
             self.moves,
             self.moved_back,
             tuple(self.unwaited_t0),
+            self.first_restart,
         )
 
 
@@ -201,6 +206,7 @@ SESSION_COLUMNS = (
     "moves",
     "moved_back",
     "unwaited_t0",
+    "first_restart",
 )
 # Columns of a fleet move record: a session changed server and drafted again (or never did).
 MOVE_COLUMNS = (
@@ -640,6 +646,11 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 if st == Status.OK and rep.start > 0:
                     rec["restarted"] += 1  # the server named a context that starts after row 0
                     s.restarted += 1
+                    if not s.first_restart:
+                        rows = getattr(getattr(client, "_io", None), "sessions", {}).get(s.sid)
+                        lost_end = rows.lost_end if rows is not None else -2
+                        before = s.end - req.rows
+                        s.first_restart = (s.steps, t0, rep.start, before, req.pos, req.rows, req.k, early, lost_end)
                 if spec.checksum and st == Status.OK and req.k:
                     start = max(rep.start, 0)  # the context the reply names: [start, end)
                     named = (s.digest_total - s.cum[start]) & ((1 << 64) - 1) if start <= s.end else -1

@@ -208,6 +208,17 @@ def _memory(args: argparse.Namespace, res: RunResult) -> dict[str, Any]:
     }
 
 
+def _first_restart(r: tuple[float, ...]) -> str:
+    """An untouched session's first restarted reply (``SessionState.first_restart``), in words."""
+    step, t0, start, end, pos, rows, k, early, lost_end = r
+    how = "early taps" if early else "single message"
+    mark = f"the client marked it restart (rows given up below {lost_end:.0f})" if lost_end >= 0 else "no client mark"
+    return (
+        f"step {step:.0f} at t0 {t0:.3f} ({how}): start {start:.0f} named for context end {end:.0f}, "
+        f"entry pos {pos:.0f} rows {rows:.0f} k {k:.0f}; {mark}"
+    )
+
+
 def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) -> dict[str, Any]:
     windows = _touching_windows(res, args.budget_ms / 1000.0 + 0.05)
     untouched = touched = mism = checked = compared = differ = 0
@@ -257,6 +268,7 @@ def _reference(args: argparse.Namespace, res: RunResult, ref: RunResult | None) 
                     examples.append(
                         f"engine {idx} session {s['number']}: {s['mismatched']}/{s['checked']} differ, "
                         f"{s.get('restarted') or 0} restarted; {_nearest(res, idx, t0s)}"
+                        + (f"; first restart {_first_restart(s['first_restart'])}" if s.get("first_restart") else "")
                     )
             if ref is not None and s["finished"]:
                 r = ref_crc.get((idx, s["number"]))
