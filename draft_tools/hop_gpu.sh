@@ -3,8 +3,9 @@
 #
 #   test    tests/gpu/test_pinned_rows_gpu.py (PinnedRows with real device rows)
 #   early   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 16, 64: early taps, predicted
-#           commits over the whole span and over the predicted rows only, and the single message
-#           side by side -> $OUT/early_taps.json
+#           commits over the whole span and over the predicted rows only (with the commit hint and
+#           without it), and the single message side by side; each run's server commit waits from
+#           its metrics -> $OUT/early_taps.json
 #   proj    the same with projected rows (--wire-format projected: 7168 values a row, not 35,840),
 #           B = 16, 64 -> $OUT/early_taps_projected.json
 #   prep    draft_tools.bench.cuda_ipc: tcp / ipc / shm / cuda_ipc with a K3 drafter, the taps'
