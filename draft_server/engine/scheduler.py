@@ -52,7 +52,10 @@ target's forward) is acknowledged once admitted and ingested only by a batch wit
 in it (sessions with a draft waiting go first; their own taps precede their commit by the
 per-session FIFO). A COMMIT that arrives while its session's taps still wait is folded into
 them: one entry with the taps' rows up to the commit's position and the commit's drafts, the
-rejected rows never ingested: what the single message would have been. A COMMIT on its own
+rejected rows never ingested: what the single message would have been. Taps whose call says its
+commits follow at once (``Step.commit_follows``: predicted commits) are not ingested alone while
+nothing else is ready: the engine waits for those commits (``commit_wait_s``, 2 ms after the call at
+most; not for a client whose newer call brought commits already), so they fold. A COMMIT on its own
 drafts from [start, pos) only when the session holds every row below ``pos`` (the rows past it
 are cut, as any positional overwrite does) and, when it names the Taps call carrying them
 (``after``), that call's taps were the session's latest (else the rows it holds there may be an
