@@ -212,7 +212,10 @@ def _first_restart(r: tuple[float, ...]) -> str:
     """An untouched session's first restarted reply (``SessionState.first_restart``), in words."""
     step, t0, start, end, pos, rows, k, early, lost_end = r
     how = "early taps" if early else "single message"
-    mark = f"the client marked it restart (rows given up below {lost_end:.0f})" if lost_end >= 0 else "no client mark"
+    # read after the reply: a restart mark that reply resynced (a start at or past the rows given up) is gone
+    mark = "no client mark left"
+    if lost_end >= 0:
+        mark = f"the client marks it restart (rows given up below {lost_end:.0f})"
     return (
         f"step {step:.0f} at t0 {t0:.3f} ({how}): start {start:.0f} named for context end {end:.0f}, "
         f"entry pos {pos:.0f} rows {rows:.0f} k {k:.0f}; {mark}"

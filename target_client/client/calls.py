@@ -76,6 +76,7 @@ class Pending:
     ks: tuple[int, ...] = ()  # k per sent entry
     local: dict[int, DraftReply] | None = None  # replies of requests held back locally
     n: int = 0  # requests in the call
+    afters: tuple[int, ...] = ()  # per sent entry: the early Taps call a commit relies on (0: none)
 
 
 def set_future(f: Future, value: Any) -> bool:

@@ -574,6 +574,7 @@ class IoLoop:
             tuple(merged.ks),
             merged.local,
             n,
+            tuple(e.after if e.phase == Phase.COMMIT else 0 for e in merged.entries),
         )
         if detached and call.phase != Phase.TAPS:  # every request catching up: rows ingest-only, no wait
             self._wakeups.resolve(call.future, merged.replies(n), "catching_up")
@@ -753,8 +754,14 @@ class IoLoop:
 
     def _ack(self, p: Pending, results: Sequence[EntryResult], now: float) -> None:
         """The resend buffers after a reply to call ``p``: rows acknowledged, held back, or due
-        again; a burst proven (or refused), or a session behind it (``resend``: catching up)."""
-        for name, r, k in zip(p.sessions, results, p.ks, strict=True):
+        again; a burst proven (or refused), or a session behind it (``resend``: catching up). A commit
+        answered OK drafted from every row below its position, and it names the early Taps call whose
+        rows those are (``after``: the server checks that call's rows reached the session last), so
+        it acknowledges them as that call's reply would: a Taps call whose own reply was lost (or is
+        late) leaves nothing to resend, which at 8 sessions x 5 rows outgrew a step's resend room and
+        made the client give rows up and restart sessions the server held whole."""
+        afters = p.afters or (0,) * len(p.sessions)
+        for name, r, k, after in zip(p.sessions, results, p.ks, afters, strict=True):
             s = self.sessions.get(name)
             if s is None:
                 continue
@@ -771,6 +778,8 @@ class IoLoop:
                 s.resynced(p.call_id, r.start)
             if r.status in _APPLIED:
                 s.ack(p.call_id, r.end)
+                if after and r.status == Status.OK:
+                    s.ack(after, r.end)
             elif r.status == Status.MISSING_ROWS:
                 s.unsent()  # the early taps carrying them did not arrive: the next step resends
             elif r.status == Status.OVERLOADED and r.retry_after_ms > 0:

@@ -192,3 +192,28 @@ def test_early_taps_rows_given_up_unacknowledged_mark_entries_restart_until_a_co
     assert s.lost_end == -1
     e = taps(9, 16, 5)
     assert e is not None and not e.restart and e.pos == 13
+
+
+def test_a_commit_answered_ok_acknowledges_the_rows_of_the_taps_call_it_names() -> None:
+    # the early Taps call 5 carried rows 10..14 of a 5-row span; its reply is lost (or late). Commit 6
+    # names it (after=5) and is answered OK at end 13: the server drafted from every row below 13,
+    # which that call brought, so they are acknowledged; 13 and 14 (rejected drafts) stay buffered
+    from types import SimpleNamespace
+
+    from protocol import EntryResult, Status
+    from target_client.client.calls import Pending
+    from target_client.client.io_loop import IoLoop
+
+    def buffered(status: Status, after: int, carrier: int = 5) -> int:
+        s = SessionRows(0.0)
+        s.tapped = True
+        s.store([(10, np.zeros((5, 4), np.uint16))], 64, carrier)
+        p = Pending("step", 6, 1.0, 0.0, None, ("s",), (0,), (4,), None, 1, (after,))
+        r = EntryResult(status, drafts=(1, 2, 3, 4) if status == Status.OK else (), end=13, start=0)
+        IoLoop._ack(SimpleNamespace(sessions={"s": s}), p, (r,), 0.5)  # type: ignore[arg-type]
+        return s.rows
+
+    assert buffered(Status.OK, after=5) == 2  # 10..12 acknowledged by the commit
+    assert buffered(Status.OK, after=0) == 5  # a commit naming no call: the Taps reply must come
+    assert buffered(Status.EXPIRED, after=5) == 5  # not drafted: the rows were never shown held
+    assert buffered(Status.OK, after=5, carrier=7) == 5  # a newer call carries them now: its reply acks
