@@ -657,7 +657,7 @@ class Router:
         )
         works: list[Work] = []
         row = 0
-        for i, (e, err) in enumerate(zip(step.entries, errors, strict=True)):
+        for i, (e, err) in enumerate(zip(entries, errors, strict=True)):
             rows = taps[row : row + e.rows] if (taps is not None and e.rows) else None
             row += e.rows
             if err is not None:

@@ -267,29 +267,6 @@ def merge_rows(
         s.last_used = now
         s.tapped = s.tapped or e.phase != Phase.WHOLE
         flying = s.call_id  # the call carrying the buffered rows (None: they never left)
-        if (
-            send
-            and flying is None
-            and not s.chunks
-            and s.retry_at <= now
-            and s.behind_since < 0
-            and s.unsure_call is None
-            and (new is None or new_fit)
-        ):  # the common case, nothing buffered nor held back: the general path below, unrolled
-            s.took(e.pos)
-            if new is not None and e.rows > limit:
-                s.sent_big(call_id, e.pos)
-            if s.lost_end >= 0:
-                e = msgspec.structs.replace(e, restart=True)
-            out.entries.append(e)
-            if new is not None:
-                out.parts.append(new)
-            out.index.append(i)
-            out.sessions.append(e.session)
-            out.ks.append(e.k)
-            if new is not None:
-                out.dropped += s.store([(e.pos, new)], limit, call_id)
-            continue
         carried = flying if (send and new is None and e.phase == Phase.COMMIT) else None
         if carried is not None and not (in_taps is not None and in_taps(carried)):
             carried = None
@@ -303,19 +280,18 @@ def merge_rows(
             local[i] = DraftReply([], None, message="taps do not fit the server's contract")
             out.zero_copy = False
             continue
-        mine = [*prev, (e.pos, new)] if new is not None else prev
         if not send:
-            out.dropped += s.store(mine, limit, None)
+            out.dropped += s.store([*prev, (e.pos, new)] if new is not None else prev, limit, None)
             continue
         if s.retry_at > now:  # the server asked us to hold this session back
-            out.dropped += s.store(mine, limit, None)
+            out.dropped += s.store([*prev, (e.pos, new)] if new is not None else prev, limit, None)
             local[i] = DraftReply(
                 [], Status.OVERLOADED, retry_after_ms=(s.retry_at - now) * 1000.0, message="held back locally"
             )
             out.skipped += 1
             out.zero_copy = out.zero_copy and new is None
             continue
-        behind = s.catching_up(now)
+        behind = s.behind_since >= 0 and s.catching_up(now)
         if behind:  # the server is still taking in this session's burst: its rows go, nobody waits
             local[i] = DraftReply([], None, message=CATCHING_UP)
             out.behind += 1
@@ -345,7 +321,8 @@ def merge_rows(
             out.sessions.append(e.session)
             out.ks.append(e.k)
             continue
-        s.resending()  # its rows go from the buffer's front: no call in flight stands for them
+        if s.unsure_call is not None:
+            s.resending()  # its rows go from the buffer's front: no call in flight stands for them
         if prev:
             have = chunk_rows(prev)
             if have > room:
@@ -358,7 +335,7 @@ def merge_rows(
             out.zero_copy = out.zero_copy and not prev
         chunks = [*prev, (e.pos, new)] if new is not None else prev
         start = chunks[0][0] if chunks else e.pos
-        rows = chunk_rows(chunks)
+        rows = e.rows if not prev else chunk_rows(chunks)
         if behind and not rows:  # nothing to ingest: the entry would be a no-op
             out.dropped += s.store(chunks, limit, call_id)
             continue
@@ -367,7 +344,10 @@ def merge_rows(
         if start != e.pos or s.lost_end >= 0:
             e = msgspec.structs.replace(e, pos=start, rows=rows, restart=s.lost_end >= 0)
         out.entries.append(e)
-        out.parts.extend(a for _, a in chunks)
+        if prev:
+            out.parts.extend(a for _, a in chunks)
+        elif new is not None:
+            out.parts.append(new)
         out.index.append(i)
         out.sessions.append(e.session)
         out.ks.append(e.k)
