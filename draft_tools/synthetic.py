@@ -49,6 +49,9 @@ class CallRecord:
     send_ms: float = 0.0  # early taps: the engine thread's time to hand over the taps and the commit
     server_ms: float = -1.0  # the reply's Timing.server_ms (receive -> reply queued; -1: none came)
     queue_ms: float = -1.0  # the reply's Timing.queue_ms (receive -> batch start)
+    # predicted commits: how long before the end of sampling the commit went out on the socket (negative:
+    # after it; a commit the caller's submit could not send went with the client's I/O thread's next pass)
+    commit_lead_ms: float = float("nan")
 
 
 @dataclass(slots=True)
@@ -171,6 +174,7 @@ class SyntheticTarget:
         early_rows = sum(r.rows for r in spans)
         sent = time.perf_counter()
         send_ms = 0.0
+        lead_ms = float("nan")
         follows = self.predicted and self.hint
         if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
@@ -179,8 +183,10 @@ class SyntheticTarget:
             until = time.perf_counter() + self.sample_ms / 1000.0
             while time.perf_counter() < until:  # the target samples meanwhile
                 pass
-            start = time.perf_counter()
+            start, mono = time.perf_counter(), time.monotonic()
             replies = ticket.collect() if ticket is not None else self.client.commit(commits)
+            if ticket is not None and (at := getattr(ticket, "sent_at", 0.0)):
+                lead_ms = (mono - at) * 1000.0
         else:
             early_rows = 0
             taps = self._taps(total_rows)
@@ -215,6 +221,7 @@ class SyntheticTarget:
             send_ms=send_ms,
             server_ms=timing.server_ms if timing and drafted else -1.0,
             queue_ms=timing.queue_ms if timing and drafted else -1.0,
+            commit_lead_ms=lead_ms,
         )
         self.records.append(rec)
         finished = []

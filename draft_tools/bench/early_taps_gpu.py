@@ -153,6 +153,9 @@ def measure(
             "queue_ms_p50": q(np.array([r.queue_ms for r in recs]), 50),
             "wait_minus_server_ms_p50": q(np.array([r.wait_ms - r.server_ms for r in recs]), 50),
             "send_ms_p50": q(np.array([r.send_ms for r in recs]), 50),
+            # predicted commits: the commit on the socket this long before sampling ended (p10: the late ones)
+            "commit_lead_ms_p50": q(lead := np.array([x for r in recs if (x := r.commit_lead_ms) == x]), 50),
+            "commit_lead_ms_p10": q(lead, 10),
             "drafted_share": round(sum(r.drafted for r in measured) / max(1, sum(r.wanted for r in measured)), 4),
             "early_mib_per_step": round(float(np.mean([r.early_rows for r in measured])) * eng.width * 2 / 2**20, 3),
             "rows_in_place": client.stats()["rows_in_place"],  # steps whose rows went where the encoder wrote them
@@ -225,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         from draft_tools.bench.rpc import spawn
 
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        proc = spawn("serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint)
-        mport = 0  # the checksum server has no metrics endpoint
+        mport = free_port()
+        proc = spawn("serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint, "--metrics-port", str(mport))
     else:
         proc, endpoint, mport = start_server(
             a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log
@@ -256,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"p90 {r['wait_minus_compute_ms_p90']:6.3f} ms  "
                         f"(server-compute {r['server_minus_compute_ms_p50']:.3f}, "
                         f"queue {r['queue_ms_p50']:.3f}, wait-server {r['wait_minus_server_ms_p50']:.3f}, "
-                        f"send {r['send_ms_p50']:.3f})  drafted {r['drafted_share']:.3f}"
+                        f"send {r['send_ms_p50']:.3f}, commit lead {r['commit_lead_ms_p50']:.3f} / p10 "
+                        f"{r['commit_lead_ms_p10']:.3f})  drafted {r['drafted_share']:.3f}"
                         + (
                             f"  commit waits {r['server_commit_waits']:.0f} (mean "
                             f"{r['server_commit_wait_mean_ms']:.3f} ms, "

@@ -61,13 +61,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0) -> None:
+def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0, metrics_port: int = -1) -> None:
     from draft_server.app import DraftServer, settle_heap
     from draft_server.config import ServerConfig
     from draft_server.drafters.checksum import ChecksumDrafter
 
     drafter = ChecksumDrafter(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
-    cfg = ServerConfig(bind=endpoint, metrics_port=-1, drafter="checksum", idle_spin_ms=idle_spin_ms)
+    cfg = ServerConfig(bind=endpoint, metrics_port=metrics_port, drafter="checksum", idle_spin_ms=idle_spin_ms)
     srv = DraftServer(cfg, drafter)
     settle_heap()  # as ``draft-server serve`` does
     srv.start()
@@ -232,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         "from this long before the reply is due), beside the same run without",
     )
     ap.add_argument("--echo", help=argparse.SUPPRESS)
+    ap.add_argument("--metrics-port", type=int, default=-1, help=argparse.SUPPRESS)  # with --serve: its metrics
     args = ap.parse_args(argv)
     if args.serve:
-        serve_checksum(args.serve, args.idle_spin_ms)
+        serve_checksum(args.serve, args.idle_spin_ms, args.metrics_port)
         return 0
     if args.echo:
         serve_echo(args.echo)

@@ -42,6 +42,7 @@ class StepCall:
     # cuda_ipc with device rows: an event on the caller's stream after them (the copy waits on it)
     ready: Any = None
     commit_follows: bool = False  # early taps: the caller commits at once (``Step.commit_follows``)
+    sent_at: float = 0.0  # time.monotonic() when it went out on the socket (0: not, or not yet)
 
 
 @dataclass(slots=True, eq=False)

@@ -477,6 +477,11 @@ class StepTicket:
     def deadline(self) -> float:
         return self._call.deadline if self._call is not None else self._t0
 
+    @property
+    def sent_at(self) -> float:
+        """When the step went out on the socket (time.monotonic(); 0: not sent, or not yet)."""
+        return self._call.sent_at if self._call is not None else 0.0
+
     def collect(self) -> list[DraftReply]:
         if self.replies is not None:
             return self.replies

@@ -557,6 +557,7 @@ class IoLoop:
             self._wakeups.resolve(call.future, merged.replies(n), "error")
             self._miss(now)
             return
+        call.sent_at = time.monotonic()
         if merged.resent:
             self._m.resent_rows.inc(merged.resent)
             self._c.add("resent_rows", merged.resent)
