@@ -38,7 +38,12 @@ def git(repo: str, *args: str) -> str:
 
 
 def worktree(repo: str, rev: str) -> tuple[str, str]:
-    """(path, sha) of a worktree of ``rev`` under the repository's .ab/, made once and reused."""
+    """(path, sha) of a worktree of ``rev`` under the repository's .ab/, made once and reused. A
+    directory ``rev`` is taken as the base tree itself (a machine with no git history: ``export``
+    wrote it, and its commit in ``.ab_sha``)."""
+    if os.path.isdir(rev):
+        stamp = os.path.join(rev, ".ab_sha")
+        return os.path.abspath(rev), open(stamp).read().strip() if os.path.exists(stamp) else rev
     sha = git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
     path = os.path.join(repo, ".ab", sha[:12])
     if not os.path.isdir(path):
@@ -82,7 +87,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
     ap = argparse.ArgumentParser(prog="python -m draft_tools.bench.ab", description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="the commit to compare against (any git revision)")
+    ap.add_argument(
+        "--base",
+        required=True,
+        help="the commit to compare against (any git revision), or a tree written by --export",
+    )
+    ap.add_argument(
+        "--export",
+        default="",
+        metavar="DIR",
+        help="only write --base's tree (bench results left out) into DIR, its commit in DIR/.ab_sha, and exit: "
+        "a base for a machine without the git history (carry DIR, then --base DIR there)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="runs of each side")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="the longest one run may take")
     ap.add_argument("--out", required=True, help="the A/B JSON")
@@ -93,9 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("name the benchmark module after --, with its arguments (not --out)")
     module, args = bench[0], bench[1:]
     repo = os.path.abspath(a.repo)
+    if a.export:
+        sha = git(repo, "rev-parse", "--verify", f"{a.base}^{{commit}}")
+        os.makedirs(a.export, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "archive", sha, "--", ".", ":!bench/results"], cwd=repo, check=True, capture_output=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", a.export], input=archive, check=True)
+        with open(os.path.join(a.export, ".ab_sha"), "w") as f:
+            f.write(sha + "\n")
+        print(f"{a.export}: {sha}")
+        return 0
     base, base_sha = worktree(repo, a.base)
-    dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
-    after_sha = git(repo, "rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+    try:
+        dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
+        after_sha = git(repo, "rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without its history (a GPU box)
+        after_sha = os.environ.get("AB_AFTER", "this tree (no git history here)")
     sides: dict[str, list[Any]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
         for r in range(a.rounds):

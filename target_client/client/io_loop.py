@@ -12,8 +12,10 @@ pending-call table, the per-session resend buffers (``resend.SessionRows``), the
 adaptive budget (``step_builder.AdaptiveBudget``), and the socket itself (ZeroMQ lets a socket move
 between threads behind a full memory barrier, which a mutex is). A caller's command is one pass of
 the loop: ``submit`` queues it and, when the lock is free, runs the pass in the caller's own thread
-(a step goes out with no hop through the I/O thread); when the I/O thread holds the lock it wakes
-that thread instead. The lock is held for one pass of non-blocking work only, never across a wait.
+(a step goes out with no hop through the I/O thread); when the I/O thread holds the lock, the caller
+waits for that pass to end and runs its own (left to that thread, a step goes out only once the
+caller, busy again, lets go of the GIL); only a pass longer than ``_CALLER_WAIT_S`` (1 ms) is left to
+wake that thread instead. The lock is held for one pass of non-blocking work only, never across a wait.
 The I/O thread sleeps in ``select.poll`` on the socket's ``ZMQ_FD`` and the wake pipe, never inside
 a socket call. ``ZMQ_FD`` is edge-triggered (it says that the socket's state changed, and any
 socket call may consume that), so every pass reads ``ZMQ_EVENTS`` last, and a caller's pass that
@@ -110,6 +112,7 @@ _FLUSH_EVERY_S = 1.0  # queued metric updates reach a registry another process e
 # The I/O thread expires a step this long after the caller's own deadline, so that at the deadline
 # only the caller wakes (it gives up by itself; the I/O thread's expiry is bookkeeping).
 _EXPIRE_GRACE_S = 0.002
+_CALLER_WAIT_S = 0.001  # the longest a caller's command waits for the I/O thread's pass (``_caller_pass``)
 _FREE_CHUNK = 1024  # sessions per Free message
 _COMMANDS_PER_ITERATION = 256
 _NO_ROOM_LIMIT = 1 << 62  # resend room of a step that is not sent (its rows are only buffered)
@@ -204,7 +207,13 @@ class IoLoop:
         self._caller_pass(deadline)
 
     def _caller_pass(self, due: float | None = None) -> None:
-        if not self._lock.acquire(blocking=False):
+        # the I/O thread's pass holds the loop (a reply's acks, a timer): a caller's command waits for
+        # its end, ``_CALLER_WAIT_S`` at most, rather than be left to that thread's next pass, which needs
+        # the GIL the caller takes straight back (a target sampling: its commit would go out after it);
+        # a caller giving up at its deadline never waits
+        if not self._lock.acquire(blocking=False) and (
+            due is not None or not self._lock.acquire(timeout=_CALLER_WAIT_S)
+        ):
             self._wake()  # the I/O thread holds the loop: it passes again before it sleeps
             return
         wake = ring = False

@@ -258,15 +258,43 @@ def test_a_step_goes_out_from_the_io_thread_when_a_pass_of_it_holds_the_loop(fak
     try:
         c.connect(wait=True)
         senders = _record_senders(c)
+        wakes: list[int] = []
+        wake = c._io._wake
+        c._io._wake = lambda: (wakes.append(threading.get_ident()), wake())[1]  # type: ignore[method-assign]
         box: list = []
-        with c._io._lock:  # the I/O thread's pass, as far as the caller can tell
+        with c._io._lock:  # a pass of the I/O thread longer than a caller waits for it
             t = threading.Thread(target=lambda: box.append(c.step([StepRequest("b", 0, 1, anchor=3, k=2)], _taps(1))))
             t.start()
-            assert wait_for(lambda: bool(c._io._cmds))  # queued for the I/O thread, nothing sent yet
-            assert not senders
+            assert wait_for(lambda: t.ident in wakes)  # the caller gave up waiting and woke the I/O thread
+            assert c._io._cmds and not senders  # queued for the I/O thread, nothing sent yet
         t.join(10)
         assert box and box[0][0].tokens == fake_drafts("b", 1, 3, 2)
         assert senders == [c._io.thread.ident]
+    finally:
+        c.close()
+
+
+def test_a_step_waits_for_a_short_pass_of_the_io_thread_and_goes_out_from_the_callers_thread(fake, monkeypatch) -> None:
+    # the I/O thread's next pass would need the GIL, which a caller back at its own work (a target
+    # sampling) holds: a predicted commit left to it went out after the sampling. So a caller waits
+    # for the pass holding the loop to end (``_CALLER_WAIT_S``, here long enough for any machine)
+    from target_client.client import io_loop
+
+    monkeypatch.setattr(io_loop, "_CALLER_WAIT_S", 10.0)
+    c = _client(fake.endpoint)
+    try:
+        c.connect(wait=True)
+        senders = _record_senders(c)
+        box: list = []
+        with c._io._lock:
+            t = threading.Thread(target=lambda: box.append(c.step([StepRequest("b", 0, 1, anchor=3, k=2)], _taps(1))))
+            t.start()
+            assert wait_for(lambda: bool(c._io._cmds))
+            threading.Event().wait(0.05)  # the caller is in its wait for the loop by now
+            assert not senders
+        t.join(10)
+        assert box and box[0][0].tokens == fake_drafts("b", 1, 3, 2)
+        assert senders == [t.ident]  # not the I/O thread's
     finally:
         c.close()
 
