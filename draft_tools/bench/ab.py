@@ -101,13 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--rounds", type=int, default=3, help="runs of each side")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="the longest one run may take")
-    ap.add_argument("--out", required=True, help="the A/B JSON")
+    ap.add_argument("--out", default="", help="the A/B JSON (required but with --export)")
     ap.add_argument("--repo", default=ROOT, help="the repository whose working tree is the after side")
     a = ap.parse_args(argv[:split])
     bench = argv[split + 1 :]
-    if not bench:
-        ap.error("name the benchmark module after --, with its arguments (not --out)")
-    module, args = bench[0], bench[1:]
     repo = os.path.abspath(a.repo)
     if a.export:
         sha = git(repo, "rev-parse", "--verify", f"{a.base}^{{commit}}")
@@ -120,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
             f.write(sha + "\n")
         print(f"{a.export}: {sha}")
         return 0
+    if not bench:
+        ap.error("name the benchmark module after --, with its arguments (not --out)")
+    if not a.out:
+        ap.error("--out is required")
+    module, args = bench[0], bench[1:]
     base, base_sha = worktree(repo, a.base)
     try:
         dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
