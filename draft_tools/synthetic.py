@@ -81,6 +81,9 @@ class SyntheticTarget:
     predicted: bool = False  # with early taps: commit right after the taps, collect after sampling
     whole_spans: bool = False  # predicted, but the taps carry the whole span (as before 2026-12-05: a baseline)
     hint: bool = True  # predicted: the taps say their commit follows (``Step.commit_follows``; off: a baseline)
+    # predicted, as one message: the step's rows and drafts as the single message, sent before sampling and
+    # collected after it (what a predicted span's taps and commits amount to; an experiment, 2026-12-05)
+    one_message: bool = False
     # how a step's taps become its rows: "" the pool's rows as they are (no copy); "host" through the
     # vLLM proposer's encoder (``WireEncoder``: a fresh copy, from ``taps_device`` into page-locked
     # memory when it is a GPU); "ring" the same encoder writing straight into the client's shm ring
@@ -176,7 +179,18 @@ class SyntheticTarget:
         send_ms = 0.0
         lead_ms = float("nan")
         follows = self.predicted and self.hint
-        if early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows):
+        if self.predicted and self.one_message:
+            ticket = self.client.submit_step(reqs, self._taps(total_rows))
+            send_ms = (time.perf_counter() - sent) * 1000.0
+            early_rows = total_rows
+            until = time.perf_counter() + self.sample_ms / 1000.0
+            while time.perf_counter() < until:  # the target samples meanwhile
+                pass
+            start, mono = time.perf_counter(), time.monotonic()
+            replies = ticket.collect()
+            if at := getattr(ticket, "sent_at", 0.0):
+                lead_ms = (mono - at) * 1000.0
+        elif early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
             ticket = self.client.submit_commit(commits) if self.predicted else None
             send_ms = (time.perf_counter() - sent) * 1000.0

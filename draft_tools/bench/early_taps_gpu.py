@@ -44,16 +44,19 @@ from draft_tools.synthetic import SyntheticTarget
 from protocol import PROTOCOL_VERSION
 from target_client import ClientConfig, DraftClient
 
-# (name, early taps, predicted commits, whole spans, hint): the commit after sampling; the commit right
-# after the taps, which carry the whole verified span (the proposer before 2026-12-05) or only the rows up
-# to the predicted end (now), and say that their commit follows (``Step.commit_follows``: the server waits
-# for it rather than ingest the rows alone) or not (before 2026-12-06); the single message
+# (name, early taps, predicted commits, whole spans, hint, one message): the commit after sampling; the
+# commit right after the taps, which carry the whole verified span (the proposer before 2026-12-05) or only
+# the rows up to the predicted end (now), and say that their commit follows (``Step.commit_follows``: the
+# server waits for it rather than ingest the rows alone) or not (before 2026-12-06); the predicted rows and
+# drafts as one single message sent before sampling (an experiment: what the proposer does not do yet);
+# the single message
 MODES = (
-    ("early_taps", True, False, True, False),
-    ("predicted_whole_span", True, True, True, False),
-    ("predicted_commit", True, True, False, True),
-    ("predicted_unhinted", True, True, False, False),
-    ("single_message", False, False, True, False),
+    ("early_taps", True, False, True, False, False),
+    ("predicted_whole_span", True, True, True, False, False),
+    ("predicted_commit", True, True, False, True, False),
+    ("predicted_unhinted", True, True, False, False, False),
+    ("predicted_one_message", True, True, False, False, True),
+    ("single_message", False, False, True, False, False),
 )
 
 
@@ -84,6 +87,7 @@ def measure(
     whole: bool = True,
     encode: str = "",
     hint: bool = False,
+    one: bool = False,
 ) -> dict[str, Any]:
     cfg = ClientConfig(
         endpoint=endpoint,
@@ -113,6 +117,7 @@ def measure(
             predicted=predicted,
             whole_spans=whole,
             hint=hint,
+            one_message=one,
             encode=encode,
             taps_device=args.taps_device,
         )
@@ -244,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         a.projection_id = welcome.wire.projection_id
     try:
         for b in (int(x) for x in a.batches.split(",")):
-            for mode, early, predicted, whole, hint in (m for m in MODES if m[0] in a.modes.split(",")):
+            for mode, early, predicted, whole, hint, one in (m for m in MODES if m[0] in a.modes.split(",")):
                 for enc in a.encode.split(","):
                     before = scrape(mport) if mport else {}
-                    got = measure(endpoint, b, early, a, predicted, whole, enc, hint)
+                    got = measure(endpoint, b, early, a, predicted, whole, enc, hint, one)
                     r = {"B": b, "mode": mode, "encode": enc, **got, **commit_waits(before, mport)}
                     rows.append(r)
                     write()

@@ -52,14 +52,20 @@ def _run(server, steps: int = 12, transport: str = "frames", **kw) -> tuple[Draf
 
 
 @pytest.mark.parametrize(
-    ("early", "predicted", "whole"),
-    [(True, False, True), (True, True, True), (True, True, False), (False, False, True)],
-    ids=["early_taps", "predicted_whole_span", "predicted_commit", "single_message"],
+    ("early", "predicted", "whole", "one"),
+    [
+        (True, False, True, False),
+        (True, True, True, False),
+        (True, True, False, False),
+        (True, True, False, True),
+        (False, False, True, False),
+    ],
+    ids=["early_taps", "predicted_whole_span", "predicted_commit", "predicted_one_message", "single_message"],
 )
 def test_each_mode_drafts_every_session_and_sends_what_it_says(
-    server, early: bool, predicted: bool, whole: bool
+    server, early: bool, predicted: bool, whole: bool, one: bool
 ) -> None:
-    client, eng = _run(server, early_taps=early, predicted=predicted, whole_spans=whole)
+    client, eng = _run(server, early_taps=early, predicted=predicted, whole_spans=whole, one_message=one)
     try:
         decode = eng.records[1:]  # after the prefill step
         assert all(r.drafted == r.wanted == SESSIONS and r.bad_tokens == 0 for r in decode), decode
@@ -68,6 +74,7 @@ def test_each_mode_drafts_every_session_and_sends_what_it_says(
                 assert r.early_rows == 0
             elif predicted and not whole:
                 assert r.early_rows == r.rows  # the committed rows, no rejected draft's row
+                assert r.commit_lead_ms == r.commit_lead_ms, r  # when its drafting call went out: recorded
             else:
                 assert r.early_rows == SESSIONS * (K + 1) >= r.rows
         assert client.stats()["early_taps_declined"] == 0
