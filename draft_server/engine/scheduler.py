@@ -3,7 +3,7 @@
 The I/O thread hands over admitted work with ``submit`` / ``submit_free`` (an append to the
 inbox) and rings the engine awake with ``wake`` once per pass over the socket, right before it
 sleeps itself; it never waits. The engine hands finished replies to ``send_reply`` (a callback
-that never blocks: it sends when the socket is free, else queues). An idle engine given the
+that sends when the socket is free or an I/O pass frees it within 1 ms, else queues). An idle engine given the
 socket (``attach_socket``: its FD and the router's ``engine_take`` / ``engine_serve``) watches it
 itself: a Step that finds it idle wakes it directly and is read and admitted on its thread (the
 router's own code, under the router's lock), with no hop through the I/O thread.

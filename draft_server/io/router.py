@@ -125,6 +125,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _POLL_MS = 100  # the I/O thread's longest sleep (sweeps, shutdown)
 _RECLAIM_S = 0.02  # the I/O thread watches the socket again this long after the engine went to work
 _RECLAIM_MS = 20
+_REPLY_WAIT_S = 0.001  # the longest a reply's sender waits for the I/O thread's pass (``queue_reply``)
 _BATCH = 256  # messages per pass, so replies and sweeps keep going under a flood
 
 NONFINITE_RUNS = 4  # 64-byte runs read per row for NaN/Inf, spread over the row
@@ -307,9 +308,12 @@ class Router:
         self._wake_pipe.close()
 
     def queue_reply(self, ident: bytes, msg: object, payloads: list | None = None) -> None:
-        """Any thread: send a reply now if the socket is free, else queue it for the I/O thread
-        (the caller never blocks: one non-blocking lock try, one non-blocking send)."""
-        if not self._lock.acquire(blocking=False):
+        """Any thread: send a reply now if the socket is free (or this thread holds it: ``reply_now``)
+        or a pass of the I/O thread frees it within ``_REPLY_WAIT_S`` (1 ms: left to that thread, the
+        reply would wait for the GIL the engine, on to its next batch, holds), else queue it for the
+        I/O thread; one non-blocking send. A reply queued already (that wait ran out: a long pass, a
+        flood) makes the next ones queue at once: at most one wait per pass of the I/O thread."""
+        if not self._lock.acquire(blocking=False) and (self._outbox or not self._lock.acquire(timeout=_REPLY_WAIT_S)):
             self._outbox.append((ident, msg, payloads or ()))
             self._wake()  # the I/O thread holds the socket: it flushes the outbox before it lets go
             return

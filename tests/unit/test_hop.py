@@ -145,6 +145,34 @@ def test_a_reply_sent_from_another_thread_goes_out_at_once_when_the_socket_is_fr
     assert not r._outbox and not _woken(r)
 
 
+def test_a_reply_that_finds_the_socket_busy_a_moment_waits_and_goes_out_from_its_thread(router, monkeypatch) -> None:
+    # left to the I/O thread, a reply waits for the GIL the engine (on to its next batch) holds: one
+    # in ten 64-entry replies on the 2-core VM. So the engine waits for a pass holding the socket
+    # (``_REPLY_WAIT_S``, here long enough for any machine) and sends the reply itself
+    from draft_server.io import router as router_mod
+
+    monkeypatch.setattr(router_mod, "_REPLY_WAIT_S", 10.0)
+    r, peer = router
+    ident = _ident(r, peer)
+    _woken(r)
+    senders: list[int] = []
+    send = r._send
+    r._send = lambda *a: (senders.append(threading.get_ident()), send(*a))[1]  # type: ignore[method-assign]
+    held = threading.Event()
+
+    def io_pass() -> None:  # a short pass of the I/O thread
+        with r._lock:
+            held.set()
+            threading.Event().wait(0.05)
+
+    t = threading.Thread(target=io_pass)
+    t.start()
+    assert held.wait(5)
+    r.queue_reply(ident, _pong(r, 6))
+    t.join()
+    assert _got(peer) == [6] and senders == [threading.get_ident()] and not r._outbox
+
+
 def test_a_reply_that_finds_the_socket_busy_is_queued_and_sent_first_by_the_next_pass(router) -> None:
     r, peer = router
     ident = _ident(r, peer)
