@@ -529,23 +529,24 @@ def _run(spec: EngineSpec, stop: Any, out: dict[str, Any], ready: Any, go: Any, 
                 if spec.early_taps
                 else []
             )
+            early = (
+                spec.early_taps
+                and bool(reqs)
+                and client.send_taps(
+                    [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, sent, strict=True)],
+                    ring_rows(np.ascontiguousarray(np.concatenate(sent))),
+                    exact=all(g is not None or len(a) == q.rows for q, a, g in zip(reqs, spans, guessed, strict=True)),
+                    commit_follows=any(g is not None for g in guessed),  # as the proposer: its predictions go next
+                )
+            )
             guess = None
-            early = False
-            if spec.early_taps and reqs:  # as the vLLM proposer: the span as one step when every request
-                predicted = [g for g in guessed if g is not None]  # is predicted, else taps then predictions
+            if early and any(g is not None for g in guessed):
                 at = {q.session: (q.pos, a) for q, a in zip(reqs, spans, strict=True)}
-
-                def rows_of(sid: str, lo: int, hi: int, at: dict = at) -> np.ndarray:
-                    return at[sid][1][lo - at[sid][0] : hi - at[sid][0]]
-
-                span = [StepRequest(q.session, q.pos, len(a), 0, 0) for q, a in zip(reqs, sent, strict=True)]
-                rows = ring_rows(np.ascontiguousarray(np.concatenate(sent)))
-                exact = all(g is not None or len(a) == q.rows for q, a, g in zip(reqs, spans, guessed, strict=True))
-                if exact and predicted:
-                    guess = PredictedCommits.send_as_step(client, span, rows, predicted, rows_of)
-                early = guess is not None or client.send_taps(span, rows, exact=exact, commit_follows=bool(predicted))
-                if early and guess is None and predicted:
-                    guess = PredictedCommits.send(client, predicted, rows_of)
+                guess = PredictedCommits.send(
+                    client,
+                    [g for g in guessed if g is not None],
+                    lambda sid, lo, hi, at=at: at[sid][1][lo - at[sid][0] : hi - at[sid][0]],
+                )
             t0 = time.monotonic()
             if early:
                 wanted = [(i, q) for i, q in enumerate(reqs) if q.k]

@@ -14,14 +14,7 @@ answers the step's real commits:
   span there, as it cuts every commit's rejected rows);
 * every other one (fewer rows, another anchor, sampled, not predicted) commits as usual.
 
-The calls of the last two go out together, before the predicted call's reply is awaited.
-
-A span whose every request is predicted (greedy decode steps: the common case) is what the single
-message would carry, rows and drafts alike, known before sampling: ``send_as_step`` sends it as that,
-one ``submit_step`` instead of early taps and a commit. The server then admits, queues and batches one
-message, not a second one behind the first (at 64 sessions that second message's per-entry work, and
-its wait behind the taps', was the rest of the critical path), and waits for no commit; ``settle`` is
-the same. Works
+The calls of the last two go out together, before the predicted call's reply is awaited. Works
 with a ``DraftClient`` or a ``FleetClient`` (each session's commit goes to its server). Used by the
 vLLM proposer and the soak's synthetic engines.
 """
@@ -61,25 +54,6 @@ class PredictedCommits:
         if not requests:
             return None
         return cls(client.submit_commit(list(requests)), requests, rows_of)
-
-    @classmethod
-    def send_as_step(
-        cls, client: Client, spans: Sequence[StepRequest], rows: Any, requests: Sequence[StepRequest], rows_of: RowsOf
-    ) -> PredictedCommits | None:
-        """The step's early span (``spans``: each request's rows by position, ``rows`` theirs in order) when
-        every request in it is predicted and its rows end where its prediction does: the span and the
-        predicted commits as one step, sent now (module docstring). None, with nothing sent, otherwise:
-        send the taps and then ``send``."""
-        by = {r.session: r for r in requests}
-        if not spans or len(by) != len(spans):
-            return None
-        step: list[StepRequest] = []
-        for s in spans:
-            c = by.get(s.session)
-            if c is None or c.pos != s.pos + s.rows:
-                return None
-            step.append(StepRequest(s.session, s.pos, s.rows, c.anchor, c.k, c.sampling))
-        return cls(client.submit_step(step, rows), [by[s.session] for s in spans], rows_of)
 
     def settle(self, client: Client, commits: Sequence[StepRequest]) -> list[DraftReply]:
         """Replies for the step's real commits, in order (module docstring)."""

@@ -115,14 +115,11 @@ it will make (end, anchor) is known before sampling. Such a request's early taps
 rows up to that end (the rejected drafts' rows would only be cut again), and its commit goes right
 after the taps: the server drafts while the target samples. A span of predicted requests and prefill
 chunks alone carries exactly the single message's rows, so it is never declined for its size
-(``send_taps(exact=True)``); a span whose every request is predicted (all-greedy decode steps) goes,
-rows and predicted commits, as that single message (``PredictedCommits.send_as_step``: one message
-for the server to admit and batch, not two; counted in ``one_message_steps``). After sampling, a
-request whose real commit is the predicted one takes that call's drafts (computed from exactly the
-context the late commit would name: the same drafts) and sends nothing; the others (a logits
-processor or a grammar changed the pick) commit as usual, and one that accepted more than predicted
-sends the rows past the predicted end with its commit (encoded then from the step's aux hidden
-states). A request that missed ``MISS_BACKOFF`` steps in a
+(``send_taps(exact=True)``). After sampling, a request whose real commit is the predicted one takes
+that call's drafts (computed from exactly the context the late commit would name: the same drafts)
+and sends nothing; the others (a logits processor or a grammar changed the pick) commit as usual,
+and one that accepted more than predicted sends the rows past the predicted end with its commit
+(encoded then from the step's aux hidden states). A request that missed ``MISS_BACKOFF`` steps in a
 row is predicted only every ``MISS_RETRY``-th step after that (its span is then whole again).
 
 Lifecycle (from ``_update_states``, before the runner applies the scheduler output):
@@ -560,10 +557,9 @@ class RemoteDSparkProposer:
         try:
             self._guess = None
             guess = self._predicted(ctx) if self.predicts_commits else None
-            self._tapped = self._send_taps(ctx, guess)  # sets ``_guess`` when the span went as one step
+            self._tapped = self._send_taps(ctx, guess)
             if self._tapped and guess is not None and guess.requests:
-                if self._guess is None:
-                    self._guess = PredictedCommits.send(self.client, guess.requests, guess.rows_of)
+                self._guess = PredictedCommits.send(self.client, guess.requests, guess.rows_of)
                 self._counts["predicted_commits"] += len(guess.requests)
         except Exception:
             self._counts["internal_errors"] += 1
@@ -604,13 +600,9 @@ class RemoteDSparkProposer:
             parts = [a.index_select(0, idx) for a in aux]
         rows = self._encode(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         exact = guess is not None and guess.exact
-        if exact and (one := PredictedCommits.send_as_step(self.client, requests, rows, guess.requests, guess.rows_of)):
-            self._guess = one  # every request predicted: the span and its commits as one step
-            self._counts["one_message_steps"] += 1
-        else:
-            follows = guess is not None and bool(guess.requests)  # its predicted commits go right after
-            if not self.client.send_taps(requests, rows, exact=exact, commit_follows=follows):
-                return False
+        follows = guess is not None and bool(guess.requests)  # its predicted commits go right after
+        if not self.client.send_taps(requests, rows, exact=exact, commit_follows=follows):
+            return False
         self._counts["taps_steps"] += 1
         self._counts["taps_rows"] += sent
         return True

@@ -462,39 +462,10 @@ def test_a_request_that_keeps_missing_its_prediction_is_not_predicted_every_step
         p.on_scheduler_output(SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None))
         n = len(c.log)
         p.send_taps(ctx)
-        # predicted: in the predicted commit after the taps, or in the one step of an all-predicted span
-        predicted.append([r.session for kind, reqs, _ in c.log[n:] if kind in ("predicted", "step") for r in reqs])
+        predicted.append([r.session for kind, reqs, _ in c.log[n:] if kind == "predicted" for r in reqs])
         out = p.propose_remote(_ctx(["a", "b"], [0, 1, 2], [0, 0], [[1], [5]], pos, table))
-        # a: an ordinary commit; b: the predicted call's drafts (the one step's while both were predicted)
-        assert out[0][0] == 2 and out[1][0] == (3 if step < 2 else 1), (step, out)
+        assert out[0][0] == 2 and out[1][0] == 1  # a: an ordinary commit; b: the predicted call's drafts
     assert predicted == [["a", "b"], ["a", "b"], ["b"], ["b"]], predicted  # a missed twice: not predicted
-    assert c.exact == [False, False]  # taps from the third step on: a span with an unpredicted request
-    assert c.follows == [True, True]  # b is predicted every step: its commit follows its taps
-    assert p.stats()["one_message_steps"] == 2
+    assert c.exact == [True, True, False, False]  # a span with an unpredicted greedy request is not exact
+    assert c.follows == [True] * 4  # b is predicted every step: its commit follows its taps
     assert p.stats()["predicted_misses"] == 2
-
-
-def test_a_span_of_predicted_requests_only_goes_as_one_step(early_proposer: Any) -> None:
-    # every request greedy and predicted: the span and the predicted commits are the single message,
-    # sent before sampling as one step (no taps, no separate commit); after sampling a hit takes its
-    # drafts and a miss commits as usual
-    p = early_proposer
-    c = p.client
-    table = np.zeros((3, 64), dtype=np.int32)
-    ids, qsl, nd, pos = ["a", "b"], [0, 4, 8], [3, 3], [10, 20]
-    ctx = _ctx(ids, qsl, nd, None, pos, table)  # type: ignore[arg-type]
-    ctx.num_tokens_no_spec = np.array([11, 21], dtype=np.int32)
-    ctx.draft_ids = [[5, 6, 7], [1, 2, 3]]
-    ctx.raw_argmax = [[5, 6, 9, 1], [1, 8, 3, 4]]  # a: 2 accepted, anchor 9; b: 1 accepted, anchor 8
-    p.on_scheduler_output(SimpleNamespace(finished_req_ids=(), preempted_req_ids=None, scheduled_cached_reqs=None))
-    p.send_taps(ctx)
-    assert [e[0] for e in c.log] == ["step"], c.log
-    step = [(r.session, r.pos, r.rows, r.anchor, r.k) for r in c.log[0][1]]
-    assert step == [("a", 10, 3, 9, K), ("b", 20, 2, 8, K)], step  # rows up to the predicted end, its commit
-    assert _flat_rows(c.log[0][2]) == [0, 1, 2, 4, 5]
-    assert c.exact == [] and p.stats()["one_message_steps"] == 1
-    out = p.propose_remote(_ctx(ids, qsl, nd, [[5, 6, 9], [1, 4]], pos, table))
-    assert out[0] == [3, 10, 9]  # a: its drafts from the one step (a step's reply names its first row)
-    assert out[1] == [2, 22, 4]  # b: sampled 4 where 8 was predicted: an ordinary commit at its real end
-    s = p.stats()
-    assert s["predicted_commits"] == 2 and s["predicted_hits"] == 1 and s["predicted_misses"] == 1

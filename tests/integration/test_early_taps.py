@@ -114,25 +114,18 @@ def test_taps_then_commit_drafts_from_exactly_the_accepted_rows(server) -> None:
         client.close()
 
 
-def predicted_step(eng: Engine, hit: bool, one_message: bool = False) -> tuple[str, DraftReply]:
+def predicted_step(eng: Engine, hit: bool) -> tuple[str, DraftReply]:
     """One verify step as the vLLM proposer runs it with predicted commits (``PredictedCommits``):
-    taps of the rows up to the predicted end, then at once the commit the step is predicted to make
-    (``one_message``: both as one step, ``send_as_step``, as for a span whose every request is
-    predicted); after "sampling", the real outcome settled: the predicted call's drafts when it
-    matches (``hit``), else a commit at the real end or, when more rows were accepted than predicted,
-    the rows past the predicted end (never sent yet) with it."""
+    taps of the rows up to the predicted end, then at once the commit the step is predicted to make;
+    after "sampling", the real outcome settled: the predicted call's drafts when it matches (``hit``),
+    else a commit at the real end or, when more rows were accepted than predicted, the rows past the
+    predicted end (never sent yet) with it."""
     n = K + 1
     acc_p, anchor_p = int(eng.rng.integers(1, n + 1)), int(eng.rng.integers(0, VOCAB))
-    predicted = [StepRequest(eng.session, eng.end + acc_p, 0, anchor_p, K)]
-    if one_message:
-        pos, arr = eng.end, random_taps(eng.rng, n)
-        span = [StepRequest(eng.session, pos, acc_p, 0, 0)]
-        guess = PredictedCommits.send_as_step(
-            eng.client, span, arr[:acc_p], predicted, lambda _, lo, hi: arr[lo - pos : hi - pos]
-        )
-    else:
-        pos, arr = eng.taps(n, sent=acc_p)
-        guess = PredictedCommits.send(eng.client, predicted, lambda _, lo, hi: arr[lo - pos : hi - pos])
+    pos, arr = eng.taps(n, sent=acc_p)
+    guess = PredictedCommits.send(
+        eng.client, [StepRequest(eng.session, pos + acc_p, 0, anchor_p, K)], lambda _, lo, hi: arr[lo - pos : hi - pos]
+    )
     assert guess is not None
     acc, anchor = acc_p, anchor_p
     while not hit and (acc, anchor) == (acc_p, anchor_p):
@@ -146,11 +139,9 @@ def predicted_step(eng: Engine, hit: bool, one_message: bool = False) -> tuple[s
     return ("hit" if hit else "rows again" if acc > acc_p else "commit"), reply
 
 
-@pytest.mark.parametrize("one_message", [False, True], ids=["taps_then_commit", "one_message"])
-def test_predicted_commits_draft_exactly_and_a_wrong_prediction_is_corrected(server, one_message: bool) -> None:
+def test_predicted_commits_draft_exactly_and_a_wrong_prediction_is_corrected(server) -> None:
     # two engines (clients) in threads, staggered, two requests each; every step either keeps its
-    # predicted commit or corrects it in one of the three ways, and every draft is checked; with
-    # ``one_message`` the span and its predicted commit go as one step (``send_as_step``)
+    # predicted commit or corrects it in one of the three ways, and every draft is checked
     clients = [make_client(server.endpoint) for _ in range(2)]
     errors: list[str] = []
     seen: dict[str, int] = {}
@@ -165,7 +156,7 @@ def test_predicted_commits_draft_exactly_and_a_wrong_prediction_is_corrected(ser
                     errors.append(f"client {ci} {e.session} prompt: {r}")
             for it in range(30):
                 for e in engines:
-                    how, r = predicted_step(e, hit=bool(e.rng.random() < 0.5), one_message=one_message)
+                    how, r = predicted_step(e, hit=bool(e.rng.random() < 0.5))
                     seen[how] = seen.get(how, 0) + 1
                     if r.status != Status.OK or r.tokens != e.want():
                         errors.append(f"client {ci} {e.session} step {it} ({how}): {r.status} {r.tokens} != {e.want()}")
