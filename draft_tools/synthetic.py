@@ -179,20 +179,14 @@ class SyntheticTarget:
         send_ms = 0.0
         lead_ms = float("nan")
         follows = self.predicted and self.hint
-        if self.predicted and self.one_message:
-            ticket = self.client.submit_step(reqs, self._taps(total_rows))
-            send_ms = (time.perf_counter() - sent) * 1000.0
-            early_rows = total_rows
-            until = time.perf_counter() + self.sample_ms / 1000.0
-            while time.perf_counter() < until:  # the target samples meanwhile
-                pass
-            start, mono = time.perf_counter(), time.monotonic()
-            replies = ticket.collect()
-            if at := getattr(ticket, "sent_at", 0.0):
-                lead_ms = (mono - at) * 1000.0
-        elif early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows):
+        one = self.predicted and self.one_message
+        if one or (early and self.client.send_taps(spans, self._taps(early_rows), exact=trim, commit_follows=follows)):
             commits = [StepRequest(r.session, r.pos + r.rows, 0, r.anchor, r.k) for r in reqs]
-            ticket = self.client.submit_commit(commits) if self.predicted else None
+            if one:  # the rows and the predicted drafts as the single message, before sampling
+                ticket = self.client.submit_step(reqs, self._taps(total_rows))
+                early_rows = total_rows
+            else:
+                ticket = self.client.submit_commit(commits) if self.predicted else None
             send_ms = (time.perf_counter() - sent) * 1000.0
             until = time.perf_counter() + self.sample_ms / 1000.0
             while time.perf_counter() < until:  # the target samples meanwhile

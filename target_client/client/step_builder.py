@@ -280,16 +280,14 @@ def merge_rows(
             local[i] = DraftReply([], None, message="taps do not fit the server's contract")
             out.zero_copy = False
             continue
-        if not send:
+        if not send or s.retry_at > now:  # only buffered: not sent, or the server asked us to hold back
             out.dropped += s.store([*prev, (e.pos, new)] if new is not None else prev, limit, None)
-            continue
-        if s.retry_at > now:  # the server asked us to hold this session back
-            out.dropped += s.store([*prev, (e.pos, new)] if new is not None else prev, limit, None)
-            local[i] = DraftReply(
-                [], Status.OVERLOADED, retry_after_ms=(s.retry_at - now) * 1000.0, message="held back locally"
-            )
-            out.skipped += 1
-            out.zero_copy = out.zero_copy and new is None
+            if send:
+                local[i] = DraftReply(
+                    [], Status.OVERLOADED, retry_after_ms=(s.retry_at - now) * 1000.0, message="held back locally"
+                )
+                out.skipped += 1
+                out.zero_copy = out.zero_copy and new is None
             continue
         behind = s.behind_since >= 0 and s.catching_up(now)
         if behind:  # the server is still taking in this session's burst: its rows go, nobody waits
