@@ -20,7 +20,9 @@ or a fall back to frames for the life of the client ("auto"). A ring a server lo
 or dropped the ring after the session TTL) is replaced by a new one at the next Hello. Making a
 ring takes tens of milliseconds (every page allocated: 40-65 ms for 64 MiB on the 2-core VM), so
 when a step misses (the server may be gone) a spare is made on a thread of its own
-(``prepare_spare``), and the Hello after a restart names it at once; the spare goes when a step
+(``prepare_spare``), paced (``SPARE_PACE_S``: a MiB of pages, then a pause, so the engine's
+threads beside it never wait for a core long: about 0.2 s for 64 MiB), and the Hello after a
+restart names it at once; the spare goes when a step
 is answered in time on the same ring (the server was only slow or paused) ``SPARE_KEEP_S`` after
 the last miss, and at the end.
 
@@ -53,6 +55,7 @@ log = logging.getLogger("target_client")
 _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 _HELLO_SEND_RETRY_S = 0.02  # retry of a Hello that could not be sent (no live connection yet)
 SPARE_KEEP_S = 30.0  # a spare ring outlives the last missed step by this long
+SPARE_PACE_S = 0.002  # a spare's pages are allocated a MiB at a time, with this pause after each
 
 Refusal = tuple[str, tuple[str, ...]]  # (message, the contract fields that differ)
 
@@ -136,7 +139,7 @@ class Handshake:
 
     def _make_spare(self) -> None:
         try:
-            ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20)
+            ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20, pace_s=SPARE_PACE_S)
         except RingError as e:
             log.warning("draft client %s: no spare shm ring (a restart makes one then): %s", self.cfg.name, e)
             self._spare_failed = True

@@ -43,9 +43,9 @@ from target_client.client.regions import Regions
 class ClientRing:
     """One shared-memory ring of one client. See the module docstring."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, pace_s: float = 0.0) -> None:
         self.announce: RingAnnounce
-        self.announce, self._mm = create(nbytes)  # RingError when it cannot be made
+        self.announce, self._mm = create(nbytes, pace_s)  # RingError when it cannot be made
         self.name = self.announce.name
         self.size = self.announce.nbytes
         self.mapped = False  # a server mapped it (its Welcome named it)

@@ -271,6 +271,41 @@ def test_open_ring_refuses_in_one_line() -> None:
         unlink(ann.name)
 
 
+def test_paced_create_allocates_every_page_a_piece_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare made beside live traffic (``pace_s``) pauses after every ``PACE_BYTES`` piece instead
+    of holding a core for the whole segment, and still allocates every page (a full /dev/shm is a
+    RingError, not a SIGBUS later); a piece that fails leaves no name and no mapping behind."""
+    import protocol.shm as shm_mod
+
+    pauses: list[float] = []
+    monkeypatch.setattr(shm_mod.time, "sleep", pauses.append)
+    nbytes = 8 * shm_mod.PACE_BYTES
+    ann, mm = create(nbytes, pace_s=0.003)
+    try:
+        assert pauses == [0.003] * 8  # one pause per piece
+        assert os.stat("/dev/shm" + ann.name).st_blocks * 512 >= nbytes  # every page allocated
+        ring_mm = open_ring(ann)  # a server maps it as any other
+        mm[HEADER_BYTES : HEADER_BYTES + 4] = b"rows"
+        assert ring_mm[HEADER_BYTES : HEADER_BYTES + 4] == b"rows"
+        ring_mm.close()
+    finally:
+        mm.close()
+        unlink(ann.name)
+    pauses.clear()
+    calls = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shm_mod.os, "posix_fallocate", full)
+    before = _names()
+    with pytest.raises(RingError, match="No space left") as e:
+        create(nbytes, pace_s=0.003)
+    assert "\n" not in str(e.value) and len(pauses) == 2 and _names() == before
+
+
 def test_sweep_removes_names_of_dead_creators_only() -> None:
     code = "from protocol.shm import create; import os; a, m = create(1 << 16); print(a.name, flush=True); os._exit(0)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=os.getcwd())
@@ -423,11 +458,13 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
     name = hs.hello(1).ring.name  # type: ignore[union-attr]
     hs.accept(_welcome(("frames", "shm"), name))
     made: list[int] = []
+    paces: list[float] = []
     real = hs_mod.ClientRing
 
-    def counting(nbytes: int) -> ClientRing:
+    def counting(nbytes: int, pace_s: float = 0.0) -> ClientRing:
         made.append(nbytes)
-        return real(nbytes)
+        paces.append(pace_s)
+        return real(nbytes, pace_s)
 
     monkeypatch.setattr(hs_mod, "ClientRing", counting)
     for _ in range(3):
@@ -436,6 +473,7 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
     while hs._spare is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(made) == 1 and len(_names()) == 1  # one spare, named in /dev/shm until used
+    assert paces == [hs_mod.SPARE_PACE_S] and hs_mod.SPARE_PACE_S > 0  # made a piece at a time, beside traffic
     spare = hs._spare
     assert hs.rehello() and hs.hello(2).ring == spare.announce and hs.spares_used == 1  # type: ignore[union-attr]  # the Hello names it
     hs.accept(_welcome(("frames", "shm"), spare.name))  # type: ignore[union-attr]
@@ -455,7 +493,7 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
     hs.drop_spare(missed + 1.5 * hs_mod.SPARE_KEEP_S)
     assert hs._spare is None and not _names()
 
-    def no_room(nbytes: int) -> ClientRing:
+    def no_room(nbytes: int, pace_s: float = 0.0) -> ClientRing:
         made.append(nbytes)
         raise RingError("no room")
 
