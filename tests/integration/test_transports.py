@@ -205,8 +205,8 @@ def test_transport_refused_at_hello_in_one_line(tmp_path, monkeypatch) -> None:
 
     made = ring_mod.create
 
-    def elsewhere(nbytes: int):
-        ann, mm = made(nbytes)
+    def elsewhere(nbytes: int, pace_s: float = 0.0):
+        ann, mm = made(nbytes, pace_s)
         ring_mod.unlink(ann.name)  # as if in another /dev/shm
         return ann, mm
 
