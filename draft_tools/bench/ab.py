@@ -6,7 +6,8 @@ and in this tree, ``--rounds`` times each (the order flips every round, so drift
 load falls on both sides alike), each run writing its JSON to a file of its own through the
 module's ``--out``. The runs of a side are merged: every number is the median over its rounds,
 anything else is the first run's. Writes one JSON: the command, the machine, both commits, the
-rounds, ``before`` and ``after``; and prints each side's runs as they end.
+rounds, ``before`` and ``after``, and every run's own JSON (``runs``: the spread behind each median);
+and prints each side's runs as they end.
 
     python -m draft_tools.bench.ab --base HEAD~1 --rounds 4 --out bench/results/x_ab.json -- \\
         draft_tools.bench.rpc --iters 200
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": "the sides run alternately, the order flipping every round; every number is its side's median",
         "before": merge(sides["before"]),
         "after": merge(sides["after"]),
+        "runs": sides,  # each round's JSON as it came, so the spread behind each median shows
     }
     write_report(a.out, report)
     return 0
