@@ -58,6 +58,7 @@ an at-once EXPIRED would have told the client rows were applied that never were)
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import mmap
@@ -243,6 +244,7 @@ class Router:
         self._min_lag_ms: OrderedDict[bytes, float] = OrderedDict()  # per connection: min (recv - sent)
         self._nonfinite_by_client: dict[bytes, int] = {}
         self._nonfinite_lock = threading.Lock()
+        self._checks: collections.deque[tuple] = collections.deque()  # Steps whose NaN/Inf rows are to count
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.cfg
@@ -366,6 +368,7 @@ class Router:
             self._handed = False  # read by the engine itself: nobody to wake
         if more:  # a flood: the I/O thread reads the rest while the engine works
             self._engine_owns = False
+        if more or self._checks:  # the NaN/Inf counts too: on the I/O thread, beside the batch
             self._wake()
 
     # ------------------------------------------------------------------ I/O thread
@@ -421,6 +424,8 @@ class Router:
                 if self._handed:  # last before the poll, so the engine woken now finds the GIL free (the
                     self._handed = False  # work was queued as it was read: a busy engine takes it unwoken)
                     self.engine.wake()
+                if self._checks:  # after the engine has its work: beside its batch, not before it
+                    self.run_checks()
 
     def _serve(self) -> bool:
         """Under the lock: read the messages waiting (at most ``_BATCH``), send the outbox; True
@@ -703,7 +708,8 @@ class Router:
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if checked and isinstance(taps, np.ndarray):  # host rows (device rows: none to read here)
             valid = None if checked == row else [err is None for err in errors]
-            self.metrics.later.later(self._check_nonfinite, (owner, taps, step.wire, entries, valid))
+            self._checks.append((owner, taps, step.wire, entries, valid))
+            self.metrics.later.later(self.run_checks, None)  # a scrape counts it if this thread has not yet
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on
             self._handed = True
@@ -719,13 +725,29 @@ class Router:
             return partial(self.cuda_ipc.rows, ident, owner, spec=step.taps, call_id=step.call_id)
         return partial(self.rings.rows, ident, owner, call_id=step.call_id)
 
-    def _check_nonfinite(self, args: tuple[bytes, np.ndarray, str, tuple, list[bool] | None]) -> None:
-        """Count a Step's NaN/Inf tap rows (``nonfinite_rows``; of its valid entries only). Queued with
-        the metric updates (``ServerMetrics.later``), it runs once the engine's replies are out (or
-        at a scrape, which then counts every row read so far): the sample reads a cache line per
-        run from memory another process just wrote, about 0.13 ms for 64 sessions x 3 K3 rows on
-        the 2-core VM, which had been paid between a Step's arrival and its batch."""
-        owner, taps, wire, entries, valid = args
+    def run_checks(self, _: object = None) -> None:
+        """Count the NaN/Inf tap rows of the Steps admitted so far (``nonfinite_rows``; of their valid
+        entries only). The I/O thread runs them once it has handed a pass's work to the engine, so
+        they overlap the batch rather than delay it (the sample reads a cache line per run from
+        memory another process just wrote: about 0.13 ms for 64 sessions x 3 K3 rows on the 2-core
+        VM, which had been paid between a Step's arrival and its batch), and long before its replies:
+        a view of the rows held past the reply would keep their shm region from that reply's ack.
+        Any thread (a scrape, through the metric updates, so it never misses a row read); each Step
+        is checked once."""
+        while True:
+            try:
+                owner, taps, wire, entries, valid = self._checks.popleft()
+            except IndexError:
+                return
+            try:
+                self._check_nonfinite(owner, taps, wire, entries, valid)
+            except Exception:  # a metric: never the reason a thread (the I/O loop, a scrape) fails
+                log.exception("NaN/Inf count of a Step's rows failed")
+                self.metrics.io_errors.inc()
+
+    def _check_nonfinite(
+        self, owner: bytes, taps: np.ndarray, wire: str, entries: tuple, valid: list[bool] | None
+    ) -> None:
         bad = nonfinite_rows(taps, row_layout(wire, self.contract, self.offer)[0])
         if not bad.any():
             return

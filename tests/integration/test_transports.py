@@ -178,6 +178,44 @@ def test_shm_ring_two_clients_wrap_fill_and_leave_nothing(tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_reply_acknowledges_its_own_steps_ring_region(tmp_path) -> None:
+    """A step whose rows fill more than half the ring still goes in place step after step: the
+    server lets go of a step's region before it replies, so the reply names it free and the next
+    step's claim finds room. (Held past the reply, every other claim failed and those steps' rows
+    went in frames.) Two clients, staggered, drafts exact."""
+    srv = ipc_server(tmp_path)
+    clients = [
+        DraftClient(ClientConfig(endpoint=srv.endpoint, name=f"c{i}", transport="shm", shm_ring_mib=1, budget_ms=5000))
+        for i in range(2)
+    ]
+    try:
+        for c in clients:
+            assert c.connect(wait=True) is not None
+        per = (300 << 10) // (W * 2)  # rows per session: about 600 KiB a step in a 1 MiB ring, two never fit
+        groups = [Sessions(c, f"c{i}-", 2, seed=i, claim=True) for i, c in enumerate(clients)]
+        errors: list[BaseException] = []
+
+        def run(g: Sessions, delay: float) -> None:
+            try:
+                time.sleep(delay)
+                for i in range(12):
+                    assert g.check(g.step(rows_per=per)) == g.n, i
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(g, 0.003 * i)) for i, g in enumerate(groups)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert [g.claimed for g in groups] == [12, 12]  # every step's rows went where they were written
+    finally:
+        for c in clients:
+            c.close()
+        srv.stop()
+
+
 def test_transport_refused_at_hello_in_one_line(tmp_path, monkeypatch) -> None:
     srv = ipc_server(tmp_path, "--no-shm")
     reg = CollectorRegistry()

@@ -463,30 +463,29 @@ def test_the_io_thread_takes_the_socket_back_during_a_long_batch(running) -> Non
     assert _got(peer) == [1]
 
 
-def test_the_nan_sample_of_a_steps_rows_runs_after_its_reply_and_counts_valid_entries_only(monkeypatch) -> None:
+def test_the_nan_sample_of_a_steps_rows_runs_beside_its_batch_and_counts_valid_entries_only(monkeypatch) -> None:
     """The NaN/Inf sample of a Step's tap rows (a metric only) reads memory another process just
-    wrote: it runs once the engine's replies are out, never between the Step's arrival and its
-    batch; a scrape still sees every row counted. Rows of an entry refused as malformed are not
-    counted. (Sampled before the reply, as it was, the first assertion fails.)"""
+    wrote: it runs once the engine has the Step's work, never between the Step's arrival and the
+    hand-over, and a scrape sees its rows counted. Rows of an entry refused as malformed are not
+    counted. (Sampled inline, as it was, before the hand-over, the order assertion fails.)"""
     import draft_server.io.router as router_mod
     from draft_tools.synthetic import bf16_normal
     from protocol import StepEntry
     from tests.conftest import CHECKSUM_CONTRACT, RawPeer
 
     srv = DraftServer(ServerConfig(bind="tcp://127.0.0.1:0", metrics_port=-1, drafter="checksum"), ChecksumDrafter())
-    sent: list[int] = []
-    sampled_after: list[int] = []
-    real_send, real_sample = srv.router._send, router_mod.nonfinite_rows
+    events: list[str] = []
+    real_submit, real_sample = srv.engine.submit, router_mod.nonfinite_rows
 
-    def send(ident, msg, payloads=()):
-        real_send(ident, msg, payloads)
-        sent.append(getattr(msg, "call_id", -1))
+    def submit(works):
+        events.append("handed")
+        real_submit(works)
 
     def sample(taps, dtype):
-        sampled_after.append(len(sent))
+        events.append("sampled")
         return real_sample(taps, dtype)
 
-    monkeypatch.setattr(srv.router, "_send", send)
+    monkeypatch.setattr(srv.engine, "submit", submit)
     monkeypatch.setattr(router_mod, "nonfinite_rows", sample)
     srv.start()
     peer = RawPeer(srv.router.endpoint)
@@ -497,9 +496,8 @@ def test_the_nan_sample_of_a_steps_rows_runs_after_its_reply_and_counts_valid_en
         entries = [StepEntry("a", 0, 3, 1, 2), StepEntry("bad", 0, 3, 1, 99), StepEntry("c", 0, 3, 1, 2)]
         r = peer.step(entries, taps)
         assert [x.status.name for x in r.results] == ["OK", "BAD_ENTRY", "OK"]
-        assert wait_for(lambda: sampled_after, 5)
-        assert sampled_after == [1]  # one sample, after the Step's reply went out
-        srv.metrics.later.flush()  # as a scrape does
+        srv.metrics.later.flush()  # as a scrape does: every Step read so far is counted
+        assert events == ["handed", "sampled"]  # once, after the engine had the work
         assert srv.metrics.nonfinite_rows._value.get() == 2
     finally:
         peer.sock.close(0)
