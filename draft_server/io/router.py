@@ -58,7 +58,6 @@ an at-once EXPIRED would have told the client rows were applied that never were)
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import mmap
@@ -243,8 +242,6 @@ class Router:
         self._thread = threading.Thread(target=self._loop, name="draft-io", daemon=True)
         self._min_lag_ms: OrderedDict[bytes, float] = OrderedDict()  # per connection: min (recv - sent)
         self._nonfinite_by_client: dict[bytes, int] = {}
-        self._nonfinite_lock = threading.Lock()
-        self._checks: collections.deque[tuple] = collections.deque()  # Steps whose NaN/Inf rows are to count
 
     def _make_socket(self) -> zmq.Socket:
         cfg = self.cfg
@@ -368,7 +365,6 @@ class Router:
             self._handed = False  # read by the engine itself: nobody to wake
         if more:  # a flood: the I/O thread reads the rest while the engine works
             self._engine_owns = False
-        if more or self._checks:  # the NaN/Inf counts too: on the I/O thread, beside the batch
             self._wake()
 
     # ------------------------------------------------------------------ I/O thread
@@ -424,8 +420,6 @@ class Router:
                 if self._handed:  # last before the poll, so the engine woken now finds the GIL free (the
                     self._handed = False  # work was queued as it was read: a busy engine takes it unwoken)
                     self.engine.wake()
-                if self._checks:  # after the engine has its work: beside its batch, not before it
-                    self.run_checks()
 
     def _serve(self) -> bool:
         """Under the lock: read the messages waiting (at most ``_BATCH``), send the outbox; True
@@ -649,6 +643,10 @@ class Router:
     def _on_step(self, ident: bytes, owner: bytes, step: Step, payloads: list, recv_t: float) -> None:
         locate = self._locate(ident, owner, step)
         taps, errors = validate_step(step, payloads, self.contract, self.limits, self.offer, locate)
+        dtype = row_layout(step.wire, self.contract, self.offer)[0]
+        bad_rows = nonfinite_rows(taps, dtype) if isinstance(taps, np.ndarray) else None  # not device rows
+        if bad_rows is not None and not bad_rows.any():
+            bad_rows = None  # the common case: no per-entry counts to take
         deadline = recv_t + step.budget_ms / 1000.0
         call = Call(ident, step.call_id, recv_t, deadline, [None] * len(step.entries), owner=owner)
         call.commit_follows = step.commit_follows
@@ -663,14 +661,14 @@ class Router:
         )
         works: list[Work] = []
         row = 0
-        checked = 0  # rows of entries that passed validation (their NaN/Inf rows are counted)
         for i, (e, err) in enumerate(zip(entries, errors, strict=True)):
             rows = taps[row : row + e.rows] if (taps is not None and e.rows) else None
             row += e.rows
             if err is not None:
                 self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
                 continue
-            checked += e.rows
+            if bad_rows is not None and e.rows and (n_bad := int(bad_rows[row - e.rows : row].sum())):
+                self._count_nonfinite(owner, n_bad)
             if not admitted[i]:
                 self._set(call, i, admission.overloaded("queue full"))
                 continue
@@ -706,10 +704,6 @@ class Router:
                     )
                 )
         answered_here = call.remaining == 0  # read before the engine may own `call`
-        if checked and isinstance(taps, np.ndarray):  # host rows (device rows: none to read here)
-            valid = None if checked == row else [err is None for err in errors]
-            self._checks.append((owner, taps, step.wire, entries, valid))
-            self.metrics.later.later(self.run_checks, None)  # a scrape counts it if this thread has not yet
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on
             self._handed = True
@@ -725,45 +719,12 @@ class Router:
             return partial(self.cuda_ipc.rows, ident, owner, spec=step.taps, call_id=step.call_id)
         return partial(self.rings.rows, ident, owner, call_id=step.call_id)
 
-    def run_checks(self, _: object = None) -> None:
-        """Count the NaN/Inf tap rows of the Steps admitted so far (``nonfinite_rows``; of their valid
-        entries only). The I/O thread runs them once it has handed a pass's work to the engine, so
-        they overlap the batch rather than delay it (the sample reads a cache line per run from
-        memory another process just wrote: about 0.13 ms for 64 sessions x 3 K3 rows on the 2-core
-        VM, which had been paid between a Step's arrival and its batch), and long before its replies:
-        a view of the rows held past the reply would keep their shm region from that reply's ack.
-        Any thread (a scrape, through the metric updates, so it never misses a row read); each Step
-        is checked once."""
-        while True:
-            try:
-                owner, taps, wire, entries, valid = self._checks.popleft()
-            except IndexError:
-                return
-            try:
-                self._check_nonfinite(owner, taps, wire, entries, valid)
-            except Exception:  # a metric: never the reason a thread (the I/O loop, a scrape) fails
-                log.exception("NaN/Inf count of a Step's rows failed")
-                self.metrics.io_errors.inc()
-
-    def _check_nonfinite(
-        self, owner: bytes, taps: np.ndarray, wire: str, entries: tuple, valid: list[bool] | None
-    ) -> None:
-        bad = nonfinite_rows(taps, row_layout(wire, self.contract, self.offer)[0])
-        if not bad.any():
-            return
-        if valid is not None:  # rows of entries refused as malformed are not counted
-            keep = np.repeat(np.asarray(valid), [e.rows for e in entries])
-            bad &= keep
-        if n_bad := int(bad.sum()):
-            self._count_nonfinite(owner, n_bad)
-
     def _count_nonfinite(self, owner: bytes, rows: int) -> None:
         """NaN/Inf taps never reach another session (the attention paths mask at the load); they
         are counted in a metric and per client, logged at the first and every 1,000th row."""
         self.metrics.nonfinite_rows.inc(rows)
-        with self._nonfinite_lock:  # counted by whichever thread flushes the metric updates
-            before = self._nonfinite_by_client.get(owner, 0)
-            self._nonfinite_by_client[owner] = before + rows
+        before = self._nonfinite_by_client.get(owner, 0)
+        self._nonfinite_by_client[owner] = before + rows
         if before == 0 or (before + rows) // 1000 > before // 1000:
             log.warning("client %r: %d tap rows with NaN/Inf so far", owner[-16:], before + rows)
 
