@@ -609,7 +609,7 @@ class Engine:
                 if wait > w.call.queue_s:
                     w.call.queue_s = wait
             ingest += _joined(items, self.chunk)
-        items = []  # nor the last session's items keep rows past the ingest (below)
+        items = []  # else the loop's last items keep their rows, and so their shm region, past the replies
         n_rows = sum(len(i.taps) for i in ingest)
         try:
             td = time.monotonic()
