@@ -51,6 +51,9 @@ def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -
         subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=repo, text=True).strip()
     )
     assert rep["rounds"] == 3 and "--scale 2" in rep["command"]
+    # every run kept as it came: the spread behind each median
+    assert sorted(r["rows"][0]["ms"] for r in rep["runs"]["after"]) in ([8, 8, 9], [8, 9, 9])
+    assert [r["tree"] for r in rep["runs"]["before"]] == [10, 10, 10]
 
 
 def test_merge() -> None:
