@@ -30,6 +30,7 @@ import os
 import re
 import struct
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -73,14 +74,15 @@ def region_bytes(rows_nbytes: int) -> int:
 # ---------------------------------------------------------------- the client's side
 
 
-def create(nbytes: int, pace_s: float = 0.0) -> tuple[RingAnnounce, mmap.mmap]:
+def create(nbytes: int, pace_s: float | Callable[[], float] = 0.0) -> tuple[RingAnnounce, mmap.mmap]:
     """A new ring of ``nbytes`` (rounded up to pages), mapped read-write; RingError when /dev/shm
     cannot hold it (e.g. a container's 64 MB default: ``--shm-size``).
 
     Every page is allocated and mapped before this returns: tens of milliseconds of the kernel
     zeroing pages (40-65 ms for 64 MiB on a 2-core VM). ``pace_s`` > 0 (a spare made beside live
     traffic) does it a ``PACE_BYTES`` piece at a time with a pause of ``pace_s`` after each, so it
-    never holds a core for more than about a millisecond at once."""
+    never holds a core for more than about a millisecond at once; a callable is asked for the pause
+    before each one (whoever waits for the ring can hurry it: 0 from then on)."""
     nbytes = max(HEADER_BYTES + 2 * mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     sweep_stale()
     nonce = os.urandom(16)
@@ -91,7 +93,7 @@ def create(nbytes: int, pace_s: float = 0.0) -> tuple[RingAnnounce, mmap.mmap]:
         raise RingError(f"cannot create shm ring {name}: {e.strerror or e}") from None
     try:
         os.ftruncate(fd, nbytes)
-        if pace_s > 0:
+        if callable(pace_s) or pace_s > 0:
             mm = _allocate_paced(fd, nbytes, pace_s)
         else:
             os.posix_fallocate(fd, 0, nbytes)  # every page now: a full /dev/shm fails here, not as SIGBUS later
@@ -108,7 +110,7 @@ def create(nbytes: int, pace_s: float = 0.0) -> tuple[RingAnnounce, mmap.mmap]:
     return RingAnnounce(name=name, nbytes=nbytes, nonce=nonce.hex()), mm
 
 
-def _allocate_paced(fd: int, nbytes: int, pace_s: float) -> mmap.mmap:
+def _allocate_paced(fd: int, nbytes: int, pace_s: float | Callable[[], float]) -> mmap.mmap:
     """``create``'s allocation and mapping, a piece at a time: allocate a piece's pages (a full
     /dev/shm fails here, as unpaced), map them by writing one byte per page (a zero, as they hold),
     pause. The mapping is unmapped again when a piece fails."""
@@ -119,7 +121,9 @@ def _allocate_paced(fd: int, nbytes: int, pace_s: float) -> mmap.mmap:
             b = min(nbytes, a + PACE_BYTES)
             os.posix_fallocate(fd, a, b - a)
             pages[a : b : mmap.PAGESIZE] = 0
-            time.sleep(pace_s)
+            pause = pace_s() if callable(pace_s) else pace_s
+            if pause > 0:
+                time.sleep(pause)
     except BaseException:
         del pages  # the mapping closes only with no view of it left
         mm.close()

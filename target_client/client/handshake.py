@@ -22,7 +22,8 @@ ring takes tens of milliseconds (every page allocated: 40-65 ms for 64 MiB on th
 when a step misses (the server may be gone) a spare is made on a thread of its own
 (``prepare_spare``), paced (``SPARE_PACE_S``: a MiB of pages, then a pause, so the engine's
 threads beside it never wait for a core long: about 0.2 s for 64 MiB), and the Hello after a
-restart names it at once; the spare goes when a step
+restart names it at once (one still being made, the server back sooner, is hurried and waited for:
+``SPARE_WAIT_S``); the spare goes when a step
 is answered in time on the same ring (the server was only slow or paused) ``SPARE_KEEP_S`` after
 the last miss, and at the end.
 
@@ -56,6 +57,7 @@ _CONTRACT_FIELDS = tuple(ModelContract.__struct_fields__)
 _HELLO_SEND_RETRY_S = 0.02  # retry of a Hello that could not be sent (no live connection yet)
 SPARE_KEEP_S = 30.0  # a spare ring outlives the last missed step by this long
 SPARE_PACE_S = 0.002  # a spare's pages are allocated a MiB at a time, with this pause after each
+SPARE_WAIT_S = 0.1  # a Hello that finds the spare still being made hurries it and waits this long at most
 
 Refusal = tuple[str, tuple[str, ...]]  # (message, the contract fields that differ)
 
@@ -92,6 +94,8 @@ class Handshake:
         self._spare: ClientRing | None = None  # made ahead, for the Hello after a restart
         self._spare_wanted = False  # a spare is being made or is there
         self._spare_lock = threading.Lock()  # the two above (the maker's thread sets ``_spare``)
+        self._spare_made = threading.Event()  # the maker is done (with a spare or without)
+        self._spare_hurry = False  # a Hello waits for the spare: no more pauses
         self._spare_failed = False  # no room for one: not tried again until a new ring is mapped
         self._last_miss = -math.inf  # when a step last missed (``prepare_spare``; ``drop_spare`` keeps it)
 
@@ -115,7 +119,7 @@ class Handshake:
         if self.ring is not None and self.ring.mapped:
             self.drop_ring()
         if self.ring is None:
-            spare = self._take_spare()  # made ahead (``prepare_spare``), else a new one now
+            spare = self._take_spare(wait_s=SPARE_WAIT_S)  # made ahead (``prepare_spare``), else a new one now
             self.spares_used += spare is not None
             try:
                 self.ring = spare if spare is not None else ClientRing(self.cfg.shm_ring_mib << 20)
@@ -135,11 +139,13 @@ class Handshake:
             if self._spare_wanted:
                 return
             self._spare_wanted = True
+            self._spare_hurry = False
+            self._spare_made.clear()
         threading.Thread(target=self._make_spare, name=f"draft-client-ring-{self.cfg.name}", daemon=True).start()
 
     def _make_spare(self) -> None:
         try:
-            ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20, pace_s=SPARE_PACE_S)
+            ring: ClientRing | None = ClientRing(self.cfg.shm_ring_mib << 20, pace_s=self._spare_pause)
         except RingError as e:
             log.warning("draft client %s: no spare shm ring (a restart makes one then): %s", self.cfg.name, e)
             self._spare_failed = True
@@ -150,11 +156,20 @@ class Handshake:
                 self._spare = ring
             else:
                 self._spare_wanted = False
+            self._spare_made.set()
         if not keep and ring is not None:  # let go meanwhile (taken, dropped, closed): on this thread
             ring.close()
 
-    def _take_spare(self) -> ClientRing | None:
-        """The spare, if it is made (else None: one still being made is closed by its maker)."""
+    def _spare_pause(self) -> float:
+        return 0.0 if self._spare_hurry else SPARE_PACE_S
+
+    def _take_spare(self, wait_s: float = 0.0) -> ClientRing | None:
+        """The spare, if it is made (else None: one still being made is closed by its maker). With
+        ``wait_s`` (a Hello that needs a ring), one still being made is hurried (no more pauses) and
+        waited for, that long at most: finishing it costs less than making another."""
+        if wait_s > 0 and self._spare_wanted and self._spare is None:
+            self._spare_hurry = True
+            self._spare_made.wait(wait_s)
         with self._spare_lock:
             spare, self._spare = self._spare, None
             self._spare_wanted = False

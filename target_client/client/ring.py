@@ -43,7 +43,7 @@ from target_client.client.regions import Regions
 class ClientRing:
     """One shared-memory ring of one client. See the module docstring."""
 
-    def __init__(self, nbytes: int, pace_s: float = 0.0) -> None:
+    def __init__(self, nbytes: int, pace_s: float | Callable[[], float] = 0.0) -> None:
         self.announce: RingAnnounce
         self.announce, self._mm = create(nbytes, pace_s)  # RingError when it cannot be made
         self.name = self.announce.name

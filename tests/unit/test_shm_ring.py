@@ -271,6 +271,48 @@ def test_open_ring_refuses_in_one_line() -> None:
         unlink(ann.name)
 
 
+def test_a_hello_that_finds_the_spare_still_being_made_hurries_it_and_names_it(monkeypatch) -> None:
+    """A server back before the spare is done (paced, it takes a while): the Hello hurries the spare
+    (no more pauses) and waits for it rather than make a second ring beside it on the loop's thread;
+    it names the spare, and only one ring was made. (Without the hurry, the Hello made a new ring at
+    once, unpaced, while the spare was still being made.)"""
+    import target_client.client.handshake as hs_mod
+
+    monkeypatch.setattr(hs_mod, "SPARE_PACE_S", 0.1)  # 8 pieces: 0.8 s unless hurried
+    monkeypatch.setattr(hs_mod, "SPARE_WAIT_S", 2.0)  # a slow machine still finds it made
+    hs = Handshake(ClientConfig("ipc:///x", transport="shm", shm_ring_mib=8), Counters(None))
+    name = hs.hello(1).ring.name  # type: ignore[union-attr]
+    hs.accept(_welcome(("frames", "shm"), name))
+    made: list[int] = []
+    real = hs_mod.ClientRing
+
+    def counting(nbytes: int, pace_s: object = 0.0) -> ClientRing:
+        made.append(nbytes)
+        return real(nbytes, pace_s)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hs_mod, "ClientRing", counting)
+    pauses: list[float] = []
+    real_pause = hs._spare_pause
+
+    def pause() -> float:
+        pauses.append(real_pause())
+        return pauses[-1]
+
+    hs._spare_pause = pause  # type: ignore[method-assign]
+    hs.prepare_spare(time.monotonic())  # a step missed: the spare starts, paced
+    time.sleep(0.05)
+    assert hs._spare is None and hs._spare_wanted  # still being made
+    assert hs.rehello()  # the server restarted: its Hello needs a ring now
+    ring = hs.hello(2).ring
+    try:
+        assert hs.spares_used == 1 and len(made) == 1, (hs.spares_used, made)
+        assert len(pauses) == 8 and pauses[0] == 0.1 and pauses[-1] == 0.0  # hurried: the last pieces unpaused
+        assert ring is not None and ring.name != name and len(_names()) == 1
+    finally:
+        hs.drop_ring(closing=True)
+    assert not _names()
+
+
 def test_paced_create_allocates_every_page_a_piece_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """A spare made beside live traffic (``pace_s``) pauses after every ``PACE_BYTES`` piece instead
     of holding a core for the whole segment, and still allocates every page (a full /dev/shm is a
@@ -473,7 +515,7 @@ def test_a_spare_ring_is_made_once_taken_once_and_not_retried_without_room(monke
     while hs._spare is None and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(made) == 1 and len(_names()) == 1  # one spare, named in /dev/shm until used
-    assert paces == [hs_mod.SPARE_PACE_S] and hs_mod.SPARE_PACE_S > 0  # made a piece at a time, beside traffic
+    assert len(paces) == 1 and paces[0]() == hs_mod.SPARE_PACE_S > 0  # made a piece at a time, beside traffic
     spare = hs._spare
     assert hs.rehello() and hs.hello(2).ring == spare.announce and hs.spares_used == 1  # type: ignore[union-attr]  # the Hello names it
     hs.accept(_welcome(("frames", "shm"), spare.name))  # type: ignore[union-attr]
