@@ -202,8 +202,9 @@ class Handshake:
         return self.ring
 
     def drop_ring(self, closing: bool = False) -> None:
-        """Let go of the ring (a refusal, the end). A CUDA IPC buffer is kept for the client's life
-        (re-exporting one per Hello would leave each old one held by torch's IPC ref counting): it
+        """Let go of the ring (a refusal, a ring the server lost, the end; but at the end an shm ring
+        is unmapped on a thread of its own, its name gone at once). A CUDA IPC buffer is kept for the
+        client's life (re-exporting one per Hello would leave each old one held by torch's IPC ref counting): it
         is only marked unmapped, and closed at the end."""
         if self.ring is None:
             return
@@ -211,7 +212,10 @@ class Handshake:
             self.ring.mapped = False
             return
         self.in_place_before += getattr(self.ring, "in_place_steps", 0)  # shm rings count them
-        self.ring.close()
+        if closing:
+            self.ring.close()
+        else:  # an shm ring (refused, or lost by the server): never unmapped on a step's path
+            self.ring.close(unmap_later=True)
         self.ring = None
 
     # -- sending the Hello

@@ -8,6 +8,7 @@ body a CUDA graph captures); float32, so greedy drafts must be identical token f
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -201,7 +202,10 @@ def test_a_mapped_shm_ring_is_registered_and_its_rows_skip_staging(tmp_path) -> 
     assert [o.tokens for o in drafter.draft(items)] == [o.tokens for o in plain.draft(items)]
     del view, src  # the engine's references to the rows: gone once the batch is done
     rings._last_sweep = 0.0
-    rings.sweep(1e12)  # idle: unmapped, and unregistered first
+    rings.sweep(1e12)  # idle: unmapped, and unregistered first (on a thread of their own)
+    end = time.monotonic() + 5.0
+    while fast._host_ranges and time.monotonic() < end:
+        time.sleep(0.002)
     assert fast._host_ranges == []
     ring.close()
 
