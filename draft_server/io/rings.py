@@ -74,6 +74,7 @@ class Rings:
         self._pin, self._unpin = pin, unpin
         self._by_ident: dict[bytes, dict[str, Ring]] = {}
         self._last_sweep = time.monotonic()
+        self._unmapping = threading.Lock()  # the threads that unpin and unmap dropped rings
 
     def __len__(self) -> int:
         return sum(len(r) for r in self._by_ident.values())
@@ -164,6 +165,10 @@ class Rings:
             threading.Thread(target=self._unmap, args=(ring,), name="draft-server-ring-unmap", daemon=True).start()
 
     def _unmap(self, ring: Ring) -> None:
+        with self._unmapping:  # one at a time (a sweep may drop several rings at once)
+            self._unmap_one(ring)
+
+    def _unmap_one(self, ring: Ring) -> None:
         if self._unpin is not None:
             self._unpin(memoryview(ring.mm))
         end = time.monotonic() + _UNMAP_TRIES_S

@@ -33,6 +33,7 @@ zero output), their block rows and padding ingest rows write into the cache's tr
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -181,6 +182,7 @@ class FastStep:
         self._landing_next = 0
         self._copy_stream = torch.cuda.Stream(self.dev) if self.dev.type == "cuda" else None
         self._host_ranges: list[tuple[int, int, np.ndarray]] = []  # registered host buffers: (start, end, bytes)
+        self._host_lock = threading.Lock()  # (un)registrations come from the I/O thread and the ring unmapper
         H = cfg.num_heads
         v_dim = model.layout.value_dims
         self._out_shape = (B, H, v_dim)
@@ -492,20 +494,23 @@ class FastStep:
             with torch.cuda.device(self.dev):  # any thread may call: the drafter's device, explicitly
                 if torch.cuda.cudart().cudaHostRegister(ptr, arr.nbytes, flags) != 0:
                     return False
-        self._host_ranges.append((ptr, ptr + arr.nbytes, arr))
+        with self._host_lock:
+            self._host_ranges = [*self._host_ranges, (ptr, ptr + arr.nbytes, arr)]
         return True
 
     def unregister_host(self, buf: memoryview) -> None:
-        """Undo ``register_host`` (the caller unmaps the buffer after this)."""
+        """Undo ``register_host`` (the caller unmaps the buffer after this). Any thread: the table is
+        replaced, never edited in place, so a step reading it meanwhile sees it whole."""
         ptr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
-        for i, (a, _, _) in enumerate(self._host_ranges):
-            if a == ptr:
-                if self.dev.type == "cuda":
-                    with torch.cuda.device(self.dev):
-                        torch.cuda.synchronize(self.dev)  # no copy may still read it
-                        torch.cuda.cudart().cudaHostUnregister(ptr)
-                del self._host_ranges[i]
+        with self._host_lock:
+            entry = next((r for r in self._host_ranges if r[0] == ptr), None)
+            if entry is None:
                 return
+            self._host_ranges = [r for r in self._host_ranges if r is not entry]  # no new copy reads it
+        if self.dev.type == "cuda":
+            with torch.cuda.device(self.dev):
+                torch.cuda.synchronize(self.dev)  # no copy may still read it
+                torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def _registered_runs(self, parts: Sequence[np.ndarray]) -> list[np.ndarray] | None:
         """``parts`` as views of registered memory, adjacent parts merged (one copy per run); None
