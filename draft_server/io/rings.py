@@ -29,12 +29,12 @@ import numpy as np
 
 from protocol import ErrorCode, ProtocolError
 from protocol.messages import RingAck, RingAnnounce, RowsAt
-from protocol.shm import RingError, open_ring, region_rows
+from protocol.shm import RingError, open_ring, region_rows, unmap
 
 log = logging.getLogger("draft_server.io")
 
 MAX_RINGS_PER_CONNECTION = 4  # a client re-Hellos with a new ring after a server-side loss; old ones go
-_UNMAP_TRIES_S = 1.0  # how long a ring's unmapping waits for the last region view's buffer to go
+_UNMAP_WAIT_S = 1.0  # how long a ring's unmapping waits for the last region view's buffer to go
 
 
 @dataclass(eq=False)
@@ -171,17 +171,10 @@ class Rings:
     def _unmap_one(self, ring: Ring) -> None:
         if self._unpin is not None:
             self._unpin(memoryview(ring.mm))
-        end = time.monotonic() + _UNMAP_TRIES_S
-        while True:
-            try:
-                ring.mm.close()
-                break
-            except BufferError:  # the last region view's buffer, let go right after its finalizer ran
-                if time.monotonic() > end:
-                    log.warning("shm ring %s: still viewed; unmapped with its last view", ring.name)
-                    return
-                time.sleep(0.001)
-        log.info("unmapped shm ring %s", ring.name)
+        if unmap(ring.mm, _UNMAP_WAIT_S):
+            log.info("unmapped shm ring %s", ring.name)
+        else:
+            log.warning("shm ring %s: still viewed; unmapped with its last view", ring.name)
 
     def close(self) -> None:
         for ident, rings in list(self._by_ident.items()):

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+# the shm soak smoke's settings (``tests/soak/test_soak_smoke.py`` runs them at seed 5)
 SMOKE = [
     "--duration-s", "36", "--warmup-s", "3", "--cooldown-s", "5", "--transport", "shm", "--engines", "2",
     "--sessions", "8", "--chaos", "kill,pause,drop,taps,nan,stale", "--kill-every-s", "9", "--pause-every-s", "11",

@@ -32,36 +32,17 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import mmap
 import threading
-import time
 import weakref
 from collections.abc import Callable
 
 import numpy as np
 
 from protocol import RingAck, RingAnnounce, RowsAt
-from protocol.shm import HEADER_BYTES, STAMP_BYTES, create, region_bytes, stamp_region, unlink, write_region
+from protocol.shm import HEADER_BYTES, STAMP_BYTES, create, region_bytes, stamp_region, unlink, unmap, write_region
 from target_client.client.regions import Regions
 
-_UNMAP_TRIES_S = 1.0  # how long a retiring thread waits for the last view's buffer to be let go
-
-
-def _unmap(mm: mmap.mmap) -> bool:
-    """Unmap ``mm``; False when a buffer of it is still exported (the mapping then goes with it)."""
-    try:
-        mm.close()
-    except BufferError:
-        return False
-    return True
-
-
-def _unmap_soon(mm: mmap.mmap) -> None:
-    """On a thread of its own: unmap ``mm`` once the array whose finalizer called this is gone (its
-    buffer is let go right after its finalizers run)."""
-    end = time.monotonic() + _UNMAP_TRIES_S
-    while not _unmap(mm) and time.monotonic() < end:
-        time.sleep(0.001)
+_UNMAP_WAIT_S = 1.0  # how long a retiring thread waits for the last view's buffer to be let go
 
 
 class ClientRing:
@@ -163,35 +144,29 @@ class ClientRing:
     def _retire_when_free(self, inline: bool) -> None:
         """After ``close``: page-unlock and unmap the segment once no claimed array lives (a
         device-to-host copy into one may still be in flight; the mapping lives as long as they do).
-        ``inline``: here (``close``); else on a thread of its own (the last claimed array's finalizer
-        runs on whichever thread dropped it, a caller's in the middle of a step)."""
+        ``inline``: here; else on a thread of its own (a last claimed array's finalizer runs on
+        whichever thread dropped it, a caller's in the middle of a step; ``close(unmap_later)``)."""
         with self._retire:
             if self._retired or not self._live_at_close <= set(self._let_go):
                 return
             self._retired = True
             unpin, self._unpin = self._unpin, None
         if inline:
-            self._let_go_of(unpin)
-            _unmap(self._mm)  # a view still alive somewhere: the mapping goes with it
-        else:
-            try:
-                name = "draft-client-ring-retire"
-                threading.Thread(target=self._retire_now, args=(unpin,), name=name, daemon=True).start()
-            except RuntimeError:  # the interpreter is shutting down: the mapping goes at exit
-                pass
-
-    def _retire_now(self, unpin: Callable[[], object] | None) -> None:
-        self._let_go_of(unpin)
-        _unmap_soon(self._mm)
-
-    @staticmethod
-    def _let_go_of(unpin: Callable[[], object] | None) -> None:
-        if unpin is None:
+            self._retire_now(unpin, wait_s=0.0)  # a view still alive somewhere: the mapping goes with it
             return
         try:
-            unpin()
-        except Exception:  # best effort: the pages go at exit anyway
+            name = "draft-client-ring-retire"
+            threading.Thread(target=self._retire_now, args=(unpin,), name=name, daemon=True).start()
+        except RuntimeError:  # the interpreter is shutting down: the mapping goes at exit
             pass
+
+    def _retire_now(self, unpin: Callable[[], object] | None, wait_s: float = _UNMAP_WAIT_S) -> None:
+        if unpin is not None:
+            try:
+                unpin()
+            except Exception:  # best effort: the pages go at exit anyway
+                pass
+        unmap(self._mm, wait_s)
 
     def in_place(self, rows: np.ndarray) -> RowsAt | None:
         """Where ``rows`` lie when they are the start of a claimed region that has not gone out: the
@@ -234,10 +209,6 @@ class ClientRing:
         """Unmap (the server's mapping, if any, lives on; so does this one while a claimed array
         views it) and remove the name if it is still there. ``unmap_later``: the name goes now, the
         unmapping (15-20 ms for a populated 64 MiB ring on the 2-core VM) on a thread of its own."""
-        if unmap_later:
-            self._unlink()
-            threading.Thread(target=self.close, name="draft-client-ring-close", daemon=True).start()
-            return
         self._unlink()
         with self._lock:
             if self._closed:
@@ -245,4 +216,4 @@ class ClientRing:
             self._drain()
             self._live_at_close = {rid for rid, _ in self._claims.values()}
             self._closed = True
-        self._retire_when_free(inline=True)
+        self._retire_when_free(inline=not unmap_later)

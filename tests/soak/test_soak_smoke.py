@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from draft_tools.bench.restart_steps import SMOKE as SHM_SMOKE
 from draft_tools.soak.run import ALL_MODES as MODES
 from tests.conftest import ROOT
 
@@ -176,10 +177,8 @@ def test_soak_smoke_shm_ring_rows_in_place(tmp_path):
     while the server was down), pauses, dropped messages, NaN taps and stale-step storms. Every
     invariant holds, every engine sent rows in place, and no ring name is left in /dev/shm."""
     out = tmp_path / "soak-shm"
-    cmd = [sys.executable, "-m", "draft_tools.soak", "--duration-s", "36", "--warmup-s", "3", "--cooldown-s", "5"]
-    cmd += ["--transport", "shm", "--engines", "2", "--sessions", "8", "--chaos", "kill,pause,drop,taps,nan,stale"]
-    cmd += ["--kill-every-s", "9", "--pause-every-s", "11", "--pause-ms", "500", "--drop-request-p", "0.01"]
-    cmd += ["--drop-reply-p", "0.01", "--neighbour-every-s", "9", "--seed", "5", "--out", str(out)]
+    # the settings ``draft_tools.bench.restart_steps`` reruns (its first steps after each restart)
+    cmd = [sys.executable, "-m", "draft_tools.soak", *SHM_SMOKE, "--seed", "5", "--out", str(out)]
     report, stdout, code, failed, jitter = run_soak(cmd)
     assert not failed, json.dumps(failed, indent=1)[:4000]
     assert code == (1 if jitter else 0), stdout[-3000:]

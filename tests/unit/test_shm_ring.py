@@ -236,15 +236,15 @@ def test_a_lost_rings_mapping_never_goes_on_the_thread_that_drops_it(monkeypatch
 
     unmapped: list[str] = []
     ours: list[object] = []  # the mappings of this test's rings (another test's ring may go meanwhile)
-    real = ring_mod._unmap
+    real = ring_mod.unmap
 
-    def spy(mm) -> bool:
-        ok = real(mm)
+    def spy(mm, wait_s: float = 0.0) -> bool:
+        ok = real(mm, wait_s)
         if ok and any(mm is m for m in ours):
             unmapped.append(threading.current_thread().name)
         return ok
 
-    monkeypatch.setattr(ring_mod, "_unmap", spy)
+    monkeypatch.setattr(ring_mod, "unmap", spy)
     ring = ClientRing(1 << 20)
     ours.append(ring._mm)
     name = ring.name
@@ -274,7 +274,7 @@ def test_a_lost_rings_mapping_never_goes_on_the_thread_that_drops_it(monkeypatch
     ours.append(nxt._mm)
     try:
         assert nxt.name != name
-        assert _eventually(lambda: unmapped[1:] == ["draft-client-ring-close"]), unmapped
+        assert _eventually(lambda: unmapped[1:] == ["draft-client-ring-retire"]), unmapped
         assert _eventually(lambda: not _mapped(name))
     finally:
         hs.drop_ring(closing=True)
