@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,11 +14,49 @@ import time
 import urllib.request
 from typing import IO, Any
 
+_PORTS_HANDED: set[int] = set()
+_PORTS_LOCK = threading.Lock()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel may give an outgoing connection (``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port nobody holds, for a server started next to bind.
+
+    Picked below the kernel's ephemeral range: a port from ``bind(("", 0))`` comes from that range,
+    so between this call and the server's bind any outgoing connection (a ZeroMQ connect, a scrape)
+    may take it as its local port, and the server then fails with "in use" (CI saw it once in ~900
+    starts). Ports are not handed out twice by one process; a random pick keeps processes apart.
+    """
+    low = _ephemeral_low()
+    first = max(10000, low - 12000)
+    if low - first < 1000:  # an unusual range: fall back to the kernel's pick
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    pick = random.Random(int.from_bytes(os.urandom(8), "little"))
+    with _PORTS_LOCK:
+        if len(_PORTS_HANDED) > (low - first) // 2:
+            _PORTS_HANDED.clear()
+        for _ in range(1000):
+            port = pick.randrange(first, low)
+            if port in _PORTS_HANDED:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _PORTS_HANDED.add(port)
+            return port
+    raise RuntimeError(f"no free loopback port in {first}..{low - 1}")
 
 
 def scrape(port: int, timeout: float = 5.0) -> dict[str, float]:
