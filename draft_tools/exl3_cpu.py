@@ -181,15 +181,6 @@ def write_exl3_checkpoint(
     return write_checkpoint(src, out, encode, bits, codebook, "draft_tools.exl3_cpu", modules, seed, log=log, **names)
 
 
-def dequantized_error(q: dict[str, torch.Tensor], weight: torch.Tensor, codebook: str) -> float:
-    """Relative RMS error of an encoded linear against the dense weight [out, in]."""
-    from draft_server.models.exl3.decode import dense_weight
-
-    w = dense_weight(decode_inner(q["trellis"], codebook), q["suh"], q["svh"])
-    w = w[: weight.shape[1], : weight.shape[0]].t()
-    return ((w - weight.double()).norm() / weight.double().norm()).item()
-
-
 def write_cpu_fixtures(out: str, seed: int = 0) -> list[str]:
     """Regression fixtures for the decoder, made on the CPU (``source=draft_tools-cpu``): random trellis bits
     for every codebook and K in 1..8 at [128, 256], with the sha256 of the decoded fp16 ``Wq`` in the metadata.

@@ -157,9 +157,6 @@ class CudaBuffers:
         )
         return ann.name
 
-    def holds(self, ident: bytes, name: str) -> bool:
-        return name in self._by_ident.get(ident, {})
-
     def rows(self, ident: bytes, owner: bytes, at: RowsAt, spec: TensorSpec, call_id: int) -> DeviceRows:
         """The rows of region ``at`` (``spec``'s dtype and shape), copied into this server's device memory."""
         buf = self._by_ident.get(ident, {}).get(at.ring)

@@ -13,17 +13,16 @@ and delivered stale. Besides, a fraction ``phase_drop_p`` of the Steps whose ent
 ``phases`` (``protocol.Phase`` names: "taps", "commit") is dropped: the faults between an early
 Taps and its Commit.
 
-Runs in its own process (``run_proxy``) so that its work never competes with a client's GIL;
-SIGTERM stops it and it writes its counters and event log as JSON.
+The soak runs its proxies in a process of their own (``draft_tools.soak.run.run_proxies``), so
+their work never competes with a client's GIL; SIGTERM stops them and their counters and event
+log are written as JSON.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 import os
 import random
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -222,19 +221,3 @@ class ChaosProxy:
                 s.close(0)
             self._front.close(0)
             self._ctx.term()
-
-
-def run_proxy(cfg: ProxyConfig, stats_path: str, ready: Any = None) -> None:
-    """Process entry point: proxy until SIGTERM, then write the stats JSON to ``stats_path``."""
-    proxy = ChaosProxy(cfg)
-    signal.signal(signal.SIGTERM, lambda *_: proxy.stop())
-    signal.signal(signal.SIGINT, lambda *_: proxy.stop())
-    if ready is not None:
-        ready.set()
-    try:
-        proxy.run()
-    finally:
-        tmp = stats_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(proxy.stats.as_dict(), f)
-        os.replace(tmp, stats_path)
