@@ -40,7 +40,13 @@ CHECKSUM_CONTRACT = ModelContract(
 )
 
 
-SLACK_MS = float(os.environ.get("DRAFT_CLIENT_TEST_SLACK_MS", "5.0"))
+# What a timed call may take past its budget, besides the host time ``host_delay_ms`` measures. On
+# this 2-core VM 300 steps the server never answers return at most 1.7 ms past a 25 ms budget
+# (median 0.5); a CI run once saw 9 ms more (1.1 ms of it on the run queue, no GC, three threads
+# alive in the process), which nothing here measures: a page fault waiting on the disk, a vCPU
+# descheduled. 10 ms still catches any wait that blocks past its deadline. The message of a miss
+# names the host's stall time meanwhile (PSI), to tell the two apart.
+SLACK_MS = float(os.environ.get("DRAFT_CLIENT_TEST_SLACK_MS", "10.0"))
 
 
 _GC_PAUSE_NS = 0
@@ -82,14 +88,44 @@ def host_delay_ms() -> float:
     return (max(_run_delay_ns(), _proc_run_delay_ns()) + _GC_PAUSE_NS) / 1e6 + steal
 
 
+def _pressure_ms() -> dict[str, float]:
+    """Host-wide stall time so far (ms, Linux PSI): some task waiting for a CPU, every task waiting
+    on I/O or memory. Empty where /proc/pressure is missing."""
+    out: dict[str, float] = {}
+    for res, kind in (("cpu", "some"), ("io", "full"), ("memory", "full")):
+        try:
+            with open(f"/proc/pressure/{res}") as f:
+                for line in f:
+                    if line.startswith(kind):
+                        out[f"{res}_{kind}"] = int(line.rsplit("total=", 1)[1]) / 1000.0
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def time_marks() -> tuple[float, float, dict[str, float]]:
+    """Where a timed call starts: (host delay, monotonic time, PSI totals); see ``check_on_time``."""
+    return host_delay_ms(), time.monotonic(), _pressure_ms()
+
+
+def check_on_time(marks: tuple[float, float, dict[str, float]], budget_ms: float, what: str = "step") -> None:
+    """Assert that the call begun at ``marks`` took at most budget + SLACK_MS of the client's own time."""
+    q0, t0, p0 = marks
+    took, host = (time.monotonic() - t0) * 1000.0, host_delay_ms() - q0
+    if took - host <= budget_ms + SLACK_MS:
+        return
+    stalls = ", ".join(f"{k} {v - p0.get(k, 0.0):.2f} ms" for k, v in _pressure_ms().items())
+    raise AssertionError(
+        f"{what} took {took:.2f} ms ({host:.2f} ms on the run queue or in GC) with a {budget_ms:.1f} ms budget "
+        f"(host stalls meanwhile: {stalls or 'no PSI'})"
+    )
+
+
 def assert_on_time(call, budget_ms: float, what: str = "step"):
     """Run call(); assert it took at most budget + SLACK_MS of the client's own time."""
-    q0, t0 = host_delay_ms(), time.monotonic()
+    marks = time_marks()
     out = call()
-    took, host = (time.monotonic() - t0) * 1000.0, host_delay_ms() - q0
-    assert took - host <= budget_ms + SLACK_MS, (
-        f"{what} took {took:.2f} ms ({host:.2f} ms on the run queue or in GC) with a {budget_ms:.1f} ms budget"
-    )
+    check_on_time(marks, budget_ms, what)
     return out
 
 

@@ -45,6 +45,7 @@ BUDGET_MS = 50.0
 SESSIONS = 64
 TTL_S = 3.0
 MIN_CALLS = 300  # calls per engine that the checks below rest on
+BUSY_HOST_MS = 5.0  # an engine call that lost this much to the run queue or steal: the host was busy
 
 
 def _cols(engine: dict, table: str, columns: str) -> tuple[np.ndarray, list[str]]:
@@ -117,7 +118,7 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
     for e in engines:
         assert e["error"] is None, e["error"]
 
-    # every wait within budget + 5 ms, net of run-queue wait and steal
+    # every wait within budget + SLACK_MS, net of run-queue wait and steal
     over = []
     for e in engines:
         calls, cols = _cols(e, "calls", "call_columns")
@@ -162,7 +163,7 @@ def test_four_servers_two_engines_kill_and_pause(tmp_path, server_factory):
             # engine cannot see otherwise), or a live server read a step past its budget (expired:
             # it sat behind the load). CI's 2 cores once opened breakers on all four servers at once.
             win = (c["t0"] >= m["t_first_miss"][i] - 0.001) & (c["t0"] < m["t_back"][i])
-            busy = (host[win] > SLACK_MS) | (c["psi_ms"][win] > 0.5 * c["budget_ms"][win])
+            busy = (host[win] > BUSY_HOST_MS) | (c["psi_ms"][win] > 0.5 * c["budget_ms"][win])
             loaded = bool(busy.any() or c["expired"][win].sum() > 0)
             rec = {
                 "since_kill_s": round(float(m["t_first_miss"][i] - t_kill), 3),
