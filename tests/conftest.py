@@ -90,17 +90,10 @@ def host_delay_ms() -> float:
 
 def _pressure_ms() -> dict[str, float]:
     """Host-wide stall time so far (ms, Linux PSI): some task waiting for a CPU, every task waiting
-    on I/O or memory. Empty where /proc/pressure is missing."""
-    out: dict[str, float] = {}
-    for res, kind in (("cpu", "some"), ("io", "full"), ("memory", "full")):
-        try:
-            with open(f"/proc/pressure/{res}") as f:
-                for line in f:
-                    if line.startswith(kind):
-                        out[f"{res}_{kind}"] = int(line.rsplit("total=", 1)[1]) / 1000.0
-        except (OSError, ValueError, IndexError):
-            pass
-    return out
+    on I/O or memory."""
+    from draft_tools.soak.engine import _psi_ms
+
+    return {f"{r}_{k}": _psi_ms(r, k) for r, k in (("cpu", "some"), ("io", "full"), ("memory", "full"))}
 
 
 def time_marks() -> tuple[float, float, dict[str, float]]:
@@ -117,7 +110,7 @@ def check_on_time(marks: tuple[float, float, dict[str, float]], budget_ms: float
     stalls = ", ".join(f"{k} {v - p0.get(k, 0.0):.2f} ms" for k, v in _pressure_ms().items())
     raise AssertionError(
         f"{what} took {took:.2f} ms ({host:.2f} ms on the run queue or in GC) with a {budget_ms:.1f} ms budget "
-        f"(host stalls meanwhile: {stalls or 'no PSI'})"
+        f"(host stalls meanwhile: {stalls})"
     )
 
 

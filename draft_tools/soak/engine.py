@@ -246,14 +246,23 @@ def _steal_ms() -> float:
         return 0.0
 
 
-def _psi_cpu_ms() -> float:
-    """Host-wide CPU pressure so far: time in which some runnable task waited for a CPU (ms; PSI
-    ``some total``, any process's, the servers' included), 0 if unknown."""
+def _psi_ms(resource: str = "cpu", kind: str = "some") -> float:
+    """Host-wide pressure stall time so far (ms; Linux PSI ``/proc/pressure/RESOURCE``, line ``KIND``'s
+    ``total``, any process's), 0 if unknown."""
     try:
-        with open("/proc/pressure/cpu", "rb") as f:
-            return int(f.readline().rsplit(b"total=", 1)[1]) / 1000.0
+        with open(f"/proc/pressure/{resource}", "rb") as f:
+            for line in f:
+                if line.startswith(kind.encode()):
+                    return int(line.rsplit(b"total=", 1)[1]) / 1000.0
     except (OSError, ValueError, IndexError):
-        return 0.0
+        pass
+    return 0.0
+
+
+def _psi_cpu_ms() -> float:
+    """Host-wide CPU pressure so far: time in which some runnable task waited for a CPU (the servers'
+    included)."""
+    return _psi_ms("cpu", "some")
 
 
 def _thread_sched_ns() -> tuple[int, int]:
