@@ -7,7 +7,8 @@ unprofiled, then a few steps under torch.profiler with the step's host phases an
 ships). The chrome trace of each goes to ``--trace-dir`` (gzip); the JSON has, per step, its wall
 time, the GPU's busy time (the union of kernels and copies), the time before the GPU's first
 work and after its last, the gaps between (with the host phase that was running when each began),
-and each phase's host time.
+and each phase's host time; and, unprofiled, each phase's host time by ``time.perf_counter``
+(``host_clock_us``: the profiler's own cost inflates the traced host phases several times).
 
     python3 -m draft_tools.bench.step_timeline --presets k3 --batches 1,8,64 --out $OUT/step_timeline.json
 """
@@ -64,6 +65,41 @@ def annotate() -> Callable[[], None]:
             setattr(owner, attr, fn)
 
     return undo
+
+
+def host_clock(step: Callable[[], Any], iters: int) -> dict[str, float]:
+    """Unprofiled host time of each phase (inclusive, ``time.perf_counter`` around the same methods
+    ``annotate`` marks, and the step's closing stream wait), medians over ``iters`` steps, in us."""
+    acc: dict[str, float] = {}
+    saved = []
+    targets = {**PHASES, "stream.synchronize": (torch.cuda.Stream, "synchronize")}
+    for name, (owner, attr) in targets.items():
+        fn = getattr(owner, attr)
+
+        def wrapped(*a: Any, __fn: Any = fn, __name: str = name, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return __fn(*a, **kw)
+            finally:
+                acc[__name] = acc.get(__name, 0.0) + time.perf_counter() - t0
+
+        functools.update_wrapper(wrapped, fn)
+        setattr(owner, attr, wrapped)
+        saved.append((owner, attr, fn))
+    rows: list[dict[str, float]] = []
+    try:
+        for i in range(iters + 3):
+            acc.clear()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            if i >= 3:
+                rows.append({"wall": time.perf_counter() - t0, **acc})
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+    keys = sorted({k for r in rows for k in r})
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows) * 1e6, 1) for k in keys}
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -155,6 +191,8 @@ def run_preset(name: str, batches: list[int], trace_dir: str, steps: int) -> dic
         S.rewind(ks, CTX)
         t = timed(lambda ks=ks: S.step(ks), 30)
         S.rewind(ks, CTX)
+        clock = host_clock(lambda ks=ks: S.step(ks), 30)
+        S.rewind(ks, CTX)
         undo = annotate()
         try:
             from torch.profiler import ProfilerActivity, profile
@@ -178,12 +216,13 @@ def run_preset(name: str, batches: list[int], trace_dir: str, steps: int) -> dic
         os.remove(path)
         rows = analyse(trace)
         summary = {k: _median_of(rows, k) for k in ("wall_us", "gpu_busy_us", "head_us", "tail_us", "gap_us")}
-        out[str(n)] = {"timed_ms": t, "profiled_median_us": summary, "steps": rows}
+        out[str(n)] = {"timed_ms": t, "host_clock_us": clock, "profiled_median_us": summary, "steps": rows}
         log(
             f"{name} B={n:3d} step {t['median_ms']:.3f} ms | profiled wall {summary['wall_us']:.0f} us, GPU busy "
             f"{summary['gpu_busy_us']:.0f}, head {summary['head_us']:.0f}, gaps {summary['gap_us']:.0f}, "
             f"tail {summary['tail_us']:.0f} | gaps by phase {rows[len(rows) // 2]['gaps_by_phase_us']}"
         )
+        log(f"    host clock (unprofiled, us): {clock}")
     d.close()
     return out
 
