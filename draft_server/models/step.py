@@ -1,10 +1,11 @@
 """The fast draft step: paged attention kernels, the Markov chain on the device, CUDA graphs.
 
 ``FastStep`` owns static device buffers sized for the largest batch, and one pinned host buffer
-that carries every per-step integer (block ids, positions, scratch slots, context spans, the
-ragged page list) to the device in one copy. Greedy draft steps run the same body
+that carries every per-step integer (each session's anchor, position, context span and block
+width; the ragged page list) to the device in one copy. Greedy draft steps run the same body
 
-    plan the split-K work -> block forward over ``PagedContext`` -> logits -> k Markov steps
+    the block rows' ids, positions and cache slots from those (one kernel) -> plan the split-K
+    work -> block forward over ``PagedContext`` -> logits -> k Markov steps
     (argmax, Markov bias, confidence) -> tokens and confidence into static outputs
 
 either captured as a CUDA graph per session bucket (1, 2, 4, ... sessions, each with a fixed
@@ -77,6 +78,7 @@ ONE_SESSION_MLA_CHUNK = 128
 # (decode steps) copy on the step's stream, with no extra device copy.
 PIPELINED_ROWS = 512
 SMALL_INGEST_ROWS = 64  # an ingest of at most this many rows works out its slots in plain Python
+SESSION_FIELDS = ("anchor", "t0", "lo", "pos", "first", "width")  # a draft's per-session step inputs, in order
 
 
 _HOST_REGISTER_PORTABLE, _HOST_REGISTER_READ_ONLY = 0x01, 0x08  # cudaHostRegister flags
@@ -141,21 +143,22 @@ class FastStep:
         self.n_max, self.r_max = self.session_buckets[-1], self.row_buckets[-1]
         self.pages_cap = min(cache.num_pages + 1, max_context // self.P + 2) + self.n_max * 2
         n, B = self.n_max, self.B
-        # packed int32 step inputs: ids | positions | slots | lo | pos | first | width | pages (ragged)
+        # packed int32 step inputs, per session: anchor | t0 (its first block position) | lo | pos |
+        # first | width, then the count of real sessions, then the pages (ragged). The block rows'
+        # ids, positions and slots are made from them on the device (``pa.stage_rows``).
         self._off: dict[str, tuple[int, int]] = {}
-        o = 0
-        per_row, per_session = ("ids", "positions", "slots"), ("lo", "pos", "first", "width")
-        for name, size in [(k, n * B) for k in per_row] + [(k, n) for k in per_session]:
-            self._off[name] = (o, o + size)
-            o += size
-        self._pages_at = o
-        total = o + self.pages_cap
+        for i, name in enumerate(SESSION_FIELDS):
+            self._off[name] = (i * n, (i + 1) * n)
+        self._count_at = len(SESSION_FIELDS) * n
+        self._pages_at = self._count_at + 1
+        total = self._pages_at + self.pages_cap
         pin = self.dev.type == "cuda"
         self.host = torch.empty(total, dtype=torch.int32, pin_memory=pin)
         self.host_np = self.host.numpy()
         self.stage = torch.empty(total, dtype=torch.int32, device=self.dev)
-        self.ids = self._view("ids").view(n, B)
-        self.positions = self._view("positions").view(n, B)
+        self.ids = torch.zeros(n, B, dtype=torch.int32, device=self.dev)
+        self.positions = torch.zeros(n, B, dtype=torch.int32, device=self.dev)
+        self.slots = torch.full((n, B), cache.trash_slot, dtype=torch.int32, device=self.dev)
         # outputs: tokens [n, B] int64, confidence [n, B] float32, packed for one D2H
         self.out = torch.zeros(n, 2 * B, dtype=torch.float64, device=self.dev)
         self.out_host = torch.empty(n, 2 * B, dtype=torch.float64, pin_memory=pin)
@@ -244,7 +247,7 @@ class FastStep:
             first=self._view("first")[:n],
             lo=self._view("lo")[:n],
             pos=self._view("pos")[:n],
-            slots=self._view("slots")[: n * B],  # int32: the kernels writing cache rows read it as is
+            slots=self.slots[:n].view(n * B),  # int32: the kernels writing cache rows read it as is
             width=self._view("width")[:n],
             plan=pa.WorkPlan.empty(n, capacity, rows=B, chunk=chunk, page_size=self.P, device=self.dev),
             workspace=self._workspace(capacity),
@@ -260,6 +263,10 @@ class FastStep:
     def _block(self, n: int, batch: PagedBatch) -> torch.Tensor:
         """The block forward of the staged batch over the paged cache: z [n, B, H]."""
         m = self.m
+        pa.stage_rows(
+            self.stage[: self._pages_at], self._pages(), self.ids[:n], self.positions[:n], self.slots[:n],
+            mask_id=m.cfg.mask_token_id, trash_slot=self.cache.trash_slot, page_size=self.P,
+        )  # fmt: skip
         plan: pa.WorkPlan = batch.plan  # type: ignore[assignment]
         if self.flash is None or batch.mixed:
             pa.plan_work(batch.lo, batch.pos, rows=self.B, chunk=plan.chunk, page_size=self.P, out=plan)
@@ -342,9 +349,7 @@ class FastStep:
         """Inputs of an all-padding batch: capture and warm runs write only into the trash page."""
         h = self.host_np
         n, B = self.n_max, self.B
-        h[slice(*self._off["ids"])] = 0
-        h[slice(*self._off["positions"])] = 0
-        h[slice(*self._off["slots"])] = self.cache.trash_slot
+        h[: self._pages_at] = 0  # no real session: every block row is padding
         h[slice(*self._off["lo"])] = 1
         h[slice(*self._off["pos"])] = 0
         h[slice(*self._off["first"])] = 0
@@ -609,50 +614,42 @@ class FastStep:
 
     def _stage(self, items: Sequence[DraftItem]) -> tuple[int, int, list[int], bool]:
         """Fill the packed step inputs of ``items`` (padded to their session bucket) and copy them to
-        the device; returns (sessions, bucket, context lengths, mid). ``mid``: FlashMLA serves the batch
-        only with the Triton kernel beside it, because some session's context starts mid-page (FlashMLA
-        reads a sequence from its table's first token). The cache starts every span on a page boundary,
-        so only a draft asked from a later start than its span's (never the server's engine) does."""
+        the device; returns (sessions, bucket, context lengths, mid). The host writes per session
+        scalars and the ragged page list only; the block rows' ids, positions and slots are made on
+        the device (``_block``). ``mid``: FlashMLA serves the batch only with the Triton kernel beside
+        it, because some session's context starts mid-page (FlashMLA reads a sequence from its table's
+        first token). The cache starts every span on a page boundary, so only a draft asked from a
+        later start than its span's (never the server's engine) does."""
         n = len(items)
         B, P = self.B, self.P
         nb = _bucket(n, self.session_buckets)
         h = self.host_np
-        ids = h[slice(*self._off["ids"])].reshape(self.n_max, B)
-        positions = h[slice(*self._off["positions"])].reshape(self.n_max, B)
-        slots = h[slice(*self._off["slots"])].reshape(self.n_max, B)
-        lo, pos, first, width = (h[slice(*self._off[k])] for k in ("lo", "pos", "first", "width"))
         pages = h[self._pages_at :]
-        starts = np.fromiter((it.start for it in items), dtype=np.int64, count=n)
-        anchor_pos = np.fromiter((it.pos for it in items), dtype=np.int64, count=n)
-        origins = np.empty(n, dtype=np.int64)
-        used = 0
-        for i, it in enumerate(items):  # the ragged page list: each session's pages over [start, pos + B)
-            origins[i], pg = self.cache.pages(it.key, it.start, it.pos + B)
-            if used + len(pg) > self.pages_cap:
+        cols: list[tuple[int, int, int, int, int, int]] = []
+        lens: list[int] = []
+        used, mid = 0, False
+        cache_pages, width = self.cache.pages, self.width
+        for it in items:  # the ragged page list: each session's pages over [start, pos + B)
+            origin, pg = cache_pages(it.key, it.start, it.pos + B)
+            k = len(pg)
+            if used + k > self.pages_cap:
                 raise RuntimeError("a batch's pages exceed the fast path's page list")
-            pages[used : used + len(pg)] = pg
-            first[i] = -used  # row stride 0: the offset is folded into first
-            used += len(pg)
-        # the kernels see positions from each session's first page (the cache's origin): a context
-        # starts at 0 there, on a page boundary, wherever it starts in the sequence
-        t = anchor_pos[:, None] + np.arange(B)
-        rel = t - origins[:, None]
-        idx = rel // P - (first[:n, None].astype(np.int64))  # index into the ragged list
-        slots[:n] = pages[idx] * P + rel % P
-        ids[:n, 0] = np.fromiter((it.anchor for it in items), dtype=np.int64, count=n)
-        ids[:n, 1:] = self.m.cfg.mask_token_id
-        positions[:n] = t  # RoPE: absolute positions
-        lo[:n], pos[:n] = starts - origins, anchor_pos - origins
-        mid = self.flash is not None and bool((lo[:n] % P).any())
-        width[:n] = np.fromiter((self.width(it.k) for it in items), dtype=np.int64, count=n)
-        lens = (anchor_pos - starts).tolist()
-        ids[n:nb] = 0  # padding sessions
-        positions[n:nb] = 0
-        slots[n:nb] = self.cache.trash_slot
-        lo[n:nb], pos[n:nb], first[n:nb], width[n:nb] = 1, 0, 0, B
+            pages[used : used + k] = pg
+            # the kernels see positions from each session's first page (the cache's origin): a
+            # context starts at 0 there, on a page boundary, wherever it starts in the sequence
+            lo = it.start - origin
+            cols.append((it.anchor, it.pos, lo, it.pos - origin, -used, width(it.k)))  # first: row stride 0
+            mid = mid or lo % P != 0
+            lens.append(it.pos - it.start)
+            used += k
+        per = h[: self._count_at].reshape(len(SESSION_FIELDS), self.n_max)
+        per[:, :n] = np.array(cols, dtype=np.int64).T
+        if nb > n:  # padding sessions: no context, no work (lo > pos)
+            per[2:, n:nb] = ((1,), (0,), (0,), (B,))
+        h[self._count_at] = n
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
-        return n, nb, lens, mid
+        return n, nb, lens, mid and self.flash is not None
 
     # ------------------------------------------------------------------ start-up check
 

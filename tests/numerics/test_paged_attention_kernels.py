@@ -285,3 +285,39 @@ def test_block_width_narrows_what_a_non_causal_block_sees(layout: str) -> None:
     full = case.run(causal=False)
     assert _bitwise_equal(got[0], full[0])  # width Bq: unchanged
     assert not torch.allclose(got[1], full[1])  # width 1: the block's other rows are out of sight
+
+
+def test_stage_rows_matches_host_form_and_pads() -> None:
+    """The draft batch's block rows made on the device (``stage_rows``) equal the host's form: ids
+    (anchor, then the mask id), absolute positions, and slots through each session's ragged pages
+    from its first page's offset 0; sessions past the count get ids 0, positions 0 and the trash slot."""
+    P, rows, n_max, mask_id, trash = 4, ROWS, 8, 99, 1000
+    g = torch.Generator().manual_seed(3)
+    # (anchor, absolute start of the block, origin): the block's rows sit at pos = t0 - origin onward
+    sessions = [(5, 40, 36), (7, 9, 0), (11, 130, 124)]
+    scalars = torch.zeros(6 * n_max + 1, dtype=torch.int32)
+    pages: list[int] = []
+    want_ids, want_pos, want_slots = [], [], []
+    for i, (anchor, t0, origin) in enumerate(sessions):
+        pos = t0 - origin
+        mine = torch.randperm(200, generator=g)[: (pos + rows - 1) // P + 1].tolist()
+        for f, v in enumerate((anchor, t0, 0, pos, -len(pages), rows)):
+            scalars[f * n_max + i] = v
+        want_ids.append([anchor] + [mask_id] * (rows - 1))
+        want_pos.append([t0 + j for j in range(rows)])
+        want_slots.append([mine[(pos + j) // P] * P + (pos + j) % P for j in range(rows)])
+        pages.extend(mine)
+    scalars[6 * n_max] = len(sessions)
+    nb = 5  # two padding sessions
+    for _ in range(nb - len(sessions)):
+        want_ids.append([0] * rows)
+        want_pos.append([0] * rows)
+        want_slots.append([trash] * rows)
+    ids, positions, slots = (torch.full((nb, rows), -7, dtype=torch.int32, device=DEVICE) for _ in range(3))
+    pa.stage_rows(
+        scalars.to(DEVICE), torch.tensor(pages, dtype=torch.int32, device=DEVICE), ids, positions, slots,
+        mask_id=mask_id, trash_slot=trash, page_size=P,
+    )  # fmt: skip
+    assert ids.cpu().tolist() == want_ids
+    assert positions.cpu().tolist() == want_pos
+    assert slots.cpu().tolist() == want_slots

@@ -302,6 +302,57 @@ def plan_work(
 # Kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
+def _stage_kernel(
+    SCALARS, PAGES, IDS, POSITIONS, SLOTS, n_max, mask_id, trash_slot,
+    ROWS: tl.constexpr, PAGE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program i: row inputs of session i (ids, positions, slots), or of a padding session when
+    i >= the real count (ids 0, positions 0, slots in the trash page)."""
+    i = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    jm = j < ROWS
+    real = (j * 0 + i) < tl.load(SCALARS + 6 * n_max)  # a block, as the interpreter's masks must be
+    anchor = tl.load(SCALARS + i)
+    t0 = tl.load(SCALARS + n_max + i)
+    pos = tl.load(SCALARS + 3 * n_max + i)
+    used = -tl.load(SCALARS + 4 * n_max + i)
+    rel = pos + j
+    page = tl.load(PAGES + used + rel // PAGE, mask=jm & real, other=0)
+    slot = tl.where(real, page * PAGE + rel % PAGE, trash_slot)
+    ids = tl.where(real, tl.where(j == 0, anchor, mask_id), 0)
+    tl.store(IDS + i * ROWS + j, ids, mask=jm)
+    tl.store(POSITIONS + i * ROWS + j, tl.where(real, t0 + j, 0), mask=jm)
+    tl.store(SLOTS + i * ROWS + j, slot, mask=jm)
+
+
+def stage_rows(
+    scalars: torch.Tensor,
+    pages: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    mask_id: int,
+    trash_slot: int,
+    page_size: int,
+) -> None:
+    """A draft batch's row inputs from its per-session scalars, on the device (one launch of
+    ``ids.shape[0]`` programs; nothing read back, so it can be captured).
+
+    ``scalars``: int32 ``[6 * n_max + 1]``: anchor, first absolute position, lo, pos (from the first
+    page's offset 0), first (minus the session's offset in ``pages``), width, each ``[n_max]``, then
+    the count of real sessions. ``pages``: the batch's ragged page list. Writes ``ids`` (anchor then
+    ``mask_id``), ``positions`` (absolute) and ``slots`` (where the block's rows go in the cache),
+    each int32 ``[N, rows]``; sessions past the count are padding (0, 0, ``trash_slot``)."""
+    n, rows = ids.shape
+    n_max = (scalars.shape[0] - 1) // 6
+    _stage_kernel[(n,)](
+        scalars, pages, ids, positions, slots, n_max, mask_id, trash_slot,
+        ROWS=rows, PAGE=page_size, BLOCK=triton.next_power_of_2(rows), num_warps=1,
+    )  # fmt: skip
+
+
+@triton.jit
 def _softmax_step(s, vis, m_i, l_i):
     """One online-softmax step in the log2 domain; rows with nothing visible yet stay at m=-inf, l=0."""
     s = tl.where(vis, s, float("-inf"))
