@@ -171,13 +171,15 @@ class FastStep:
         row_bytes = max(w * t.itemsize for t, w in self.formats.values())
         self._row_views: dict[tuple[int, str], torch.Tensor] = {}
         self.rows_host = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.rows = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, device=self.dev)
+        self.rows = torch.zeros(self.r_max * row_bytes, dtype=torch.uint8, device=self.dev)  # see _rows_dirty
         self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
         self.ing_host_np = self.ing_host.numpy()
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
+        self._ingest_inflight = False  # an ingest graph launched since the stream was last waited for
+        self._rows_dirty = 0  # bytes at the head of ``rows`` that may be non-zero (past them all are zero)
         # large ingests from registered rows (a prefill from the shm ring): their H2D copy runs on
         # a copy stream into one of two landing buffers while the previous chunk's graph computes
         self._landing = [torch.empty_like(self.rows) for _ in range(2 if self.dev.type == "cuda" else 0)]
@@ -360,6 +362,7 @@ class FastStep:
         self.ing_host_np[self.r_max :] = 0
         self.ing.copy_(self.ing_host)
         self.rows.zero_()
+        self._rows_dirty = 0
         del n, B
 
     # ------------------------------------------------------------------ per step
@@ -408,22 +411,23 @@ class FastStep:
         landed = None
         if runs is not None and r >= PIPELINED_ROWS and self._copy_stream is not None:
             landed = self._land(fmt, runs)  # issued before waiting for the previous chunk's graph
-        if self._ingest_done is not None:
+        if self._ingest_done is not None and self._ingest_inflight:
             self._ingest_done.synchronize()  # the pinned buffers are free again
         if landed is not None:  # this chunk's rows, copied up while the previous one computed
             land, i = landed
             torch.cuda.current_stream(self.dev).wait_stream(self._copy_stream)
             dev[:r].copy_(land[:r])
             self._landing_free[i].record()
-            dev[r:rb].zero_()
+            self._zero_tail(dev, r, rb)
         elif on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
-            self._device_parts(parts, host, dev, r, rb)
+            self._device_parts(parts, host, dev, r)
+            self._zero_tail(dev, r, rb)
         elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
             _copy_runs(dev, runs)
             if self._rows_read is not None:
                 self._rows_read.record()  # the caller may reuse its rows once these copies are done
                 self._rows_pending = True
-            dev[r:rb].zero_()
+            self._zero_tail(dev, r, rb)
         else:
             # the one host copy, socket frames -> pinned staging, on torch's intra-op threads (numpy's
             # is serial); frames are read-only buffers and torch only reads them here
@@ -432,6 +436,7 @@ class FastStep:
                 torch.cat([torch.from_numpy(_storage(p)) for p in parts], out=host[:r])
             host[r:rb] = 0
             dev[:rb].copy_(host[:rb], non_blocking=True)
+            self._zero_tail(dev, r, rb, zeroed=True)
         h = self.ing_host_np
         if r <= SMALL_INGEST_ROWS:  # a decode step's few rows: plain ints beat numpy's per-call cost
             h[:r], h[self.r_max : self.r_max + r] = self._slots_small(keys, firsts, counts)
@@ -449,6 +454,21 @@ class FastStep:
             self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
             self._ingest_done.record()
+            self._ingest_inflight = True
+
+    @staticmethod
+    def _nbytes(rows: torch.Tensor, n: int) -> int:
+        return n * rows.stride(0) * rows.element_size()
+
+    def _zero_tail(self, dev: torch.Tensor, r: int, rb: int, zeroed: bool = False) -> None:
+        """Rows r..rb of ``dev`` (a view of ``rows``; r were just written) zeroed, so the bucket's
+        padding rows hold zeros; skipped (no memset launch) when no ingest since the last zeroing
+        wrote past row r, or when the rows' copy brought the zeros (``zeroed``). Keeps
+        ``_rows_dirty``: what an earlier, longer ingest wrote past rb stays dirty."""
+        head, end = self._nbytes(dev, r), self._nbytes(dev, rb)
+        if self._rows_dirty > head and not zeroed:
+            dev[r:rb].zero_()
+        self._rows_dirty = self._rows_dirty if self._rows_dirty > end else head
 
     def _land(self, fmt: str, runs: list[np.ndarray]) -> tuple[torch.Tensor, int]:
         """Copy registered rows to the device on the copy stream, into the landing buffer the chunk
@@ -467,7 +487,7 @@ class FastStep:
         return land, i
 
     @staticmethod
-    def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int, rb: int) -> None:
+    def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int) -> None:
         """Rows of which some are ``DeviceRows`` (transport cuda_ipc): host rows staged at their
         offsets and copied up as usual, then the device rows copied device to device into place
         (each waits on the GPU for the I/O thread's copy that made it)."""
@@ -485,7 +505,6 @@ class FastStep:
             if isinstance(p, DeviceRows):
                 dev[off : off + len(p)].copy_(p.tensor(), non_blocking=True)
             off += len(p)
-        dev[r:rb].zero_()
 
     # ------------------------------------------------------------------ registered host memory
 
@@ -593,7 +612,7 @@ class FastStep:
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.dev.type == "cuda":
             torch.cuda.current_stream(self.dev).synchronize()
-            self._rows_pending = False  # the stream is idle: every earlier copy is done
+            self._rows_pending = self._ingest_inflight = False  # the stream is idle: every earlier copy is done
         res = self.out_host[:n].numpy()
         conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
         return res[:, :B].astype(np.int64), conf

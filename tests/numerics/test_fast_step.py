@@ -250,3 +250,32 @@ def test_small_ingests_work_out_the_same_slots_in_plain_python(tmp_path) -> None
     assert slots == fast._slots(keys, f, c).tolist()
     assert positions == [t for a, n in zip(firsts, counts, strict=True) for t in range(a, a + n)]
     assert len(set(slots)) == len(slots)  # distinct cache slots
+
+
+@pytest.mark.parametrize("registered", [False, True])
+def test_padding_rows_of_every_ingest_bucket_hold_zeros(tmp_path, registered: bool) -> None:
+    """An ingest bucket's padding rows (past the rows sent) are zeros whatever ingests came before:
+    a long ingest's rows past a later short one's bucket are zeroed once a bucket that covers them
+    is used, and rows from ordinary frames (zeros copied up with them) and from registered memory
+    (zeroed on the device, no memset when nothing past the rows is dirty) alike."""
+    _, d = _pair(tmp_path, "k3")
+    fast = d.fast
+    assert fast is not None
+    W = d.contract.tap_width
+    buf = bytearray(64 * W * 2)
+    slab = np.frombuffer(buf, dtype=np.uint16).reshape(64, W)
+    if registered:
+        assert d.register_host(memoryview(buf))
+    rng = np.random.default_rng(5)
+    slab[:] = _bits(rng, 64, W) | 1  # no row is all zeros
+    assert d.reserve(0, 0, 200)
+    end = 0
+    for rows in (40, 3, 20, 3, 3, 17, 64, 5):
+        d.ingest([IngestItem(0, 0, end, slab[:rows])])
+        end += rows
+        rb = next(b for b in fast.row_buckets if b >= max(rows, 16))
+        dev = fast._rows(fast.rows, "bf16")
+        assert (dev[:rows].view(torch.int16).numpy().view(np.uint16) == slab[:rows]).all()
+        assert not dev[rows:rb].view(torch.int16).any(), f"padding rows {rows}..{rb} not zero"
+    if registered:
+        d.unregister_host(memoryview(buf))
