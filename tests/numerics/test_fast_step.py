@@ -8,6 +8,7 @@ body a CUDA graph captures); float32, so greedy drafts must be identical token f
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -207,6 +208,9 @@ def test_a_mapped_shm_ring_is_registered_and_its_rows_skip_staging(tmp_path) -> 
     while fast._host_ranges and time.monotonic() < end:
         time.sleep(0.002)
     assert fast._host_ranges == []
+    for t in threading.enumerate():  # its unpin (a device-wide sync) must not overlap the next test's capture
+        if t.name == "draft-server-ring-unmap":
+            t.join(5.0)
     ring.close()
 
 
