@@ -34,6 +34,7 @@ zero output), their block rows and padding ingest rows write into the cache's tr
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import warnings
@@ -308,6 +309,12 @@ class FastStep:
             return {"graphs": 0.0, "seconds": 0.0}
         t0 = time.perf_counter()
         self._fill_padding_inputs()
+        # No garbage collection while capturing: a collection that frees an earlier object's pinned
+        # host buffer has torch's host allocator record and query CUDA events, which invalidates a
+        # capture in progress (``cudaErrorStreamCaptureInvalidated``). Collect first, then hold it off.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         torch.cuda.synchronize(self.dev)
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
@@ -316,6 +323,8 @@ class FastStep:
             self._capture_all(s)
         finally:
             gemm.TUNER.tuning = False
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream(self.dev).wait_stream(s)
         torch.cuda.synchronize(self.dev)
         self.capture_s = time.perf_counter() - t0
