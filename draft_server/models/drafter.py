@@ -265,11 +265,13 @@ class DSparkDrafter(Drafter):
             if items[n].k > B:
                 raise ValueError(f"session {items[n].key}: k={items[n].k} exceeds block_size {B}")
         tokens, conf = fast.draft([items[n] for n in act])
+        rows = tokens.tolist()  # one conversion for the batch, then a slice per session
+        confs = conf.tolist() if conf is not None else None
         for r, n in enumerate(act):
             k = items[n].k
-            outs[n].tokens = tokens[r, :k].tolist()
-            if conf is not None:
-                outs[n].confidence = conf[r, :k].tolist()
+            outs[n].tokens = rows[r][:k]
+            if confs is not None:
+                outs[n].confidence = confs[r][:k]
         return outs
 
     @torch.inference_mode()

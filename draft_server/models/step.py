@@ -34,11 +34,12 @@ zero output), their block rows and padding ingest rows write into the cache's tr
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,22 @@ def _copy_runs(dst: torch.Tensor, runs: Sequence[np.ndarray]) -> None:
     for run in runs:
         dst[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
         off += len(run)
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """Garbage collection held off (after one collection) for the block, and restored as it was.
+    For graph capture: a collection that frees an earlier object's pinned host buffer has torch's
+    host allocator record and query CUDA events, which invalidates a capture in progress
+    (``cudaErrorStreamCaptureInvalidated``)."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def _buckets(top: int) -> list[int]:
@@ -309,22 +326,15 @@ class FastStep:
             return {"graphs": 0.0, "seconds": 0.0}
         t0 = time.perf_counter()
         self._fill_padding_inputs()
-        # No garbage collection while capturing: a collection that frees an earlier object's pinned
-        # host buffer has torch's host allocator record and query CUDA events, which invalidates a
-        # capture in progress (``cudaErrorStreamCaptureInvalidated``). Collect first, then hold it off.
-        gc.collect()
-        collecting = gc.isenabled()
-        gc.disable()
         torch.cuda.synchronize(self.dev)
         s = torch.cuda.Stream(self.dev)
         s.wait_stream(torch.cuda.current_stream(self.dev))
         gemm.TUNER.tuning = True  # the warm-up runs time each new GEMM shape's strategies (never a capture)
         try:
-            self._capture_all(s)
+            with no_collection():
+                self._capture_all(s)
         finally:
             gemm.TUNER.tuning = False
-            if collecting:
-                gc.enable()
         torch.cuda.current_stream(self.dev).wait_stream(s)
         torch.cuda.synchronize(self.dev)
         self.capture_s = time.perf_counter() - t0

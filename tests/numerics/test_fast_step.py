@@ -283,3 +283,35 @@ def test_padding_rows_of_every_ingest_bucket_hold_zeros(tmp_path, registered: bo
         assert not dev[rows:rb].view(torch.int16).any(), f"padding rows {rows}..{rb} not zero"
     if registered:
         d.unregister_host(memoryview(buf))
+
+
+def test_graph_capture_holds_garbage_collection_off_after_one_collection() -> None:
+    """``no_collection`` (around ``FastStep``'s captures): garbage waiting in cycles is collected on the
+    way in, no collection runs inside, and the collector is left as it was found, also on an error."""
+    import gc
+    import weakref
+
+    from draft_server.models.step import no_collection
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle: only the collector frees it
+    gone = weakref.ref(a)
+    del a, b
+    assert gc.isenabled()
+    with no_collection():
+        assert gone() is None
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_collection():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_collection():
+            pass
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()
