@@ -369,12 +369,8 @@ class FastStep:
     def _fill_padding_inputs(self) -> None:
         """Inputs of an all-padding batch: capture and warm runs write only into the trash page."""
         h = self.host_np
-        n, B = self.n_max, self.B
         h[: self._pages_at] = 0  # no real session: every block row is padding
-        h[slice(*self._off["lo"])] = 1
-        h[slice(*self._off["pos"])] = 0
-        h[slice(*self._off["first"])] = 0
-        h[slice(*self._off["width"])] = B
+        self._pad(0, self.n_max)
         h[self._pages_at : self._pages_at + self.pages_cap] = self.cache.num_pages
         self.stage.copy_(self.host)
         self.ing_host_np[: self.r_max] = self.cache.trash_slot
@@ -382,7 +378,14 @@ class FastStep:
         self.ing.copy_(self.ing_host)
         self.rows.zero_()
         self._rows_dirty = 0
-        del n, B
+
+    def _per_session(self) -> np.ndarray:
+        """The pinned buffer's per-session fields as [len(SESSION_FIELDS), n_max] (a view)."""
+        return self.host_np[: self._count_at].reshape(len(SESSION_FIELDS), self.n_max)
+
+    def _pad(self, a: int, b: int) -> None:
+        """Sessions a..b of the pinned buffer as padding: no context, no work (lo > pos), full width."""
+        self._per_session()[2:, a:b] = ((1,), (0,), (0,), (self.B,))  # lo, pos, first, width
 
     # ------------------------------------------------------------------ per step
 
@@ -680,10 +683,9 @@ class FastStep:
             mid = mid or lo % P != 0
             lens.append(it.pos - it.start)
             used += k
-        per = h[: self._count_at].reshape(len(SESSION_FIELDS), self.n_max)
-        per[:, :n] = np.array(cols, dtype=np.int64).T
-        if nb > n:  # padding sessions: no context, no work (lo > pos)
-            per[2:, n:nb] = ((1,), (0,), (0,), (B,))
+        self._per_session()[:, :n] = np.array(cols, dtype=np.int64).T
+        if nb > n:
+            self._pad(n, nb)
         h[self._count_at] = n
         end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)

@@ -46,18 +46,14 @@ PHASES = {  # annotation -> (owner, method)
 }
 
 
-def annotate() -> Callable[[], None]:
-    """Wrap each phase's method in a ``record_function`` of its name; returns the undo."""
+def _wrap_phases(
+    targets: dict[str, tuple[Any, str]], around: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None]:
+    """Replace each target method with ``around(name, method)``; returns the undo."""
     saved = []
-    for name, (owner, attr) in PHASES.items():
+    for name, (owner, attr) in targets.items():
         fn = getattr(owner, attr)
-
-        def wrapped(*a: Any, __fn: Any = fn, __name: str = name, **kw: Any) -> Any:
-            with torch.profiler.record_function(__name):
-                return __fn(*a, **kw)
-
-        functools.update_wrapper(wrapped, fn)
-        setattr(owner, attr, wrapped)
+        setattr(owner, attr, functools.update_wrapper(around(name, fn), fn))
         saved.append((owner, attr, fn))
 
     def undo() -> None:
@@ -67,25 +63,35 @@ def annotate() -> Callable[[], None]:
     return undo
 
 
+def annotate() -> Callable[[], None]:
+    """Wrap each phase's method in a ``record_function`` of its name; returns the undo."""
+
+    def around(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
+            with torch.profiler.record_function(name):
+                return fn(*a, **kw)
+
+        return wrapped
+
+    return _wrap_phases(PHASES, around)
+
+
 def host_clock(step: Callable[[], Any], iters: int) -> dict[str, float]:
     """Unprofiled host time of each phase (inclusive, ``time.perf_counter`` around the same methods
     ``annotate`` marks, and the step's closing stream wait), medians over ``iters`` steps, in us."""
     acc: dict[str, float] = {}
-    saved = []
-    targets = {**PHASES, "stream.synchronize": (torch.cuda.Stream, "synchronize")}
-    for name, (owner, attr) in targets.items():
-        fn = getattr(owner, attr)
 
-        def wrapped(*a: Any, __fn: Any = fn, __name: str = name, **kw: Any) -> Any:
+    def around(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*a: Any, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return __fn(*a, **kw)
+                return fn(*a, **kw)
             finally:
-                acc[__name] = acc.get(__name, 0.0) + time.perf_counter() - t0
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
 
-        functools.update_wrapper(wrapped, fn)
-        setattr(owner, attr, wrapped)
-        saved.append((owner, attr, fn))
+        return wrapped
+
+    undo = _wrap_phases({**PHASES, "stream.synchronize": (torch.cuda.Stream, "synchronize")}, around)
     rows: list[dict[str, float]] = []
     try:
         for i in range(iters + 3):
@@ -96,8 +102,7 @@ def host_clock(step: Callable[[], Any], iters: int) -> dict[str, float]:
             if i >= 3:
                 rows.append({"wall": time.perf_counter() - t0, **acc})
     finally:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
+        undo()
     keys = sorted({k for r in rows for k in r})
     return {k: round(statistics.median(r.get(k, 0.0) for r in rows) * 1e6, 1) for k in keys}
 
