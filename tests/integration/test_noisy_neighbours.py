@@ -7,6 +7,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 import zmq
 
 from draft_tools.synthetic import bf16_normal
@@ -81,9 +82,11 @@ def test_a_session_flood_does_not_evict_a_calm_clients_sessions() -> None:
 # 2 -------------------------------------------------------------------------------------------
 
 
-def test_nan_taps_of_one_client_never_reach_another_clients_drafts(tmp_path) -> None:
-    """A tiny DSpark model (dense path): a client whose taps hold NaN/Inf shares batches with a calm
-    client; the calm client's drafts equal the in-process drafts made without the poisoned client."""
+@pytest.mark.parametrize("attention", ["dense", "paged"])
+def test_nan_taps_of_one_client_never_reach_another_clients_drafts(tmp_path, attention: str) -> None:
+    """A tiny DSpark model (the dense path, and the fast path's paged kernels and device staging):
+    a client whose taps hold NaN/Inf shares batches with a calm client; the calm client's drafts
+    equal the in-process dense drafts made without the poisoned client (float32: the paths agree)."""
     from draft_server.drafters import DraftItem, IngestItem
     from draft_server.models import load_drafter
     from draft_server.models.tiny import make_tiny
@@ -92,7 +95,7 @@ def test_nan_taps_of_one_client_never_reach_another_clients_drafts(tmp_path) -> 
     p = make_tiny("k3", str(tmp_path / "k3"), seed=4)
     srv = ServerProc(
         "--model", p.draft, "--target-model", p.target, "--device", "cpu", "--dtype", "float32",
-        "--attention", "dense", "--batch-window-ms", "30", drafter="dspark",
+        "--attention", attention, "--batch-window-ms", "30", drafter="dspark",
     ).start(timeout=120)  # fmt: skip
     rng = np.random.default_rng(3)
     W = 3 * 64  # the tiny k3 contract: 3 taps x 64
