@@ -60,16 +60,18 @@ from protocol.wire import BF16_ONLY, row_layout
 
 GRAPH_CONTEXT = 4096  # a graph bucket's work capacity covers every session up to this context
 # Split-K chunk per batch: about WORK_ITEMS chunks over all its tokens (MLA, GQA), so one session
-# still spreads over the SMs and 64 of 1K need no partials at all. Graph buckets are planned for
-# TYPICAL_CONTEXT. MLA swept on one H200 at K3 dims, timed as CUDA-graph replays as the step runs
-# it (bench/results/mla_sweep_h200_v3.json): the best chunk was 128 for 1 x 1K, 256 for 2 x 1K and
-# 4 x 1K, 512 for 8 x 1K, 2048 for 64 x 1K and 32K + 63 x 1K; 16 items gives 64 / 128 / 256 / 512 /
-# 2048 / 2048 (2 x 1K: 0.040 ms per layer against 0.069 at the 64 that 40 items gave; 4 x 1K: 0.049
-# vs 0.072). The sweep that chose 40 (mla_sweep_h200.json) timed eager calls, launch-bound at small
-# batches. GQA keeps 40 until it is swept the same way.
+# still spreads over the SMs and 64 of 1K need no partials at all, never below MIN_CHUNK. Graph buckets
+# are planned for TYPICAL_CONTEXT. Both swept as CUDA-graph replays, the way the step runs them.
+# MLA at K3 dims on one H200 (bench/results/mla_sweep_h200_v3.json): the best chunk was 128 for 1 x 1K,
+# 256 for 2 x 1K and 4 x 1K, 512 for 8 x 1K, 2048 for 64 x 1K and 32K + 63 x 1K; 16 items gives 128 /
+# 128 / 256 / 512 / 2048 / 2048 (2 x 1K: 0.040 ms per layer against 0.069 at the 64 that 40 items
+# gave; 4 x 1K: 0.049 vs 0.072). GQA at Qwen3-8B dims, whole steps on one H100
+# (bench/results/split_sweep_gqa_h100.json, 40 / 16 / 8 / 4 items): 40 was best or tied from 4
+# sessions (16 sessions: 2.143 ms against 2.20 with fewer items), and at 1 and 2 sessions chunks of 128
+# beat the 64 that 40 items gives there by 0.014-0.015 ms a step (rounds within 0.005): hence the 128 floor.
 TYPICAL_CONTEXT, WORK_ITEMS = 1024, {True: 16, False: 40}
-MIN_CHUNK, MAX_CHUNK = 64, 2048
-# One MLA session: chunks of at least 128 with the kernel's small-tile launch shape (pa.MLA_CONFIG_ONE):
+MIN_CHUNK, MAX_CHUNK = 128, 2048
+# One MLA session: chunks of 128 (MIN_CHUNK) with the kernel's small-tile launch shape (pa.MLA_CONFIG_ONE):
 # stage 1 + 2 at 1 x 1K took 0.0315 ms per layer so, against 0.0423 with 16 items (chunk 64) and
 # MLA_CONFIG, and 0.039 with that shape at 64 (same run, mla_sweep_h200_v3.json). From 2 sessions
 # MLA_CONFIG wins at every chunk there. In the whole K3 step: 2.426 vs 2.441 ms at one session, a
@@ -197,7 +199,9 @@ class FastStep:
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
         self._ingest_inflight = False  # an ingest graph launched since the stream was last waited for
-        self._rows_dirty = 0  # bytes at the head of ``rows`` that may be non-zero (past them all are zero)
+        # byte ranges of ``rows`` that may be non-zero (all others are zero): the head the last ingest
+        # wrote, and what longer ingests before it wrote past the rows it zeroed
+        self._rows_dirty: list[tuple[int, int]] = []
         # large ingests from registered rows (a prefill from the shm ring): their H2D copy runs on
         # a copy stream into one of two landing buffers while the previous chunk's graph computes
         self._landing = [torch.empty_like(self.rows) for _ in range(2 if self.dev.type == "cuda" else 0)]
@@ -234,16 +238,14 @@ class FastStep:
     def _pages(self) -> torch.Tensor:
         return self.stage[self._pages_at :]
 
-    def _chunk(self, tokens: int, n: int) -> int:
+    def _chunk(self, tokens: int) -> int:
         """Split-K chunk for a batch of n sessions of ``tokens`` context rows in all: about WORK_ITEMS
-        chunks (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK; one MLA session:
-        at least ONE_SESSION_MLA_CHUNK)."""
+        chunks (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
         want = max(1, tokens // WORK_ITEMS[self.m.layout.mla])
-        least = ONE_SESSION_MLA_CHUNK if self.m.layout.mla and n == 1 else MIN_CHUNK
-        return max(least, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
+        return max(MIN_CHUNK, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
 
     def _capacity(self, n: int) -> int:
-        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B), n))
+        per = -(-(GRAPH_CONTEXT + self.B + self.P - 1) // self._chunk(n * (TYPICAL_CONTEXT + self.B)))
         return 1 << max(0, (n * per - 1).bit_length())
 
     # ------------------------------------------------------------------ body (captured or eager)
@@ -350,7 +352,7 @@ class FastStep:
     def _capture_all(self, s: torch.cuda.Stream) -> None:
         with torch.cuda.stream(s), torch.inference_mode():
             for n in reversed(self.session_buckets):
-                chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B), n), self._capacity(n)
+                chunk, capacity = self._chunk(n * (TYPICAL_CONTEXT + self.B)), self._capacity(n)
                 batch = self._batch(n, capacity, chunk)
                 for _ in range(2):  # warm: Triton compiles, cuBLAS picks its kernels
                     self._draft_body(n, batch)
@@ -377,7 +379,7 @@ class FastStep:
         self.ing_host_np[self.r_max :] = 0
         self.ing.copy_(self.ing_host)
         self.rows.zero_()
-        self._rows_dirty = 0
+        self._rows_dirty = []
 
     def _per_session(self) -> np.ndarray:
         """The pinned buffer's per-session fields as [len(SESSION_FIELDS), n_max] (a view)."""
@@ -397,11 +399,12 @@ class FastStep:
         by_format: dict[str, list[IngestItem]] = {}
         for it in items:
             by_format.setdefault(it.fmt, []).append(it)
+        stream = torch.cuda.current_stream(self.dev) if self.dev.type == "cuda" else None  # once: ~5 us a lookup
         try:
             for fmt, group in by_format.items():
                 rows = sum(len(it.taps) for it in group)
                 for a in range(0, rows, self.r_max):
-                    self._ingest_rows(fmt, group, a, min(rows, a + self.r_max))
+                    self._ingest_rows(fmt, group, a, min(rows, a + self.r_max), stream)
         finally:
             if wait:
                 self.rows_done()
@@ -412,7 +415,9 @@ class FastStep:
             self._rows_read.synchronize()
         self._rows_pending = False
 
-    def _ingest_rows(self, fmt: str, items: Sequence[IngestItem], a: int, b: int) -> None:
+    def _ingest_rows(
+        self, fmt: str, items: Sequence[IngestItem], a: int, b: int, stream: torch.cuda.Stream | None
+    ) -> None:
         """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket.
         The rows' copy to the device is issued first, so it runs while the host works out the slots."""
         r = b - a
@@ -437,9 +442,10 @@ class FastStep:
             self._ingest_done.synchronize()  # the pinned buffers are free again
         if landed is not None:  # this chunk's rows, copied up while the previous one computed
             land, i = landed
-            torch.cuda.current_stream(self.dev).wait_stream(self._copy_stream)
+            assert stream is not None
+            stream.wait_stream(self._copy_stream)
             dev[:r].copy_(land[:r])
-            self._landing_free[i].record()
+            self._landing_free[i].record(stream)
             self._zero_tail(dev, r, rb)
         elif on_device:  # rows already in this device's memory (transport cuda_ipc), maybe beside host rows
             self._device_parts(parts, host, dev, r)
@@ -447,7 +453,7 @@ class FastStep:
         elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
             _copy_runs(dev, runs)
             if self._rows_read is not None:
-                self._rows_read.record()  # the caller may reuse its rows once these copies are done
+                self._rows_read.record(stream)  # the caller may reuse its rows once these copies are done
                 self._rows_pending = True
             self._zero_tail(dev, r, rb)
         else:
@@ -475,7 +481,7 @@ class FastStep:
         else:
             self._ingest_body(fmt, rb)
         if self._ingest_done is not None:
-            self._ingest_done.record()
+            self._ingest_done.record(stream)
             self._ingest_inflight = True
 
     @staticmethod
@@ -484,13 +490,14 @@ class FastStep:
 
     def _zero_tail(self, dev: torch.Tensor, r: int, rb: int, zeroed: bool = False) -> None:
         """Rows r..rb of ``dev`` (a view of ``rows``; r were just written) zeroed, so the bucket's
-        padding rows hold zeros; skipped (no memset launch) when no ingest since the last zeroing
-        wrote past row r, or when the rows' copy brought the zeros (``zeroed``). Keeps
-        ``_rows_dirty``: what an earlier, longer ingest wrote past rb stays dirty."""
+        padding rows hold zeros; skipped (no memset launch) when no byte there may be non-zero
+        (``_rows_dirty``), or when the rows' copy brought the zeros (``zeroed``). What an earlier,
+        longer ingest wrote past rb stays marked, so a decode step after a prefill chunk zeroes its
+        bucket once, not every step."""
         head, end = self._nbytes(dev, r), self._nbytes(dev, rb)
-        if self._rows_dirty > head and not zeroed:
+        if not zeroed and any(a < end and b > head for a, b in self._rows_dirty):
             dev[r:rb].zero_()
-        self._rows_dirty = self._rows_dirty if self._rows_dirty > end else head
+        self._rows_dirty = [(0, head)] + [(max(a, end), b) for a, b in self._rows_dirty if b > end]
 
     def _land(self, fmt: str, runs: list[np.ndarray]) -> tuple[torch.Tensor, int]:
         """Copy registered rows to the device on the copy stream, into the landing buffer the chunk
@@ -647,7 +654,7 @@ class FastStep:
         return self._block(nb, self._eager_batch(n, nb, lens, mid))[:n]
 
     def _eager_batch(self, n: int, nb: int, lens: list[int], mixed: bool = False) -> PagedBatch:
-        chunk = self._chunk(sum(lens) + n * self.B, n)
+        chunk = self._chunk(sum(lens) + n * self.B)
         need = pa.max_work_items(lens, rows=self.B, chunk=chunk, page_size=self.P)
         batch = self._batch(nb, max(need, 1), chunk)
         batch.mixed = mixed

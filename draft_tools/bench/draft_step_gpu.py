@@ -195,6 +195,7 @@ class Sessions:
         self.B = d.cfg.block_size
         self.pool = [bf16_rows(rng, NEW_ROWS, self.W) for _ in range(97)]  # made once, outside any timing
         self.turn = 0
+        self.registered: bytearray | None = None  # the pool's registered buffer (``share_registered``)
 
     def open(self, n: int, ctx: int | list[int], chunk: int = 4096) -> list[int]:
         keys = [self.base + i for i in range(n)]
@@ -226,6 +227,46 @@ class Sessions:
         for k in keys:
             self.d.release(k)
             self.end.pop(k, None)
+
+
+def share_registered(fasts: list[Any], S: Sessions) -> bool:
+    """The sessions' tap pool moved into one host buffer registered with the first FastStep and
+    shared by the others (CUDA pins a range once), as the receive arena's rows are; False (the pool
+    left in ordinary memory) if it cannot be registered. Undo with ``fasts[0].unregister_host``."""
+    buf = bytearray(len(S.pool) * NEW_ROWS * S.W * 2)
+    if not fasts[0].register_host(memoryview(buf)):
+        return False
+    for f in fasts[1:]:
+        f._host_ranges = list(fasts[0]._host_ranges)
+    slab = np.frombuffer(buf, dtype=np.uint16).reshape(len(S.pool), NEW_ROWS, S.W)
+    slab[:] = np.stack(S.pool)
+    S.pool = list(slab)
+    S.registered = buf
+    return True
+
+
+def time_interleaved(
+    S: Sessions, fasts: dict[Any, Any], keys: list[int], rounds: int, steps: int
+) -> tuple[dict[Any, list[float]], dict[Any, list[list[int]]]]:
+    """Each capture of one drafter (``fasts``: the drafter's ``fast`` swapped in) stepping ``keys``
+    from CTX, ``steps`` a round, the order of the captures rotating each round so the machine's drift
+    falls on all alike: ms per step of each round, and each capture's drafts of its first step."""
+    names = list(fasts)
+    times: dict[Any, list[float]] = {k: [] for k in names}
+    drafts: dict[Any, list[list[int]]] = {}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            S.d.fast = fasts[name]
+            S.rewind(keys, CTX)
+            S.turn = 0
+            drafts.setdefault(name, S.step(keys))
+            _sync()
+            t1 = time.perf_counter()
+            for _ in range(steps):
+                S.step(keys)
+            _sync()
+            times[name].append((time.perf_counter() - t1) * 1e3 / steps)
+    return times, drafts
 
 
 def _sync() -> None:

@@ -47,7 +47,9 @@ from draft_tools.bench.draft_step_gpu import (
     log,
     measure_floors,
     profile_counts,
+    share_registered,
     step_cost,
+    time_interleaved,
 )
 from draft_tools.bench.flash_step import agreement
 
@@ -134,32 +136,12 @@ def bench_preset(
         fasts[mode] = d.fast
         log(f"{name} {mode}: captured in {res[f'{mode}_prepare_s']:.1f} s")
     S = Sessions(d, np.random.default_rng(1), 0)
-    buf = bytearray(len(S.pool) * NEW_ROWS * S.W * 2)
-    registered = fasts["unfused"].register_host(memoryview(buf))  # once: CUDA pins a range once
-    if registered:
-        fasts["fused"]._host_ranges = list(fasts["unfused"]._host_ranges)
-        slab = np.frombuffer(buf, dtype=np.uint16).reshape(len(S.pool), NEW_ROWS, S.W)
-        slab[:] = np.stack(S.pool)
-        S.pool = list(slab)
+    registered = share_registered(list(fasts.values()), S)
     res["taps_in"] = "registered host memory" if registered else "ordinary host memory (staged copy)"
     keys = S.open(64, CTX)
     rows = []
     for n in sizes:
-        ks = keys[:n]
-        times: dict[str, list[float]] = {mode: [] for mode in fasts}
-        drafts: dict[str, list[list[int]]] = {}
-        for r in range(rounds):
-            for mode in list(fasts) if r % 2 == 0 else list(reversed(fasts)):
-                d.fast = fasts[mode]
-                S.rewind(ks, CTX)
-                S.turn = 0
-                drafts.setdefault(mode, S.step(ks))
-                torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                for _ in range(steps):
-                    S.step(ks)
-                torch.cuda.synchronize()
-                times[mode].append((time.perf_counter() - t1) * 1e3 / steps)
+        times, drafts = time_interleaved(S, fasts, keys[:n], rounds, steps)
         row: dict[str, Any] = {"sessions": n, **floor_ms(step_cost(d, n, [CTX] * n, n * NEW_ROWS), floors)}
         for mode, ts in times.items():
             row[f"{mode}_ms"] = statistics.median(ts)
@@ -187,8 +169,8 @@ def bench_preset(
             )
     res["profile"] = prof
     d.fast = None
-    if registered:
-        fasts["unfused"].unregister_host(memoryview(buf))
+    if S.registered is not None:
+        fasts["unfused"].unregister_host(memoryview(S.registered))
     S.close(keys)
     return res
 

@@ -45,11 +45,11 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "floors": measure_floors(dev),
     }
-    rule, shape = step.ONE_SESSION_MLA_CHUNK, step.FastStep._one_session_shape
+    least, shape = step.MIN_CHUNK, step.FastStep._one_session_shape
     drafters, sessions = {}, {}
     for mode in ("one_session_shape", "before"):
         if mode == "before":  # the rule before: 16 items (64-token chunks at 1 x 1K), MLA_CONFIG
-            step.ONE_SESSION_MLA_CHUNK = step.MIN_CHUNK
+            step.MIN_CHUNK = 64  # the floor then (128 since the GQA sweep)
             step.FastStep._one_session_shape = lambda self, n, chunk: False  # type: ignore[method-assign]
         t0 = time.perf_counter()
         d = random_drafter(PRESETS["k3"], dev, 2 << 30, torch.bfloat16, attention="paged")
@@ -58,7 +58,7 @@ def main() -> int:
         S = Sessions(d, np.random.default_rng(1), 0)
         S.open(2, CTX)
         drafters[mode], sessions[mode] = d, S
-    step.ONE_SESSION_MLA_CHUNK, step.FastStep._one_session_shape = rule, shape  # type: ignore[method-assign]
+    step.MIN_CHUNK, step.FastStep._one_session_shape = least, shape  # type: ignore[method-assign]
     rows = []
     for n in (1, 2):
         times, drafts = interleaved(sessions, n, args.rounds, args.steps)

@@ -32,6 +32,7 @@ import torch
 
 from draft_server.models import drafter as drafter_mod
 from draft_server.models import step as step_mod
+from draft_server.models.kv_cache import PagedKVCache
 from draft_server.models.presets import PRESETS, random_drafter
 from draft_tools.bench.draft_step_gpu import CTX, NEW_ROWS, Sessions, gpu_machine, log, timed
 
@@ -43,6 +44,18 @@ PHASES = {  # annotation -> (owner, method)
     "fast.stage": (step_mod.FastStep, "_stage"),
     "fast.draft": (step_mod.FastStep, "draft"),
     "graph.replay": (torch.cuda.CUDAGraph, "replay"),
+}
+# the host clock's finer split of the ingest and staging (not traced: the wrappers' own cost, about
+# 1 us a call, is paid by the many-call ones at 64 sessions, so ``host_clock_fine_us`` is for attribution)
+FINE = {
+    "fast.registered_runs": (step_mod.FastStep, "_registered_runs"),
+    "fast.slots_small": (step_mod.FastStep, "_slots_small"),
+    "fast.slots": (step_mod.FastStep, "_slots"),
+    "fast.zero_tail": (step_mod.FastStep, "_zero_tail"),
+    "cache.pages": (PagedKVCache, "pages"),
+    "tensor.copy_": (torch.Tensor, "copy_"),
+    "event.record": (torch.cuda.Event, "record"),
+    "event.synchronize": (torch.cuda.Event, "synchronize"),
 }
 
 
@@ -76,9 +89,10 @@ def annotate() -> Callable[[], None]:
     return _wrap_phases(PHASES, around)
 
 
-def host_clock(step: Callable[[], Any], iters: int) -> dict[str, float]:
+def host_clock(step: Callable[[], Any], iters: int, fine: bool = False) -> dict[str, float]:
     """Unprofiled host time of each phase (inclusive, ``time.perf_counter`` around the same methods
-    ``annotate`` marks, and the step's closing stream wait), medians over ``iters`` steps, in us."""
+    ``annotate`` marks, and the step's closing stream wait), medians over ``iters`` steps, in us.
+    ``fine``: the ``FINE`` methods too (and ``calls.NAME``: how often each ran in a step)."""
     acc: dict[str, float] = {}
 
     def around(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,10 +102,14 @@ def host_clock(step: Callable[[], Any], iters: int) -> dict[str, float]:
                 return fn(*a, **kw)
             finally:
                 acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+                if fine:
+                    acc["calls." + name] = acc.get("calls." + name, 0.0) + 1e-6  # in us, a count
 
         return wrapped
 
-    undo = _wrap_phases({**PHASES, "stream.synchronize": (torch.cuda.Stream, "synchronize")}, around)
+    undo = _wrap_phases(
+        {**PHASES, "stream.synchronize": (torch.cuda.Stream, "synchronize"), **(FINE if fine else {})}, around
+    )
     rows: list[dict[str, float]] = []
     try:
         for i in range(iters + 3):
@@ -198,6 +216,8 @@ def run_preset(name: str, batches: list[int], trace_dir: str, steps: int) -> dic
         S.rewind(ks, CTX)
         clock = host_clock(lambda ks=ks: S.step(ks), 30)
         S.rewind(ks, CTX)
+        fine = host_clock(lambda ks=ks: S.step(ks), 30, fine=True)
+        S.rewind(ks, CTX)
         undo = annotate()
         try:
             from torch.profiler import ProfilerActivity, profile
@@ -221,13 +241,20 @@ def run_preset(name: str, batches: list[int], trace_dir: str, steps: int) -> dic
         os.remove(path)
         rows = analyse(trace)
         summary = {k: _median_of(rows, k) for k in ("wall_us", "gpu_busy_us", "head_us", "tail_us", "gap_us")}
-        out[str(n)] = {"timed_ms": t, "host_clock_us": clock, "profiled_median_us": summary, "steps": rows}
+        out[str(n)] = {
+            "timed_ms": t,
+            "host_clock_us": clock,
+            "host_clock_fine_us": fine,
+            "profiled_median_us": summary,
+            "steps": rows,
+        }
         log(
             f"{name} B={n:3d} step {t['median_ms']:.3f} ms | profiled wall {summary['wall_us']:.0f} us, GPU busy "
             f"{summary['gpu_busy_us']:.0f}, head {summary['head_us']:.0f}, gaps {summary['gap_us']:.0f}, "
             f"tail {summary['tail_us']:.0f} | gaps by phase {rows[len(rows) // 2]['gaps_by_phase_us']}"
         )
         log(f"    host clock (unprofiled, us): {clock}")
+        log(f"    finer (wrapped, us; calls.*: per step): {fine}")
     d.close()
     return out
 

@@ -229,7 +229,7 @@ def test_one_mla_session_takes_the_small_tile_shape_and_bigger_batches_do_not(tm
         f = d.fast
         assert f is not None
         for n in (1, 2, 4):
-            chunk = f._chunk(n * (step.TYPICAL_CONTEXT + f.B), n)
+            chunk = f._chunk(n * (step.TYPICAL_CONTEXT + f.B))
             config = f._batch(n, 8, chunk).config
             one = variant == "k3" and n == 1
             assert (chunk >= step.ONE_SESSION_MLA_CHUNK) if one else True
@@ -257,11 +257,12 @@ def test_small_ingests_work_out_the_same_slots_in_plain_python(tmp_path) -> None
 
 
 @pytest.mark.parametrize("registered", [False, True])
-def test_padding_rows_of_every_ingest_bucket_hold_zeros(tmp_path, registered: bool) -> None:
+def test_padding_rows_of_every_ingest_bucket_hold_zeros(tmp_path, monkeypatch, registered: bool) -> None:
     """An ingest bucket's padding rows (past the rows sent) are zeros whatever ingests came before:
     a long ingest's rows past a later short one's bucket are zeroed once a bucket that covers them
     is used, and rows from ordinary frames (zeros copied up with them) and from registered memory
-    (zeroed on the device, no memset when nothing past the rows is dirty) alike."""
+    (zeroed on the device, no memset when nothing past the rows is dirty) alike. Decode-sized
+    ingests after a long one zero their bucket once, not at every step."""
     _, d = _pair(tmp_path, "k3")
     fast = d.fast
     assert fast is not None
@@ -281,6 +282,16 @@ def test_padding_rows_of_every_ingest_bucket_hold_zeros(tmp_path, registered: bo
         dev = fast._rows(fast.rows, "bf16").cpu()
         assert (dev[:rows].view(torch.int16).numpy().view(np.uint16) == slab[:rows]).all()
         assert not dev[rows:rb].view(torch.int16).any(), f"padding rows {rows}..{rb} not zero"
+    memsets: list[int] = []
+    zero_ = torch.Tensor.zero_
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda t: memsets.append(t.numel()) or zero_(t))
+    for _ in range(4):  # after the 64 and 5 rows above: rows 3..5 are the only dirty ones in the bucket
+        d.ingest([IngestItem(0, 0, end, slab[:3])])
+        end += 3
+        dev = fast._rows(fast.rows, "bf16").cpu()
+        assert not dev[3:16].view(torch.int16).any(), "padding rows 3..16 not zero"
+    monkeypatch.undo()
+    assert len(memsets) == (1 if registered else 0), memsets  # frames bring their zeros with them
     if registered:
         d.unregister_host(memoryview(buf))
 
