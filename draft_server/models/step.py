@@ -13,7 +13,9 @@ work capacity) or, on the CPU (Triton's interpreter) and for batches whose conte
 bucket's capacity, run eagerly with the same kernels. Results come back in one device-to-host
 copy into pinned memory and one wait. Context ingest has its own graphs, per wire format and row
 bucket (``protocol.wire``: bf16 or fp8 taps, or projected context rows); the formats share one
-pinned staging buffer and one device buffer (ingests run one at a time, in stream order).
+pinned staging buffer and one device buffer (ingests run one at a time, in stream order). The host
+describes an ingest in a few ints per item (first row, first position, page base) and the items'
+pages; the graph's first kernel (``pa.ingest_rows``) makes every row's cache slot and position.
 
 MLA in bf16 on a Hopper GPU with 64-token pages runs through FlashMLA (``kernels/flash_mla.py``):
 its table, lengths and split plan are made inside the body. The kernels see each session's positions
@@ -81,7 +83,6 @@ ONE_SESSION_MLA_CHUNK = 128
 # ring) copies them up on a copy stream, overlapped with the previous chunk's graph; smaller ones
 # (decode steps) copy on the step's stream, with no extra device copy.
 PIPELINED_ROWS = 512
-SMALL_INGEST_ROWS = 64  # an ingest of at most this many rows works out its slots in plain Python
 SESSION_FIELDS = ("anchor", "t0", "lo", "pos", "first", "width")  # a draft's per-session step inputs, in order
 
 
@@ -192,8 +193,11 @@ class FastStep:
         self._row_views: dict[tuple[int, str], torch.Tensor] = {}
         self.rows_host = torch.empty(self.r_max * row_bytes, dtype=torch.uint8, pin_memory=pin)
         self.rows = torch.zeros(self.r_max * row_bytes, dtype=torch.uint8, device=self.dev)  # see _rows_dirty
-        self.ing_host = torch.empty(2 * self.r_max, dtype=torch.int32, pin_memory=pin)
-        self.ing_host_np = self.ing_host.numpy()
+        # an ingest's description (``pa.ingest_rows``: items, rows, each item's first row, position and
+        # page base, the pages) -> its rows' cache slots and positions, made by the ingest graph's first kernel
+        self.spec_host = torch.empty(2 + 3 * self.r_max + self._ingest_pages_cap(), dtype=torch.int32, pin_memory=pin)
+        self.spec_host_np = self.spec_host.numpy()
+        self.spec = torch.zeros_like(self.spec_host, device=self.dev)
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
         self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
@@ -316,6 +320,7 @@ class FastStep:
 
     def _ingest_body(self, fmt: str, r: int) -> None:
         m = self.m
+        pa.ingest_rows(self.spec, self.ing, r, trash_slot=self.cache.trash_slot, page_size=self.P)
         c = context_rows(m, self._rows(self.rows, fmt)[:r], fmt)
         positions = self.ing[self.r_max : self.r_max + r]
         m.write_context(self.cache, self.ing[:r], c, positions)
@@ -375,9 +380,7 @@ class FastStep:
         self._pad(0, self.n_max)
         h[self._pages_at : self._pages_at + self.pages_cap] = self.cache.num_pages
         self.stage.copy_(self.host)
-        self.ing_host_np[: self.r_max] = self.cache.trash_slot
-        self.ing_host_np[self.r_max :] = 0
-        self.ing.copy_(self.ing_host)
+        self.spec.zero_()  # no item, no row: every row is padding
         self.rows.zero_()
         self._rows_dirty = []
 
@@ -419,7 +422,8 @@ class FastStep:
         self, fmt: str, items: Sequence[IngestItem], a: int, b: int, stream: torch.cuda.Stream | None
     ) -> None:
         """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket.
-        The rows' copy to the device is issued first, so it runs while the host works out the slots."""
+        The rows' copy to the device is issued first, so it runs while the host describes the items
+        (``_describe``: the graph's first kernel makes the rows' cache slots from that)."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
         keys, firsts, counts, parts = [], [], [], []
@@ -465,16 +469,7 @@ class FastStep:
             host[r:rb] = 0
             dev[:rb].copy_(host[:rb], non_blocking=True)
             self._zero_tail(dev, r, rb, zeroed=True)
-        h = self.ing_host_np
-        if r <= SMALL_INGEST_ROWS:  # a decode step's few rows: plain ints beat numpy's per-call cost
-            h[:r], h[self.r_max : self.r_max + r] = self._slots_small(keys, firsts, counts)
-        else:
-            f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-            h[:r] = self._slots(keys, f, c)
-            h[self.r_max : self.r_max + r] = np.repeat(f, c) + (np.arange(r) - np.repeat(np.cumsum(c) - c, c))
-        h[r:rb] = self.cache.trash_slot
-        h[self.r_max + r : self.r_max + rb] = 0
-        self.ing.copy_(self.ing_host, non_blocking=True)
+        self._describe(keys, firsts, counts, r)
         g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
             g.replay()
@@ -593,36 +588,34 @@ class FastStep:
         width = parts[0].shape[1]
         return [run.reshape(-1, width) for run in runs]
 
-    def _slots_small(
-        self, keys: Sequence[int], firsts: Sequence[int], counts: Sequence[int]
-    ) -> tuple[list[int], list[int]]:
-        """``_slots`` (and the positions) of a few rows, in plain Python: the same slots."""
-        P = self.P
-        slots: list[int] = []
-        positions: list[int] = []
-        for key, a, c in zip(keys, firsts, counts, strict=True):
-            origin, pg = self.cache.pages(key, a, a + c)
-            pl = pg.tolist()
-            slots.extend(pl[(t - origin) // P] * P + (t - origin) % P for t in range(a, a + c))
-            positions.extend(range(a, a + c))
-        return slots, positions
+    def _ingest_pages_cap(self) -> int:
+        """Pages an ingest's description may list: each item's span, at most r_max rows in all, from
+        any offset of a page (so two pages more than its rows fill), one item per row at most."""
+        return self.r_max // self.P + 2 * self.r_max
 
-    def _slots(self, keys: Sequence[int], firsts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Cache slots of positions firsts[i] .. firsts[i] + counts[i] - 1 of session keys[i], concatenated."""
-        P = self.P
-        page_lists, origins = [], []
-        for key, a, c in zip(keys, firsts.tolist(), counts.tolist(), strict=True):
-            origin, pg = self.cache.pages(key, a, a + c)
-            page_lists.append(pg)
-            origins.append(origin)
-        pages = np.concatenate(page_lists)
-        offs = np.zeros(len(page_lists), dtype=np.int64)
-        np.cumsum([len(pg) for pg in page_lists[:-1]], out=offs[1:])
-        row_sess = np.repeat(np.arange(len(keys)), counts)
-        starts = np.cumsum(counts) - counts
-        t = firsts[row_sess] + (np.arange(int(counts.sum())) - starts[row_sess])
-        rel = t - np.asarray(origins, dtype=np.int64)[row_sess]  # from the first page's offset 0
-        return pages[rel // P + offs[row_sess]] * P + rel % P
+    def _describe(self, keys: Sequence[int], firsts: Sequence[int], counts: Sequence[int], r: int) -> None:
+        """The ingest's items into the pinned description and on to the device (``pa.ingest_rows``
+        makes each row's slot and position from it inside the ingest graph): per item its first row,
+        first position and page base, then the pages; a few ints and one page list per item."""
+        n = len(keys)
+        h = self.spec_host_np
+        row0s: list[int] = []
+        bases: list[int] = []
+        pages: list[np.ndarray] = []
+        row0 = used = 0
+        cache_pages, P = self.cache.pages, self.P
+        for key, a, c in zip(keys, firsts, counts, strict=True):
+            origin, pg = cache_pages(key, a, a + c)
+            row0s.append(row0)
+            bases.append(origin - used * P)
+            pages.append(pg)
+            used += len(pg)
+            row0 += c
+        h[0], h[1] = n, r
+        h[2 : 2 + n], h[2 + n : 2 + 2 * n], h[2 + 2 * n : 2 + 3 * n] = row0s, firsts, bases
+        at = 2 + 3 * n
+        h[at : at + used] = np.concatenate(pages) if len(pages) > 1 else pages[0]
+        self.spec[: at + used].copy_(self.spec_host[: at + used], non_blocking=True)
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""

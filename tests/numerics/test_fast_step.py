@@ -236,24 +236,37 @@ def test_one_mla_session_takes_the_small_tile_shape_and_bigger_batches_do_not(tm
             assert config is (pa.MLA_CONFIG_ONE if one and dtype == "bfloat16" else None), (variant, n, config)
 
 
-def test_small_ingests_work_out_the_same_slots_in_plain_python(tmp_path) -> None:
-    """A decode step's few rows take ``_slots_small`` (plain ints), larger ones the numpy form: both give
-    the same slots and positions, for spans starting mid-sequence, across page boundaries, several
-    sessions in one call."""
-    _, d = _pair(tmp_path, "k3")
+@pytest.mark.parametrize("spans", [1, 3, 21])
+def test_an_ingests_slots_made_on_the_device_are_the_caches(tmp_path, spans: int) -> None:
+    """The ingest graph's first kernel (``pa.ingest_rows``, from ``_describe``'s items and pages) gives
+    each row the cache's own slot (``PagedKVCache.slots``) and its absolute position, for items starting
+    mid-page, crossing pages, mid-sequence, one to many in a call; the bucket's padding rows go to the
+    trash slot at position 0."""
+    _, d = _pair(tmp_path, "k3", sessions=32)
     fast = d.fast
     assert fast is not None
-    spans = {0: (0, 40), 1: (13, 30), 2: (5, 6), 3: (50, 90)}  # (start, end); page size 4
-    for key, (a, b) in spans.items():
-        assert d.reserve(key, a, b)
-    keys = list(spans)
-    firsts = [spans[0][0], 17, 5, 61]  # within each span, some mid-page
-    counts = [40, 11, 1, 29]
-    slots, positions = fast._slots_small(keys, firsts, counts)
-    f, c = np.asarray(firsts, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-    assert slots == fast._slots(keys, f, c).tolist()
-    assert positions == [t for a, n in zip(firsts, counts, strict=True) for t in range(a, a + n)]
-    assert len(set(slots)) == len(slots)  # distinct cache slots
+    rng = np.random.default_rng(spans)
+    W, items, want_slots, want_pos = d.contract.tap_width, [], [], []
+    rows = 0
+    for key in range(spans):
+        start = int(rng.integers(0, 9))
+        first = start + int(rng.integers(0, 11))  # mid-page (pages of 4) more often than not
+        count = 37 if spans == 1 else int(rng.integers(1, 8 if spans < 8 else 4))
+        assert d.reserve(key, start, first + count)
+        items.append(IngestItem(key, start, first, _bits(rng, count, W)))
+        positions = np.arange(first, first + count, dtype=np.int64)
+        want_slots += d.cache.slots(key, positions).tolist()
+        want_pos += positions.tolist()
+        rows += count
+    assert rows <= fast.r_max
+    d.ingest(items)
+    rb = next(b for b in fast.row_buckets if b >= max(rows, 16))
+    got = fast.ing.cpu().tolist()
+    assert got[:rows] == want_slots
+    assert got[fast.r_max : fast.r_max + rows] == want_pos
+    assert got[rows:rb] == [d.cache.trash_slot] * (rb - rows)
+    assert got[fast.r_max + rows : fast.r_max + rb] == [0] * (rb - rows)
+    assert len(set(want_slots)) == rows  # distinct cache slots
 
 
 @pytest.mark.parametrize("registered", [False, True])

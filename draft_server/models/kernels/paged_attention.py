@@ -353,6 +353,51 @@ def stage_rows(
 
 
 @triton.jit
+def _ingest_rows_kernel(
+    SPEC, OUT, r_max, trash_slot, PAGE: tl.constexpr, BLOCK: tl.constexpr, SEARCH: tl.constexpr
+):  # fmt: skip
+    """Program b: rows b*BLOCK.. of an ingest bucket. A row below the real count r finds its item by a
+    binary search over the items' first rows, then its position and cache slot through the item's pages;
+    a row past r is padding (slot in the trash page, position 0)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n = tl.load(SPEC + i * 0)  # items, as a block (the interpreter's masks must be)
+    r = tl.load(SPEC + 1 + i * 0)
+    real = i < r
+    lo = i * 0
+    hi = n
+    for _ in tl.static_range(SEARCH):  # row0[lo] <= i < row0[hi] (row0[n] = r); ends with hi = lo + 1
+        active = hi - lo > 1
+        mid = (lo + hi) // 2
+        v = tl.load(SPEC + 2 + mid, mask=active & real, other=0)
+        up = active & (v <= i)
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(active & ~up, mid, hi)
+    row0 = tl.load(SPEC + 2 + lo, mask=real, other=0)
+    t = tl.load(SPEC + 2 + n + lo, mask=real, other=0) + (i - row0)
+    rel = t - tl.load(SPEC + 2 + 2 * n + lo, mask=real, other=0)
+    page = tl.load(SPEC + 2 + 3 * n + rel // PAGE, mask=real, other=0)
+    tl.store(OUT + i, tl.where(real, page * PAGE + rel % PAGE, trash_slot), mask=i < r_max)
+    tl.store(OUT + r_max + i, tl.where(real, t, 0), mask=i < r_max)
+
+
+def ingest_rows(spec: torch.Tensor, out: torch.Tensor, rows: int, *, trash_slot: int, page_size: int) -> None:
+    """An ingest's cache slots and positions from its per-item description, on the device (nothing read
+    back, so it can be captured with the ingest's graph).
+
+    ``spec``: int32, ``[n, r, row0[n], first[n], base[n], pages...]``: n items of r rows in all, item j
+    the rows ``row0[j]..row0[j+1]`` (row0[0] = 0, ascending; the last ends at r) at absolute positions
+    ``first[j]`` onward, position t in page ``pages[(t - base[j]) // P]`` at offset ``(t - base[j]) % P``
+    (base: the position at offset 0 of the item's first page, less P times its offset in ``pages``).
+    ``out``: int32 ``[2 * r_max]``, slots then positions; rows ``0..rows`` are written, those past r as
+    padding (the trash slot, position 0)."""
+    r_max = out.shape[0] // 2
+    block = 128
+    _ingest_rows_kernel[(triton.cdiv(rows, block),)](
+        spec, out, r_max, trash_slot, PAGE=page_size, BLOCK=block, SEARCH=max(1, r_max.bit_length()), num_warps=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _softmax_step(s, vis, m_i, l_i):
     """One online-softmax step in the log2 domain; rows with nothing visible yet stay at m=-inf, l=0."""
     s = tl.where(vis, s, float("-inf"))
