@@ -49,8 +49,7 @@ PHASES = {  # annotation -> (owner, method)
 # 1 us a call, is paid by the many-call ones at 64 sessions, so ``host_clock_fine_us`` is for attribution)
 FINE = {
     "fast.registered_runs": (step_mod.FastStep, "_registered_runs"),
-    "fast.slots_small": (step_mod.FastStep, "_slots_small"),
-    "fast.slots": (step_mod.FastStep, "_slots"),
+    "fast.describe": (step_mod.FastStep, "_describe"),
     "fast.zero_tail": (step_mod.FastStep, "_zero_tail"),
     "cache.pages": (PagedKVCache, "pages"),
     "tensor.copy_": (torch.Tensor, "copy_"),
