@@ -243,8 +243,8 @@ class FastStep:
         return self.stage[self._pages_at :]
 
     def _chunk(self, tokens: int) -> int:
-        """Split-K chunk for a batch of n sessions of ``tokens`` context rows in all: about WORK_ITEMS
-        chunks (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
+        """Split-K chunk for a batch of ``tokens`` context rows in all (its sessions' spans with their
+        blocks): about WORK_ITEMS chunks (a power of two, a multiple of the page, within MIN_CHUNK..MAX_CHUNK)."""
         want = max(1, tokens // WORK_ITEMS[self.m.layout.mla])
         return max(MIN_CHUNK, self.P, min(MAX_CHUNK, 1 << (want - 1).bit_length()))
 
