@@ -292,7 +292,7 @@ class Engine:
             self.metrics.stale_steps.labels("reordered").inc()
             self._resolve(w, _missing(s, "overtaken by a newer step of its session: not applied"), rows_done=True)
             return
-        if self._predecessor_lost(s, w):
+        if w.after and self._predecessor_lost(s, w):
             return
         s.last_call = max(s.last_call, w.call.call_id)
         if w.k and (c := self._cadence.get(w.call.owner)) is not None and c.awaiting:
@@ -395,10 +395,11 @@ class Engine:
                 if turn >= len(c) or len(decode) >= self.max_batch_sessions:
                     continue
                 w = c[turn].pending[0]
-                if decode and rows + w.rows > budget:
+                n = w.rows
+                if decode and rows + n > budget:
                     continue
                 decode.append((c[turn], [w]))
-                rows += w.rows
+                rows += n
         if early and not ready and prefill is None and self._commits_due(early, now):
             return True  # waited for commits that follow their taps: the next pass folds them in
         if self._commit_wait_t0 is not None:  # the wait is over: the commits came (or their bound passed)
@@ -585,12 +586,14 @@ class Engine:
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
+        n_rows = 0
         for s, run in batch:
             items: list[IngestItem] = []
             for w in run:  # in queue order: each is placed on the context the one before it left
-                if self._rows_missing(s, w):
+                if w.phase == Phase.COMMIT and self._rows_missing(s, w):
                     break
-                if not self._place(s, w, w.rows):
+                n = w.rows
+                if not self._place(s, w, n):
                     self._kv_full(s, w)
                     break  # the run's next entry would restart the session below rows placed here
                 if items and w.pos < items[-1].pos + len(items[-1].taps):
@@ -599,9 +602,11 @@ class Engine:
                     # never go in, so none lands outside the span w left reserved. Cut only once w is
                     # placed: an entry refused here leaves the one before it whole, as it claimed.
                     prev = items[-1]
+                    n_rows -= prev.pos + len(prev.taps) - w.pos
                     items[-1] = IngestItem(prev.key, prev.start, prev.pos, prev.taps[: w.pos - prev.pos], prev.fmt)
-                if w.rows:
+                if n:
                     items.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
+                    n_rows += n
                 placed.append((s, w))
                 if w.k:
                     drafts.append((s, w))
@@ -610,7 +615,6 @@ class Engine:
                     w.call.queue_s = wait
             ingest += _joined(items, self.chunk)
         items = []  # else the loop's last items keep their rows, and so their shm region, past the replies
-        n_rows = sum(len(i.taps) for i in ingest)
         try:
             td = time.monotonic()
             outs = self.drafter.step(
