@@ -245,28 +245,11 @@ def share_registered(fasts: list[Any], S: Sessions) -> bool:
     return True
 
 
-def time_interleaved(
-    S: Sessions, fasts: dict[Any, Any], keys: list[int], rounds: int, steps: int
+def captures_interleaved(
+    S: Sessions, fasts: dict[Any, Any], n: int, rounds: int, steps: int
 ) -> tuple[dict[Any, list[float]], dict[Any, list[list[int]]]]:
-    """Each capture of one drafter (``fasts``: the drafter's ``fast`` swapped in) stepping ``keys``
-    from CTX, ``steps`` a round, the order of the captures rotating each round so the machine's drift
-    falls on all alike: ms per step of each round, and each capture's drafts of its first step."""
-    names = list(fasts)
-    times: dict[Any, list[float]] = {k: [] for k in names}
-    drafts: dict[Any, list[list[int]]] = {}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            S.d.fast = fasts[name]
-            S.rewind(keys, CTX)
-            S.turn = 0
-            drafts.setdefault(name, S.step(keys))
-            _sync()
-            t1 = time.perf_counter()
-            for _ in range(steps):
-                S.step(keys)
-            _sync()
-            times[name].append((time.perf_counter() - t1) * 1e3 / steps)
-    return times, drafts
+    """``interleaved`` over the captures of one drafter (``fasts``: its ``fast`` swapped in per turn)."""
+    return interleaved(dict.fromkeys(fasts, S), n, rounds, steps, switch=lambda name: setattr(S.d, "fast", fasts[name]))
 
 
 def _sync() -> None:
@@ -288,15 +271,20 @@ def timed(fn: Any, iters: int, warm: int = 3) -> dict[str, float]:
 
 
 def interleaved(
-    sessions: dict[str, Sessions], n: int, rounds: int, steps: int
-) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
+    sessions: dict[Any, Sessions], n: int, rounds: int, steps: int, switch: Any = None
+) -> tuple[dict[Any, list[float]], dict[Any, list[list[int]]]]:
     """Drafters side by side in one process: per mode (a key of ``sessions``), ms per step over
-    ``steps`` steps of its first n sessions at CTX context, ``rounds`` times, the rounds alternating
-    which mode goes first; and each mode's drafts of its first (untimed) step."""
-    times: dict[str, list[float]] = {m: [] for m in sessions}
-    drafts: dict[str, list[list[int]]] = {}
+    ``steps`` steps of its first n sessions at CTX context, ``rounds`` times, the order of the modes
+    rotating each round so the machine's drift falls on all alike; and each mode's drafts of its first
+    (untimed) step. ``switch(mode)``, when given, runs before a mode's turn (one drafter captured
+    several ways: it swaps the drafter's ``fast``)."""
+    names = list(sessions)
+    times: dict[Any, list[float]] = {m: [] for m in names}
+    drafts: dict[Any, list[list[int]]] = {}
     for r in range(rounds):
-        for mode in list(sessions) if r % 2 == 0 else list(reversed(sessions)):
+        for mode in names[r % len(names) :] + names[: r % len(names)]:
+            if switch is not None:
+                switch(mode)
             S, ks = sessions[mode], list(range(n))
             S.rewind(ks, CTX)
             S.turn = 0

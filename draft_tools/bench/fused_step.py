@@ -42,6 +42,7 @@ from draft_tools.bench.draft_step_gpu import (
     CTX,
     NEW_ROWS,
     Sessions,
+    captures_interleaved,
     floor_ms,
     gpu_machine,
     log,
@@ -49,7 +50,6 @@ from draft_tools.bench.draft_step_gpu import (
     profile_counts,
     share_registered,
     step_cost,
-    time_interleaved,
 )
 from draft_tools.bench.flash_step import agreement
 
@@ -141,7 +141,7 @@ def bench_preset(
     keys = S.open(64, CTX)
     rows = []
     for n in sizes:
-        times, drafts = time_interleaved(S, fasts, keys[:n], rounds, steps)
+        times, drafts = captures_interleaved(S, fasts, n, rounds, steps)
         row: dict[str, Any] = {"sessions": n, **floor_ms(step_cost(d, n, [CTX] * n, n * NEW_ROWS), floors)}
         for mode, ts in times.items():
             row[f"{mode}_ms"] = statistics.median(ts)

@@ -30,13 +30,13 @@ from draft_tools.bench.draft_step_gpu import (
     CTX,
     NEW_ROWS,
     Sessions,
+    captures_interleaved,
     floor_ms,
     gpu_machine,
     log,
     measure_floors,
     share_registered,
     step_cost,
-    time_interleaved,
 )
 from draft_tools.bench.flash_step import agreement
 
@@ -69,7 +69,7 @@ def sweep(
     keys = S.open(max(SIZES), CTX)
     rows = []
     for n in SIZES:
-        times, drafts = time_interleaved(S, fasts, keys[:n], rounds, steps)
+        times, drafts = captures_interleaved(S, fasts, n, rounds, steps)
         row: dict[str, Any] = {"sessions": n, **floor_ms(step_cost(d, n, [CTX] * n, n * NEW_ROWS), floors)}
         for it, ts in times.items():
             row[f"items_{it}_ms"] = statistics.median(ts)
