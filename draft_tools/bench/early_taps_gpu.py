@@ -187,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of --server-args: the checksum drafter with K3's contract (K3's tap bytes, no model: a CPU box)",
     )
     ap.add_argument(
+        "--k3-noop",
+        action="store_true",
+        help="as --k3-checksum, with batches that do no drafter work: the hop's and the server's own host work only",
+    )
+    ap.add_argument(
         "--transport",
         default="frames",
         choices=["frames", "shm"],
@@ -229,12 +234,15 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=1)
 
     ipc = f"ipc://{tempfile.mkdtemp(prefix='early-taps-')}/srv.sock"
-    if a.k3_checksum:
+    if a.k3_checksum or a.k3_noop:
         from draft_tools.bench.rpc import spawn
 
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         mport = free_port()
-        proc = spawn("serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint, "--metrics-port", str(mport))
+        extra = ["--noop"] if a.k3_noop else []
+        proc = spawn(
+            "serve", f"{endpoint},{ipc}" if a.transport == "shm" else endpoint, "--metrics-port", str(mport), *extra
+        )
     else:
         proc, endpoint, mport = start_server(
             a.server_args.split(), also_bind=ipc if a.transport == "shm" else "", log_file=a.server_log

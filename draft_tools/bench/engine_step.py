@@ -19,29 +19,23 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from draft_server.drafters.base import DraftItem, DraftOut, IngestItem
-from draft_server.drafters.checksum import ChecksumDrafter
 from draft_server.engine.scheduler import Engine
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
-from protocol import GREEDY
+from draft_tools.bench.rpc import noop_drafter
+from protocol import GREEDY, Phase
 
 ROWS, K = 3, 7
 
 
-class NoopDrafter(ChecksumDrafter):
-    """The checksum drafter's sessions and KV accounting, with a step that does no work."""
-
-    def step(self, ingest: Sequence[IngestItem], drafts: Sequence[DraftItem]) -> list[DraftOut]:
-        return [DraftOut([1] * it.k) for it in drafts]
+NoopDrafter = noop_drafter()
 
 
-def measure(n: int, steps: int, warm: int = 50) -> dict[str, float]:
+def measure(n: int, steps: int, warm: int = 50, predicted: bool = False) -> dict[str, Any]:
     d = NoopDrafter(capacity_tokens=1 << 24)
     replies: list[Any] = []
     eng = Engine(
@@ -55,9 +49,38 @@ def measure(n: int, steps: int, warm: int = 50) -> dict[str, float]:
     batch_s: list[float] = []
     for i in range(warm + steps):
         now = time.monotonic()
-        call = Call(b"client", i + 1, now, now + 1.0, [None] * n, remaining=n)
         assert eng.admission.try_admit_rows(b"client", n * ROWS)
-        works = [Work(call, j, f"s{j}", pos[j], taps[j], 7, K, GREEDY, pos[j] + ROWS) for j in range(n)]
+        if predicted:  # the span's early taps first (queued, untimed), then the commit the timing is of
+            early = Call(b"client", 2 * i + 1, now, now + 1.0, [None] * n, remaining=n, commit_follows=True)
+            eng.submit(
+                [
+                    Work(early, j, f"s{j}", pos[j], taps[j], 0, 0, GREEDY, pos[j] + ROWS, phase=Phase.TAPS)
+                    for j in range(n)
+                ]
+            )
+            eng._drain_inbox()
+            if early.remaining:
+                raise RuntimeError(f"step {i}'s early taps were not acknowledged when queued")
+            call = Call(b"client", 2 * i + 2, now, now + 1.0, [None] * n, remaining=n)
+            works = [
+                Work(
+                    call,
+                    j,
+                    f"s{j}",
+                    pos[j] + ROWS,
+                    None,
+                    7,
+                    K,
+                    GREEDY,
+                    pos[j] + ROWS,
+                    phase=Phase.COMMIT,
+                    after=early.call_id,
+                )
+                for j in range(n)
+            ]
+        else:
+            call = Call(b"client", i + 1, now, now + 1.0, [None] * n, remaining=n)
+            works = [Work(call, j, f"s{j}", pos[j], taps[j], 7, K, GREEDY, pos[j] + ROWS) for j in range(n)]
         for j in range(n):
             pos[j] += ROWS
         t0 = time.perf_counter()
@@ -74,6 +97,7 @@ def measure(n: int, steps: int, warm: int = 50) -> dict[str, float]:
         eng._flush_metrics()
     return {
         "sessions": n,
+        "mode": "predicted commit" if predicted else "single message",
         "queue_us": statistics.median(queue_s) * 1e6,
         "iteration_us": statistics.median(batch_s) * 1e6,
         "total_us": statistics.median(a + b for a, b in zip(queue_s, batch_s, strict=True)) * 1e6,
@@ -84,13 +108,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", default="1,16,64")
     ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument(
+        "--predicted", action="store_true", help="each step's rows as early taps first, then a commit (what is timed)"
+    )
     ap.add_argument("--out", default="bench/results/engine_step_cpu.json")
     args = ap.parse_args()
-    rows = [measure(int(n), args.steps) for n in args.sessions.split(",")]
+    rows = [measure(int(n), args.steps, predicted=args.predicted) for n in args.sessions.split(",")]
     for r in rows:
         print(
-            f"{r['sessions']:3d} sessions: queue {r['queue_us']:7.1f} us  iteration {r['iteration_us']:7.1f} us  "
-            f"total {r['total_us']:7.1f} us"
+            f"{r['mode']}, {r['sessions']:3d} sessions: queue {r['queue_us']:7.1f} us  "
+            f"iteration {r['iteration_us']:7.1f} us  total {r['total_us']:7.1f} us"
         )
     report = {
         "command": "python -m draft_tools.bench.engine_step " + " ".join(sys.argv[1:]),

@@ -61,12 +61,15 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0, metrics_port: int = -1) -> None:
+def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0, metrics_port: int = -1, noop: bool = False) -> None:
+    """A server of the checksum drafter with K3's contract; ``noop``: one whose batches do no drafter work
+    (``NoopDrafter``), so what is left is the hop's and the server's own host work."""
     from draft_server.app import DraftServer, settle_heap
     from draft_server.config import ServerConfig
     from draft_server.drafters.checksum import ChecksumDrafter
 
-    drafter = ChecksumDrafter(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
+    kind = noop_drafter() if noop else ChecksumDrafter
+    drafter = kind(K3, device="cuda" if cuda_available() else None)  # a GPU: cuda_ipc is offered
     cfg = ServerConfig(bind=endpoint, metrics_port=metrics_port, drafter="checksum", idle_spin_ms=idle_spin_ms)
     srv = DraftServer(cfg, drafter)
     settle_heap()  # as ``draft-server serve`` does
@@ -74,6 +77,18 @@ def serve_checksum(endpoint: str, idle_spin_ms: float = 0.0, metrics_port: int =
     print("READY", flush=True)
     sys.stdin.read()  # until the parent closes stdin
     srv.stop()
+
+
+def noop_drafter() -> type:
+    """The checksum drafter's sessions and KV accounting, with a step that does no work (fixed drafts)."""
+    from draft_server.drafters.base import DraftOut
+    from draft_server.drafters.checksum import ChecksumDrafter
+
+    class NoopDrafter(ChecksumDrafter):
+        def step(self, ingest: Any, drafts: Any) -> list[DraftOut]:
+            return [DraftOut([1] * it.k) for it in drafts]
+
+    return NoopDrafter
 
 
 def serve_echo(endpoint: str) -> None:
@@ -233,9 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     ap.add_argument("--metrics-port", type=int, default=-1, help=argparse.SUPPRESS)  # with --serve: its metrics
+    ap.add_argument("--noop", action="store_true", help=argparse.SUPPRESS)  # with --serve: no drafter work
     args = ap.parse_args(argv)
     if args.serve:
-        serve_checksum(args.serve, args.idle_spin_ms, args.metrics_port)
+        serve_checksum(args.serve, args.idle_spin_ms, args.metrics_port, args.noop)
         return 0
     if args.echo:
         serve_echo(args.echo)
