@@ -17,6 +17,10 @@
 #   gap     draft-bench back to back, with 10 ms idle gaps (a target's forward) between calls, floor and
 #           product alike, and with the gaps and --idle-spin-ms 20, 1 / 16 / 64 sessions, each beside the
 #           client's wait_spin_ms 0.3 (--client-spin-ms) in the same run -> $OUT/rpc_gap*.json
+#   sweep   draft_tools.bench.early_taps_gpu over ipc + shm, B = 1, 2, 4, 8, 16, 32, 64: predicted commits and
+#           the single message side by side (issue 17's must-show 2) -> $OUT/early_taps_sweep.json
+#   ab      predicted commits at 64 sessions, this tree against the tree in .abbase (``ab --export REV``,
+#           carried), alternating, AB_ROUNDS (2) runs a side -> $OUT/early_taps_ab.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -35,6 +39,16 @@ run_test() { timeout "$(left)" python3 -m pytest -q -p no:cacheprovider tests/gp
 early() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,16,64 --steps 100 \
         --out "$OUT/early_taps.json" "$@" 2>&1 | grep -v Warn | tee "$OUT/early.log" | grep "^B="
+}
+sweep() {
+    timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --batches 1,2,4,8,16,32,64 \
+        --steps 150 --modes predicted_commit,single_message --out "$OUT/early_taps_sweep.json" "$@" 2>&1 \
+        | grep -v Warn | tee "$OUT/sweep.log" | grep "^B="
+}
+ab() {
+    timeout "$(left)" python3 -m draft_tools.bench.ab --base .abbase --rounds "${AB_ROUNDS:-2}" \
+        --out "$OUT/early_taps_ab.json" -- draft_tools.bench.early_taps_gpu --transport shm --batches 64 --steps 200 \
+        --modes predicted_commit "$@" 2>&1 | grep -v Warn | tee "$OUT/ab.log" | tail -6
 }
 proj() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --wire-format projected \
@@ -64,10 +78,12 @@ case "$task" in
     ring) ring "$@" ;;
     gap) gap "$@" ;;
     early) early "$@" ;;
+    sweep) sweep "$@" ;;
+    ab) ab "$@" ;;
     proj) proj "$@" ;;
     prep) prep "$@" ;;
     all) run_test; early; proj; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|sweep|ab|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

@@ -62,12 +62,16 @@ class Deferred:
     def count_statuses(self, children: Mapping[Any, Any], results: Sequence[Any]) -> None:
         """A reply's entries by status (``EntryResult``s; ``children``: status -> counter child):
         one queued ``inc`` per status present, not one per entry."""
-        if len(results) == 1:
-            self.later(children[results[0].status].inc, 1)
+        statuses = [r.status for r in results]
+        if not statuses:
+            return
+        first = statuses[0]
+        if statuses.count(first) == len(statuses):  # the common case: one status (``count`` compares them
+            self.later(children[first].inc, len(statuses))  # as ints; a dict would hash each enum in Python)
             return
         by: dict[Any, int] = {}
-        for r in results:
-            by[r.status] = by.get(r.status, 0) + 1
+        for st in statuses:
+            by[st] = by.get(st, 0) + 1
         for status, n in by.items():
             self.later(children[status].inc, n)
 

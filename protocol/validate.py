@@ -54,6 +54,19 @@ def check_sampling(s: Sampling, vocab_size: int) -> str | None:
 
 def check_entry(e: StepEntry, contract: ModelContract, limits: ServerLimits) -> str | None:
     """Why this entry cannot be served, or None."""
+    pos, rows, k = e.pos, e.rows, e.k
+    if (  # the common case in one expression (a step checks every entry): a valid greedy entry whose
+        # session id is short enough in any encoding (at most 4 UTF-8 bytes a code point)
+        0 < len(e.session) * 4 <= limits.max_session_id_bytes
+        and pos >= 0
+        and rows >= 0
+        and 0 <= k <= contract.block_size
+        and pos + rows + k <= limits.max_position
+        and 0 <= e.anchor < contract.vocab_size
+        and (not k or e.phase != Phase.TAPS)
+        and e.sampling == GREEDY
+    ):
+        return None
     sid = e.session.encode("utf-8", "surrogatepass")
     if not sid:
         return "empty session id"

@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from draft_server.drafters import Drafter, DraftItem, IngestItem
+from draft_server.drafters import Drafter, DraftItem, DraftOut, IngestItem
 from draft_server.engine.admission import Admission
 from draft_server.engine.sessions import Session, SessionTable
 from draft_server.engine.types import Call, Work
@@ -102,6 +102,7 @@ HOLD_FORGET_S = 10.0  # a client silent this long is no longer tracked
 # the longest early taps wait for the commits their call said follow at once (``Engine._commits_due``):
 # they come a client's step-building later (0.1-0.5 ms); this bound only matters when one is lost
 COMMIT_WAIT_S = 0.002
+_OK = Status.OK
 
 
 @dataclass(slots=True)
@@ -528,9 +529,10 @@ class Engine:
 
     def _expire(self, now: float) -> None:
         early = False
+        limit = now + self._draft_ewma_s  # an entry due before this could not draft in time
         for s in self.sessions:
             for w in s.pending:
-                if w.k and now + self._draft_ewma_s > w.call.deadline:
+                if w.k and limit > w.call.deadline:
                     early = early or now <= w.call.deadline
                     self._resolve(w, EntryResult(Status.EXPIRED, end=w.end, message="budget passed before drafting"))
                     w.k = 0
@@ -586,6 +588,7 @@ class Engine:
         ingest: list[IngestItem] = []
         drafts: list[tuple[Session, Work]] = []
         placed: list[tuple[Session, Work]] = []
+        retired: dict[bytes, int] = {}  # rows per client the batch takes out of admission's queue
         n_rows = 0
         for s, run in batch:
             items: list[IngestItem] = []
@@ -608,11 +611,14 @@ class Engine:
                     items.append(IngestItem(s.handle, s.start, w.pos, w.taps, w.fmt))  # type: ignore[arg-type]
                     n_rows += n
                 placed.append((s, w))
+                call = w.call
+                if n:
+                    retired[call.owner] = retired.get(call.owner, 0) + n
                 if w.k:
                     drafts.append((s, w))
-                wait = t0 - w.call.recv_t  # observed once per call, with its reply (``_reply``)
-                if wait > w.call.queue_s:
-                    w.call.queue_s = wait
+                wait = t0 - call.recv_t  # observed once per call, with its reply (``_reply``)
+                if wait > call.queue_s:
+                    call.queue_s = wait
             ingest += _joined(items, self.chunk)
         items = []  # else the loop's last items keep their rows, and so their shm region, past the replies
         try:
@@ -635,28 +641,42 @@ class Engine:
         later(m.batch_sessions.observe, len(drafts))
         for call in {id(w.call): w.call for _, w in placed}.values():
             call.compute_s += dt  # once per call: its entries shared this batch
-        retired: dict[bytes, int] = {}
         for s, w in placed:  # each session's placed entries are its queue's head, in order
             s.pending.popleft()
-            retired[w.call.owner] = retired.get(w.call.owner, 0) + w.rows
             w.taps = None
         for owner, rows in retired.items():
             self.admission.retire_rows(owner, rows)
-        drafted = sum(len(out.tokens) for out in outs)
+        drafted = 0
+        done: list[Call] = []  # calls this batch answered last: replied to once every entry has its result
+        for (s, w), out in zip(drafts, outs, strict=True):
+            tokens = tuple(out.tokens)
+            drafted += len(tokens)
+            if out.confidence or out.probs is not None:
+                result = self._rich_result(s, w, out, tokens)
+            else:
+                result = EntryResult(_OK, tokens, w.end, start=s.start)
+            call = w.call  # ``_resolve``, inlined: a drafted entry has no rows left to retire
+            if call.results[w.idx] is None:
+                call.results[w.idx] = result
+                call.remaining -= 1
+                if not call.remaining:
+                    done.append(call)
         if drafted:  # queued before the replies go: a scrape after a reply counts its drafts
             later(m.drafted_tokens.inc, drafted)
-        for (s, w), out in zip(drafts, outs, strict=True):
-            conf = tuple(out.confidence) if out.confidence else ()
-            probs = prob_ids = None
-            if out.probs is not None and out.prob_ids is not None:  # frames of the reply
-                payloads = w.call.payloads
-                probs = spec_for(out.probs, DType.F32, len(payloads))
-                prob_ids = spec_for(out.prob_ids, DType.I32, len(payloads) + 1)
-                payloads += [np.ascontiguousarray(out.probs, np.float32), np.ascontiguousarray(out.prob_ids, np.int32)]
-            result = EntryResult(
-                Status.OK, tuple(out.tokens), w.end, confidence=conf, probs=probs, prob_ids=prob_ids, start=s.start
-            )
-            self._resolve(w, result)
+        for call in done:
+            self._reply(call)
+
+    @staticmethod
+    def _rich_result(s: Session, w: Work, out: DraftOut, tokens: tuple[int, ...]) -> EntryResult:
+        """A drafted entry's result with its confidences and, as frames of the reply, its probabilities."""
+        probs = prob_ids = None
+        if out.probs is not None and out.prob_ids is not None:  # frames of the reply
+            payloads = w.call.payloads
+            probs = spec_for(out.probs, DType.F32, len(payloads))
+            prob_ids = spec_for(out.prob_ids, DType.I32, len(payloads) + 1)
+            payloads += [np.ascontiguousarray(out.probs, np.float32), np.ascontiguousarray(out.prob_ids, np.int32)]
+        conf = tuple(out.confidence) if out.confidence else ()
+        return EntryResult(_OK, tokens, w.end, confidence=conf, probs=probs, prob_ids=prob_ids, start=s.start)
 
     def _prefill_chunk(self, s: Session, t0: float) -> None:
         w = s.pending[0]

@@ -119,6 +119,7 @@ log = logging.getLogger("draft_server.io")
 
 
 _KINDS = {Step: "step", Hello: "hello", Ping: "ping", Free: "free"}  # metrics.MESSAGE_KINDS
+_COMMIT = Phase.COMMIT
 _POLLIN = int(zmq.POLLIN)  # zmq's flag enums cost a Python call per operation; the loop uses ints
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -661,48 +662,45 @@ class Router:
         )
         works: list[Work] = []
         row = 0
-        for i, (e, err) in enumerate(zip(entries, errors, strict=True)):
-            rows = taps[row : row + e.rows] if (taps is not None and e.rows) else None
-            row += e.rows
+        wire = step.wire
+        late = f"read {waited:.0f} ms late" if unread else ""
+        for i, (e, err, ok) in enumerate(zip(entries, errors, admitted, strict=True)):
+            n = e.rows
+            rows = taps[row : row + n] if (n and taps is not None) else None
+            row += n
             if err is not None:
                 self._set(call, i, EntryResult(Status.BAD_ENTRY, message=err))
                 continue
-            if bad_rows is not None and e.rows and (n_bad := int(bad_rows[row - e.rows : row].sum())):
+            if bad_rows is not None and n and (n_bad := int(bad_rows[row - n : row].sum())):
                 self._count_nonfinite(owner, n_bad)
-            if not admitted[i]:
+            if not ok:
                 self._set(call, i, admission.overloaded("queue full"))
                 continue
-            end = e.pos + e.rows
-            k = e.k
-            late = f"read {waited:.0f} ms late" if unread else ""
-            if unread:  # no drafting; rows still commit in order, acknowledged EXPIRED by the engine once applied
-                k = 0
-            claims = -1 if e.phase == Phase.COMMIT else end  # what an answer without rows acknowledges
-            if unread and rows is None:  # nothing to apply: answered now (a commit claims no context)
-                self._set(call, i, EntryResult(Status.EXPIRED, end=claims, message=late))
-            elif e.k == 0 and rows is None:  # nothing to do (a commit of k=0 claims no context either)
-                self._set(call, i, EntryResult(Status.OK, end=claims))
-            else:
-                call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
-            if rows is not None or k:
-                works.append(
-                    Work(
-                        call,
-                        i,
-                        e.session,
-                        e.pos,
-                        rows,
-                        e.anchor,
-                        k,
-                        e.sampling,
-                        end,
-                        step.wire,
-                        e.phase,
-                        e.after,
-                        e.restart,
-                        late,
-                    )
+            end = e.pos + n
+            k = 0 if unread else e.k  # read late: no drafting; rows still commit in order, acknowledged EXPIRED
+            if rows is None and (unread or not e.k):  # nothing to apply or draft: answered now; what it
+                claims = -1 if e.phase == _COMMIT else end  # acknowledges (a commit claims no context)
+                self._set(call, i, EntryResult(Status.EXPIRED if unread else Status.OK, end=claims, message=late))
+                continue
+            call.remaining += 1  # the engine answers it (ingest only: once its session is admitted)
+            works.append(
+                Work(
+                    call,
+                    i,
+                    e.session,
+                    e.pos,
+                    rows,
+                    e.anchor,
+                    k,
+                    e.sampling,
+                    end,
+                    wire,
+                    e.phase,
+                    e.after,
+                    e.restart,
+                    late,
                 )
+            )
         answered_here = call.remaining == 0  # read before the engine may own `call`
         if works:
             self.engine.submit(works)  # the engine owns `call` from here on
