@@ -4,7 +4,8 @@ It speaks the real protocol (protocol.codec / protocol.validate) and keeps posit
 per client identity, but what it answers is scripted: per Step a policy returns "ok", "drop",
 ("delay", seconds), "garbage", "overloaded", "internal", "error", "short" (wrong result
 count), "probs" (drafts with confidence and top-2 probability frames) or a dict
-{session: "overloaded"}. Epoch, contract and contract_id are plain attributes a test may change at any time.
+{session: "overloaded" | "oov" (its last draft outside the vocabulary) | "extra" (a draft past k)}.
+Epoch, contract and contract_id are plain attributes a test may change at any time.
 Delayed replies are scheduled, never slept on, so one slow reply never holds up another.
 Every request it receives is recorded (Step headers with a copy of their tap frame).
 """
@@ -243,6 +244,11 @@ class FakeServer:
                 end = e.pos + e.rows
                 self.sessions[key] = (start, end)
                 drafts = tuple(fake_drafts(e.session, end, e.anchor, e.k))
+                per = action.get(e.session) if isinstance(action, dict) else None
+                if per == "oov" and drafts:  # its last draft outside the vocabulary
+                    drafts = (*drafts[:-1], self.contract.vocab_size)
+                elif per == "extra":  # one draft more than asked for
+                    drafts = (*drafts, 0)
                 if action == "probs":  # top-2 probabilities per draft, in two payload frames
                     probs = np.full((e.k, 2), 0.25, np.float32)
                     ids = np.array([[t, (t + 1) % self.contract.vocab_size] for t in drafts], np.int32).reshape(e.k, 2)

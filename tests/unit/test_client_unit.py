@@ -358,6 +358,20 @@ def test_confidence_and_probability_frames_are_decoded(server, clients) -> None:
         assert o.prob_ids is not None and o.prob_ids[:, 0].tolist() == o.tokens
 
 
+def test_drafts_outside_the_vocabulary_or_past_k_never_reach_the_caller(server, clients) -> None:
+    """The reply's drafts are checked per entry on the way to the caller: an entry with a token
+    outside the vocabulary gets none (a bad reply, counted), one with more drafts than it asked
+    for gets its k, and the entries beside them theirs."""
+    server.policy = lambda step, n: {"a": "oov", "b": "extra"}
+    client = clients(cfg(server.endpoint))
+    client.connect()
+    reqs = [req("a", 0, 1), req("b", 0, 1), req("c", 0, 1)]
+    out = timed_step(client, reqs, taps_for(3, 0))
+    assert out[0].tokens == [] and out[0].status == Status.OK and "vocabulary" in out[0].message
+    assert out[1].tokens == expected(reqs[1]) and out[2].tokens == expected(reqs[2])
+    assert client.stats()["bad_replies"] == 1
+
+
 def test_a_dead_io_thread_turns_drafting_off_without_raising(server, clients, monkeypatch) -> None:
     client = clients(cfg(server.endpoint))
     client.connect()

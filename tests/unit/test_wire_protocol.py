@@ -7,6 +7,7 @@ config checks and its handshake verdict, and the client's checkpoint reader on b
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import msgspec
@@ -14,10 +15,13 @@ import numpy as np
 import pytest
 
 from protocol import (
+    GREEDY,
     DType,
     ErrorCode,
     Hello,
+    Phase,
     ProtocolError,
+    Sampling,
     ServerLimits,
     Step,
     StepEntry,
@@ -29,6 +33,7 @@ from protocol import (
     spec_for,
     validate_step,
 )
+from protocol.validate import check_entry
 from protocol.wire import refusal, row_layout
 from target_client import ClientConfig
 from target_client.client.counters import Counters
@@ -117,3 +122,60 @@ def test_projection_reader_errors_are_one_line(tmp_path) -> None:
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     with pytest.raises(ProjectionError, match="neither context_proj/context_norm nor fc/hidden_norm"):
         Projection.load(str(tmp_path))
+
+
+def _entry_ok(e: StepEntry, limits: ServerLimits) -> bool:
+    """An entry ``check_entry`` must accept, written out apart from it."""
+    s = e.sampling
+    sampling_ok = s == GREEDY or (
+        s.temperature >= 0.0
+        and 0 <= s.top_k <= C.vocab_size
+        and 0.0 < s.top_p <= 1.0
+        and (s.seed is None or 0 <= s.seed < 2**63)
+        and 0 <= s.return_probs <= 1024
+        and not (s.return_probs and s.temperature == 0.0)
+    )
+    sid = e.session.encode("utf-8", "surrogatepass")
+    return (
+        0 < len(sid) <= limits.max_session_id_bytes
+        and e.pos >= 0
+        and e.rows >= 0
+        and e.pos + e.rows + e.k <= limits.max_position
+        and 0 <= e.k <= C.block_size
+        and 0 <= e.anchor < C.vocab_size
+        and not (e.phase == Phase.TAPS and e.k)
+        and sampling_ok
+    )
+
+
+def test_check_entry_accepts_exactly_the_valid_entries() -> None:
+    """``check_entry`` takes the common case in one expression (a short id, greedy) and the rest
+    by each rule; both halves agree with the rules written out, at every edge: ids of one to
+    four UTF-8 bytes a character around the byte limit, positions at the limit, k and the anchor
+    at their ends, early taps with drafts, sampling that is valid or not."""
+    limits = msgspec.structs.replace(LIMITS, max_session_id_bytes=8, max_position=100)
+    ids = [
+        "",
+        "a",
+        "abcdefgh",
+        "abcdefghi",
+        "\u00e9" * 4,
+        "\u00e9" * 5,
+        "\u20ac" * 2,
+        "\u20ac" * 3,
+        "\U0001f600" * 2,
+        "\ud800",
+    ]
+    samplings = [GREEDY, Sampling(temperature=0.7, top_k=5), Sampling(top_p=0.0), Sampling(return_probs=2)]
+    seen = {True: 0, False: 0}
+    for sid, pos, rows, k, anchor, phase, sampling in itertools.product(
+        ids, (-1, 0, 93), (-1, 0, 3), (0, C.block_size, C.block_size + 1), (-1, 0, C.vocab_size - 1, C.vocab_size),
+        (Phase.WHOLE, Phase.TAPS, Phase.COMMIT), samplings,
+    ):  # fmt: skip
+        e = StepEntry(sid, pos, rows, anchor, k, sampling, phase)
+        ok = _entry_ok(e, limits)
+        err = check_entry(e, C, limits)
+        assert (err is None) == ok, (e, err)
+        assert ok or (isinstance(err, str) and err)
+        seen[ok] += 1
+    assert seen[True] and seen[False]
