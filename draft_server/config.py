@@ -114,7 +114,8 @@ class ServerConfig:
     idle_spin_ms: float = _f(
         0.0,
         "after each batch the idle engine polls for work without sleeping for this long (e.g. 20: a target's "
-        "forward), trading one CPU core for the time a sleeping thread takes to wake; 0: it sleeps at once",
+        "forward), and through its short waits (holds, commits due), trading one CPU core for the time a "
+        "sleeping thread takes to wake; 0: it sleeps at once",
     )
     session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
     watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")

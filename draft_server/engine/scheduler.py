@@ -41,7 +41,9 @@ one client nothing is ever held. Not with a fixed ``batch_window_ms``, which wai
 Idle. With nothing to do the engine waits on its bell (and the socket it watches) in a blocking
 poll; with ``idle_spin_ms`` it first polls without sleeping for that long after its last batch, so
 the next step of a target that is between its forwards finds it awake (a thread that slept, and the
-core under it, take time to wake: ``bench/results/rpc_idle_spin_cpu.json``).
+core under it, take time to wake: ``bench/results/rpc_idle_spin_cpu.json``), and it polls unslept
+through its short waits too (a hold, a wait for commits that follow their taps: 2 ms at most), so
+the commit a target sends before its sampling ends is read as it lands.
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
 restarts the session at pos (counted by cause). Every reply names the context [start, end) its
@@ -251,8 +253,10 @@ class Engine:
         try:
             fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
             ready: list[int] = []
-            if self.spin_s and timeout_s >= 0.05 and max(fds) < 1024:  # not a hold: that has its own end
-                spin_end = self._busy_t + self.spin_s  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
+            until = time.monotonic() + timeout_s
+            if self.spin_s and max(fds) < 1024:  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
+                # idle: until spin_s after the last batch; a hold or a wait for commits (short, bounded): all of it
+                spin_end = self._busy_t + self.spin_s if timeout_s >= 0.05 else until
                 while not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
                     ready = select.select(fds, [], [], 0)[0]
                     if ready:
@@ -260,7 +264,7 @@ class Engine:
             if not ready and not self._inbox and not self._stop.is_set():
                 if timeout_s < 0.05 and max(fds) < 1024:
                     # select's timeout has microseconds (poll's is whole milliseconds): a hold is short
-                    ready = select.select(fds, [], [], max(timeout_s, 0.0))[0]
+                    ready = select.select(fds, [], [], max(until - time.monotonic(), 0.0))[0]
                 else:
                     ready = [fd for fd, _ in self._poll.poll(max(1, int(timeout_s * 1000)))]
             if self._bell.fd in ready:

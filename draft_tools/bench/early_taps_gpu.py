@@ -97,6 +97,7 @@ def measure(
         shm_ring_mib=args.shm_ring_mib,
         wire_format=args.wire_format,
         projection_id=args.projection_id,
+        wait_spin_ms=args.client_spin_ms,
     )
     client = DraftClient(cfg)
     try:
@@ -180,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-ms", type=float, default=10.0, help="sleep between steps (the target forward)")
     ap.add_argument("--sample-ms", type=float, default=1.0, help="target sampling + rejection between taps and commit")
     ap.add_argument("--budget-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--client-spin-ms",
+        type=float,
+        default=0.0,
+        help="the client's wait_spin_ms (its caller polls unslept from this long before its reply is due)",
+    )
     ap.add_argument("--server-args", default="--model random:k3 --device cuda --kv-budget-mib 16384")
     ap.add_argument(
         "--k3-checksum",

@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         "round_trip": [],
     }
     procs = [spawn_rpc("echo", ep_echo), spawn_server(ep_srv, args.model, args.device, args.server_args.split())]
-    procs.append(spawn(["--grpc-echo", str(gport)]))
+    if not args.no_round_trip:  # the gRPC echo is one of the round trip's sides only
+        procs.append(spawn(["--grpc-echo", str(gport)]))
     try:
         from target_client import ClientConfig, DraftClient
 

@@ -2,8 +2,9 @@
 engine thread: the engine waits for those commits instead of ingesting the rows alone, so rows and
 drafts go in one batch (the commit folds into its taps); taps without the hint are ingested alone at
 once, as before. Two clients, staggered; the wait ends at its bound when a commit never comes (counted)
-and is never taken for taps whose client already sent its commits. Drafts are the checksum of each
-session's rows throughout.
+and is never taken for taps whose client already sent its commits. The same with ``idle_spin_ms``,
+where the engine polls through these waits unslept: a commit still ends the wait, a lost one still
+holds the rows only to the bound. Drafts are the checksum of each session's rows throughout.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from draft_server.drafters.checksum import ChecksumDrafter, expected_drafts
 from draft_server.engine.scheduler import Engine
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
 from protocol import GREEDY, Phase, Status, StepResult
+from tests.conftest import check_on_time, time_marks
 
 ROWS, K, ANCHOR = 3, 4, 7
 
@@ -38,7 +41,7 @@ class Harness:
     """An engine whose wait for commits ends at ``wait_s`` (the server's is 2 ms; the tests' commits come
     0.3 ms behind their taps, and the longer bound keeps a busy CI box from making that a timeout)."""
 
-    def __init__(self, wait_s: float = 0.05) -> None:
+    def __init__(self, wait_s: float = 0.05, spin_ms: float = 0.0) -> None:
         self.d = Recording()
         self.metrics = ServerMetrics()
         self.replies: dict[tuple[bytes, int], StepResult] = {}
@@ -47,6 +50,7 @@ class Harness:
             self.d, self.metrics, self._reply, "e", "c",
             max_sessions=16, max_queue_rows=10_000, max_batch_rows=64, max_batch_sessions=16,
             prefill_chunk_rows=16, batch_window_ms=0.0, session_ttl_s=60.0, commit_wait_s=wait_s,
+            idle_spin_ms=spin_ms,
         )  # fmt: skip
         self.wait_s = wait_s
         self.rows: dict[tuple[bytes, str], dict[int, bytes]] = {}
@@ -94,8 +98,9 @@ class Harness:
             assert list(r.drafts) == expected_drafts(self.rows[(owner, sid)], 0, pos, ANCHOR, K, vocab)
 
 
-def test_taps_wait_for_the_commits_that_follow_and_go_in_one_batch_with_their_drafts() -> None:
-    h = Harness()
+@pytest.mark.parametrize("spin_ms", [0.0, 20.0])
+def test_taps_wait_for_the_commits_that_follow_and_go_in_one_batch_with_their_drafts(spin_ms: float) -> None:
+    h = Harness(spin_ms=spin_ms)
     h.eng.start()
     try:
         a, b = b"predicting", b"plain"
@@ -129,12 +134,14 @@ def test_taps_wait_for_the_commits_that_follow_and_go_in_one_batch_with_their_dr
         h.eng.stop()
 
 
-def test_a_commit_that_never_comes_holds_the_taps_only_to_the_bound_and_is_counted() -> None:
-    h = Harness()
+@pytest.mark.parametrize("spin_ms", [0.0, 20.0])
+def test_a_commit_that_never_comes_holds_the_taps_only_to_the_bound_and_is_counted(spin_ms: float) -> None:
+    h = Harness(spin_ms=spin_ms)
     h.eng.start()
     try:
         a, b = b"lost", b"other"
         sent = time.monotonic()
+        marks = time_marks()
         h.taps(a, 1, ["a0", "a1"], 0, follows=True)  # its commit is lost
         time.sleep(0.0005)
         h.taps(b, 1, ["b0"], 0, follows=True)  # b's comes, late but within the bound
@@ -145,6 +152,7 @@ def test_a_commit_that_never_comes_holds_the_taps_only_to_the_bound_and_is_count
         while sum(r for r, _ in h.d.batches) < 3 * ROWS and time.monotonic() < deadline:
             time.sleep(0.001)
         assert time.monotonic() - sent >= h.wait_s  # a's rows waited for the bound, no longer than it
+        check_on_time(marks, h.wait_s * 1000.0 + 20.0, "the wait for a lost commit")  # one bound, not two
         assert sum(r for r, _ in h.d.batches) == 3 * ROWS  # every row went in, none twice
         assert h.metrics.commit_wait_timeouts._value.get() == 1  # a's call, once
         # a's commit after all (its sampler disagreed, say): drafted from the rows it holds
