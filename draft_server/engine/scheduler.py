@@ -650,25 +650,15 @@ class Engine:
             w.taps = None
         for owner, rows in retired.items():
             self.admission.retire_rows(owner, rows)
-        drafted = 0
-        done: list[Call] = []  # calls this batch answered last: replied to once every entry has its result
-        for (s, w), out in zip(drafts, outs, strict=True):
-            tokens = tuple(out.tokens)
-            drafted += len(tokens)
-            if out.confidence or out.probs is not None:
-                result = self._rich_result(s, w, out, tokens)
-            else:
-                result = EntryResult(_OK, tokens, w.end, start=s.start)
-            call = w.call  # ``_resolve``, inlined: a drafted entry has no rows left to retire
-            if call.results[w.idx] is None:
-                call.results[w.idx] = result
-                call.remaining -= 1
-                if not call.remaining:
-                    done.append(call)
+        drafted = sum(len(out.tokens) for out in outs)
         if drafted:  # queued before the replies go: a scrape after a reply counts its drafts
             later(m.drafted_tokens.inc, drafted)
-        for call in done:
-            self._reply(call)
+        for (s, w), out in zip(drafts, outs, strict=True):
+            tokens = tuple(out.tokens)
+            if out.confidence or out.probs is not None:
+                self._resolve(w, self._rich_result(s, w, out, tokens))
+            else:
+                self._resolve(w, EntryResult(_OK, tokens, w.end, start=s.start))
 
     @staticmethod
     def _rich_result(s: Session, w: Work, out: DraftOut, tokens: tuple[int, ...]) -> EntryResult:

@@ -14,7 +14,6 @@ after a warm-up. CPU only; no socket, no GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -27,6 +26,7 @@ from draft_server.engine.scheduler import Engine
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
 from draft_tools.bench.rpc import noop_drafter
+from draft_tools.common import write_report
 from protocol import GREEDY, Phase
 
 ROWS, K = 3, 7
@@ -125,8 +125,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "rows": rows,
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(args.out, report)
     return 0
 
 

@@ -826,27 +826,7 @@ class IoLoop:
             for idx, k, r in zip(p.index, p.ks, results, strict=True):
                 if local and idx in local:  # a request catching up keeps its local reply (its entry was ingest-only)
                     continue
-                d = r.drafts
-                # the common case inline (on the caller's critical path: 64 of these a step): drafts
-                # without confidences or probabilities, every one inside the vocabulary
-                if (
-                    r.status == _OK
-                    and r.probs is None
-                    and not r.confidence
-                    and (not d or (min(d) >= 0 and max(d) < vocab))
-                ):
-                    out[idx] = DraftReply(
-                        list(d) if len(d) <= k else list(d[:k]),
-                        _OK,
-                        [],
-                        None,
-                        None,
-                        r.retry_after_ms,
-                        r.message,
-                        r.start,
-                    )
-                else:
-                    out[idx] = self._reply(r, k, vocab, payloads)
+                out[idx] = self._reply(r, k, vocab, payloads)
         for i, rep in enumerate(out):
             if rep is None:  # requests answered locally, or not at all
                 out[i] = local.get(i) or DraftReply([])
@@ -855,10 +835,13 @@ class IoLoop:
     def _reply(self, r: EntryResult, k: int, vocab: int, payloads: Sequence[Any]) -> DraftReply:
         if r.status != Status.OK:
             return DraftReply([], r.status, retry_after_ms=r.retry_after_ms, message=r.message, start=r.start)
-        tokens = list(r.drafts[:k])  # msgspec already checked they are ints
+        d = r.drafts
+        tokens = list(d) if len(d) <= k else list(d[:k])  # msgspec already checked they are ints
         if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
             self._c.bad_reply()
             return DraftReply([], r.status, message="drafts outside the vocabulary dropped")
+        if r.probs is None and not r.confidence:  # the common case (64 of these a step on the caller's path)
+            return DraftReply(tokens, _OK, [], None, None, r.retry_after_ms, r.message, r.start)
         probs = prob_ids = None
         if r.probs is not None and r.prob_ids is not None:
             try:
