@@ -9,7 +9,10 @@ Two comparisons, each side by side in one run on one machine:
    not installable on the machines this runs on (say so in the JSON).
 2. **Drafts per second with 16 concurrent callers** (16 processes, one session each, 3 rows + k
    drafts per call): our server, which batches the callers' entries into one drafter call, against a
-   REQ/REP server that runs the same drafter on one request per call, one call at a time.
+   REQ/REP server that runs the same drafter on one request per call, one call at a time. With
+   ``--transport shm`` both sides take the same-host path: our callers over ``ipc://`` with their
+   rows written in place in their shared-memory rings (``DraftClient.claim_rows``, as a target writes
+   its taps there), the REQ/REP server over ``ipc://`` too (its rows in frames: it has no ring).
 
     python -m draft_tools.bench.peers --model checksum --out bench/results/peers_cpu.json
     python -m draft_tools.bench.peers --model random:k3 --device cuda --out bench/results/peers_h200.json
@@ -24,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -219,9 +223,9 @@ def ours_ms(endpoint: str, n: int, width: int, iters: int) -> dict[str, float]:
         client.close()
 
 
-def _caller(kind: str, endpoint: str, width: int, i: int, seconds: float, barrier: Any, q: Any) -> None:
+def _caller(kind: str, endpoint: str, width: int, i: int, seconds: float, barrier: Any, q: Any, transport: str) -> None:
     """One caller process: one session, ROWS rows + K drafts per call, for ``seconds``."""
-    call = (ours_caller if kind == "ours" else reqrep_caller)(endpoint, width, i)
+    call = ours_caller(endpoint, width, i, transport) if kind == "ours" else reqrep_caller(endpoint, width, i)
     barrier.wait()
     n, stop = 0, time.monotonic() + seconds
     while time.monotonic() < stop:
@@ -242,21 +246,26 @@ def batches(server: subprocess.Popen) -> tuple[float, float, float]:
     return tuple(m.get(f"draft_server_{n}", 0.0) for n in names)  # type: ignore[return-value]
 
 
-def concurrent_run(kind: str, endpoint: str, width: int, seconds: float, server: subprocess.Popen) -> dict[str, float]:
+def concurrent_run(
+    kind: str, endpoint: str, width: int, seconds: float, server: subprocess.Popen, transport: str = "frames"
+) -> dict[str, float]:
     """``concurrent_drafts_per_s`` with the server's batches over the run: sessions per batch, held batches."""
     b0 = batches(server)
-    rate = concurrent_drafts_per_s(kind, endpoint, width, seconds)
+    rate = concurrent_drafts_per_s(kind, endpoint, width, seconds, transport)
     n, s, held = (b - a for a, b in zip(b0, batches(server), strict=True))
     return {"drafts_per_s": rate, "batches": n, "sessions_per_batch": s / n if n else 0.0, "held_batches": held}
 
 
-def concurrent_drafts_per_s(kind: str, endpoint: str, width: int, seconds: float) -> float:
+def concurrent_drafts_per_s(kind: str, endpoint: str, width: int, seconds: float, transport: str = "frames") -> float:
     """CALLERS processes (as separate target engines are), all calling at once for ``seconds``."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     barrier, q = ctx.Barrier(CALLERS + 1), ctx.Queue()
-    procs = [ctx.Process(target=_caller, args=(kind, endpoint, width, i, seconds, barrier, q)) for i in range(CALLERS)]
+    procs = [
+        ctx.Process(target=_caller, args=(kind, endpoint, width, i, seconds, barrier, q, transport))
+        for i in range(CALLERS)
+    ]
     for p in procs:
         p.start()
     barrier.wait(timeout=120)
@@ -268,16 +277,24 @@ def concurrent_drafts_per_s(kind: str, endpoint: str, width: int, seconds: float
     return total / dt
 
 
-def ours_caller(endpoint: str, width: int, i: int) -> Any:
+def ours_caller(endpoint: str, width: int, i: int, transport: str = "frames") -> Any:
     from target_client import ClientConfig, DraftClient, StepRequest
 
-    client = DraftClient(ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"caller-{i}"))
+    cfg = ClientConfig(endpoint=endpoint, budget_ms=3000.0, name=f"caller-{i}", transport=transport)
+    client = DraftClient(cfg)
     assert client.connect(wait=True) is not None
     taps = np.ones((ROWS, width), np.uint16)
     pos = [0]
 
     def call() -> int:
-        r = client.step([StepRequest(f"c{i}", pos[0], ROWS, 1, K)], taps)
+        rows = taps
+        if transport == "shm":  # written in place in the ring, as a target's taps are (the copy is the caller's)
+            room = client.claim_rows(taps.nbytes)
+            if room is None:
+                raise RuntimeError("no room claimed in the shm ring")
+            rows = room.view(np.uint16).reshape(taps.shape)
+            rows[...] = taps
+        r = client.step([StepRequest(f"c{i}", pos[0], ROWS, 1, K)], rows)
         pos[0] = (pos[0] + ROWS) % 240
         return len(r[0].tokens)
 
@@ -319,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a source tree (draft_server/ and protocol/ of another commit): its server's drafts/s with the "
         "same callers, measured in the same run beside this tree's (the A/B of a scheduler change)",
     )
+    ap.add_argument(
+        "--transport",
+        default="frames",
+        choices=["frames", "shm"],
+        help="the concurrency comparison's path: frames over tcp, or shm (ours over ipc with rows in place in "
+        "the callers' rings, REQ/REP over ipc)",
+    )
     ap.add_argument("--grpc-echo", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--reqrep", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -331,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     from draft_tools.bench.rpc import spawn as spawn_rpc
 
     ep_srv, ep_echo, ep_rr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    bind, ep_conc = ep_srv, ep_srv  # where the server listens; where the concurrent callers call it
+    if args.transport == "shm":
+        ipc_dir = tempfile.mkdtemp(prefix="peers-")
+        ep_conc, ep_rr = f"ipc://{ipc_dir}/srv.sock", f"ipc://{ipc_dir}/reqrep.sock"
+        bind = f"{ep_srv},{ep_conc}"
     gport = free_port()
     out: dict[str, Any] = {
         "benchmark": "peers",
@@ -340,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "ray_serve": "not measured: ray is not installable on these machines (no network on the GPU host)",
         "round_trip": [],
     }
-    procs = [spawn_rpc("echo", ep_echo), spawn_server(ep_srv, args.model, args.device, args.server_args.split())]
+    procs = [spawn_rpc("echo", ep_echo), spawn_server(bind, args.model, args.device, args.server_args.split())]
     if not args.no_round_trip:  # the gRPC echo is one of the round trip's sides only
         procs.append(spawn(["--grpc-echo", str(gport)]))
     try:
@@ -367,17 +396,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ours_overhead_ms']:.3f}) ms",
                 flush=True,
             )
-        run = concurrent_run("ours", ep_srv, width, args.seconds, procs[1])
+        run = concurrent_run("ours", ep_conc, width, args.seconds, procs[1], args.transport)
         ours = run["drafts_per_s"]
-        conc: dict[str, Any] = {"callers": CALLERS, "ours_drafts_per_s": ours, "ours": run}
+        conc: dict[str, Any] = {"callers": CALLERS, "transport": args.transport, "ours_drafts_per_s": ours, "ours": run}
         print(f"{CALLERS} callers: ours {json.dumps({k: round(v, 2) for k, v in run.items()})}", flush=True)
         if args.baseline_tree:  # interleaved: this tree, the baseline, this tree again
             ep_base = f"tcp://127.0.0.1:{free_port()}"
+            bind_base = ep_base
+            if args.transport == "shm":
+                bind_base, ep_base = f"{ep_base},{ep_conc}.base", f"{ep_conc}.base"
             tree = os.path.abspath(args.baseline_tree)
-            procs.append(spawn_server(ep_base, args.model, args.device, args.server_args.split(), tree))
-            base = concurrent_run("ours", ep_base, width, args.seconds, procs[-1])
+            procs.append(spawn_server(bind_base, args.model, args.device, args.server_args.split(), tree))
+            base = concurrent_run("ours", ep_base, width, args.seconds, procs[-1], args.transport)
             print(f"{CALLERS} callers: baseline {json.dumps({k: round(v, 2) for k, v in base.items()})}", flush=True)
-            again = concurrent_run("ours", ep_srv, width, args.seconds, procs[1])
+            again = concurrent_run("ours", ep_conc, width, args.seconds, procs[1], args.transport)
             print(f"{CALLERS} callers: ours again {json.dumps({k: round(v, 2) for k, v in again.items()})}", flush=True)
             conc.update(baseline_tree=args.baseline_tree, baseline=base, ours_again=again)
             conc["baseline_drafts_per_s"] = base["drafts_per_s"]
