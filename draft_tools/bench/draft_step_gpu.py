@@ -14,6 +14,7 @@ One run measures, in this order, and writes one JSON (machine, command, every nu
    session bucket, on a small random model of each variant.
 
     python3 -m draft_tools.bench.draft_step_gpu --out bench/results/draft_step_h200.json [--quick]
+    python3 -m draft_tools.bench.draft_step_gpu --skip steps,server,exact --out ...   # the prefill alone
 """
 
 from __future__ import annotations
@@ -398,6 +399,105 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     res["gemm_choices"] = {repr(k): gemm.TUNER.choice[k] for k in mine}
     res["markov_order"] = markov_order(d, dev)
     log(f"{name} markov order: {json.dumps({k: round(v, 4) for k, v in res['markov_order'].items()})}")
+    if "steps" not in skip:
+        res.update(bench_steps(d, name, floors, quick, dev))
+    rng = np.random.default_rng(2)
+    # 32K-row prefill in chunks: the context projection GEMMs against the matmul rate
+    try:
+        if "prefill" in skip:
+            raise KeyboardInterrupt
+        pre: dict[str, Any] = {}
+        key = 5000
+        W = d.contract.tap_width
+        rows32k = bf16_rows(rng, 32768, W)
+        gemm_flops = 0.0
+        for nm, t in d.model.w.items():
+            if nm in ("context_proj.weight", "fc.weight"):
+                gemm_flops += 2 * 32768 * t.numel()
+        kv_all = d.model.kv_a_all if d.model.layout.mla else d.model.kv_w
+        gemm_flops += 2 * 32768 * kv_all.numel()
+        # Where the prompt's taps lie: ordinary host memory (tcp/ipc frames past the receive arena:
+        # one host copy into pinned staging, then H2D), registered host memory (a shm ring: H2D
+        # only) or this GPU's memory (transport cuda_ipc: a device copy).
+        pipelined = step_mod.PIPELINED_ROWS
+        reg_buf = bytearray(rows32k.nbytes)
+        reg = np.frombuffer(reg_buf, dtype=np.uint16).reshape(rows32k.shape)
+        reg[:] = rows32k
+        ready = torch.cuda.Event()
+        on_dev = torch.from_numpy(rows32k.view(np.int16)).to(dev)
+        ready.record()
+        # device_synced: the same device rows with the host waiting for each chunk before it prepares the
+        # next, as ingest did before its pinned buffers were released at their copies (not at the graph's end)
+        rows_dev = DeviceRows(on_dev, ready)
+        sources: dict[str, Any] = {"staged": rows32k, "device": rows_dev, "device_synced": rows_dev}
+        if d.register_host(memoryview(reg_buf)):
+            # registered_serial: the same rows with the copy on the step's stream (no overlap), the
+            # path before PIPELINED_ROWS; registered: copied up while the previous chunk computes
+            sources["registered_serial"] = sources["registered"] = reg
+        pre["h2d_floor_ms"] = rows32k.nbytes / floors["h2d_bytes_per_s"] * 1e3
+        same_kv = True
+        for chunk in (512, 1024, 2048, 4096):
+            ref = None
+            for where, src in sources.items():
+                assert d.reserve(key, 0, 32768 + 8)
+                step_mod.PIPELINED_ROWS = 1 << 30 if where == "registered_serial" else pipelined
+
+                def run(chunk: int = chunk, src: Any = src, sync: bool = where == "device_synced") -> None:
+                    for a in range(0, 32768, chunk):
+                        d.ingest([IngestItem(key, 0, a, src[a : a + chunk])])
+                        if sync:
+                            torch.cuda.synchronize(dev)
+
+                r = timed(run, 3, warm=1)
+                pre[f"{where}_chunk_{chunk}_ms"] = r["median_ms"]
+                pre[f"{where}_chunk_{chunk}_roofline"] = (
+                    gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
+                )
+                slots = torch.from_numpy(d.cache.slots(key, np.arange(32768))).to(dev)
+                kv = d.cache._flat.index_select(1, slots)  # every layer's rows of the prompt
+                if ref is None:
+                    ref = kv
+                same_kv = same_kv and torch.equal(kv, ref)  # bitwise, whichever way the rows came
+                d.release(key)
+            step_mod.PIPELINED_ROWS = pipelined
+            del ref, kv
+            assert d.reserve(key, 0, 32768 + 8)
+            g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the graph, its inputs staged
+            if g is not None:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(32768 // chunk):
+                    g.replay()
+                b.record()
+                b.synchronize()
+                gpu_ms = a.elapsed_time(b)
+                pre[f"chunk_{chunk}_gpu_ms"] = gpu_ms
+                pre[f"chunk_{chunk}_gpu_roofline"] = gemm_flops / (gpu_ms / 1e3) / floors["bf16_flops_per_s"]
+            d.release(key)
+        pre["same_kv_every_source"] = same_kv
+        if "registered" in sources:
+            d.unregister_host(memoryview(reg_buf))
+        del on_dev
+        pre["gemm_tflop"] = gemm_flops / 1e12
+        pre["roofline_ms"] = gemm_flops / floors["bf16_flops_per_s"] * 1e3
+        res["prefill_32k"] = pre
+        log(f"{name} prefill 32K: {json.dumps({k: round(v, 3) for k, v in pre.items()})}")
+    except KeyboardInterrupt:
+        res["prefill"] = "skipped"
+    except Exception:
+        res["prefill_error"] = traceback.format_exc()
+        log(res["prefill_error"])
+    d.close()
+    d.fast = None
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: torch.device) -> dict[str, Any]:
+    """The decode step at B = 1..64 against its floor, kernels and host syncs, the host's share, rows
+    registered or staged, the poisoned neighbour, 256-row contexts and the mixed batch."""
+    res: dict[str, Any] = {}
+    fast = d.fast
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)
     # The step's taps lie in registered host memory, as the server's receive arena (tcp/ipc frames)
@@ -522,91 +622,8 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     except Exception:
         res["mixed_error"] = traceback.format_exc()
         log(res["mixed_error"])
-    # 32K-row prefill in chunks: the context projection GEMMs against the matmul rate
-    try:
-        if "prefill" in skip:
-            raise KeyboardInterrupt
-        pre: dict[str, Any] = {}
-        key = 5000
-        W = d.contract.tap_width
-        rows32k = bf16_rows(rng, 32768, W)
-        gemm_flops = 0.0
-        for nm, t in d.model.w.items():
-            if nm in ("context_proj.weight", "fc.weight"):
-                gemm_flops += 2 * 32768 * t.numel()
-        kv_all = d.model.kv_a_all if d.model.layout.mla else d.model.kv_w
-        gemm_flops += 2 * 32768 * kv_all.numel()
-        # Where the prompt's taps lie: ordinary host memory (tcp/ipc frames past the receive arena:
-        # one host copy into pinned staging, then H2D), registered host memory (a shm ring: H2D
-        # only) or this GPU's memory (transport cuda_ipc: a device copy).
-        pipelined = step_mod.PIPELINED_ROWS
-        reg_buf = bytearray(rows32k.nbytes)
-        reg = np.frombuffer(reg_buf, dtype=np.uint16).reshape(rows32k.shape)
-        reg[:] = rows32k
-        ready = torch.cuda.Event()
-        on_dev = torch.from_numpy(rows32k.view(np.int16)).to(dev)
-        ready.record()
-        sources: dict[str, Any] = {"staged": rows32k, "device": DeviceRows(on_dev, ready)}
-        if d.register_host(memoryview(reg_buf)):
-            # registered_serial: the same rows with the copy on the step's stream (no overlap), the
-            # path before PIPELINED_ROWS; registered: copied up while the previous chunk computes
-            sources["registered_serial"] = sources["registered"] = reg
-        pre["h2d_floor_ms"] = rows32k.nbytes / floors["h2d_bytes_per_s"] * 1e3
-        same_kv = True
-        for chunk in (512, 1024, 2048, 4096):
-            ref = None
-            for where, src in sources.items():
-                assert d.reserve(key, 0, 32768 + 8)
-                step_mod.PIPELINED_ROWS = 1 << 30 if where == "registered_serial" else pipelined
-
-                def run(chunk: int = chunk, src: Any = src) -> None:
-                    for a in range(0, 32768, chunk):
-                        d.ingest([IngestItem(key, 0, a, src[a : a + chunk])])
-
-                r = timed(run, 3, warm=1)
-                pre[f"{where}_chunk_{chunk}_ms"] = r["median_ms"]
-                pre[f"{where}_chunk_{chunk}_roofline"] = (
-                    gemm_flops / (r["median_ms"] / 1e3) / floors["bf16_flops_per_s"]
-                )
-                slots = torch.from_numpy(d.cache.slots(key, np.arange(32768))).to(dev)
-                kv = d.cache._flat.index_select(1, slots)  # every layer's rows of the prompt
-                if ref is None:
-                    ref = kv
-                same_kv = same_kv and torch.equal(kv, ref)  # bitwise, whichever way the rows came
-                d.release(key)
-            step_mod.PIPELINED_ROWS = pipelined
-            del ref, kv
-            assert d.reserve(key, 0, 32768 + 8)
-            g = fast._ingest_graphs.get(("bf16", chunk))  # the GPU alone: the graph, its inputs staged
-            if g is not None:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(32768 // chunk):
-                    g.replay()
-                b.record()
-                b.synchronize()
-                gpu_ms = a.elapsed_time(b)
-                pre[f"chunk_{chunk}_gpu_ms"] = gpu_ms
-                pre[f"chunk_{chunk}_gpu_roofline"] = gemm_flops / (gpu_ms / 1e3) / floors["bf16_flops_per_s"]
-            d.release(key)
-        pre["same_kv_every_source"] = same_kv
-        if "registered" in sources:
-            d.unregister_host(memoryview(reg_buf))
-        del on_dev
-        pre["gemm_tflop"] = gemm_flops / 1e12
-        pre["roofline_ms"] = gemm_flops / floors["bf16_flops_per_s"] * 1e3
-        res["prefill_32k"] = pre
-        log(f"{name} prefill 32K: {json.dumps({k: round(v, 3) for k, v in pre.items()})}")
-    except KeyboardInterrupt:
-        res["prefill"] = "skipped"
-    except Exception:
-        res["prefill_error"] = traceback.format_exc()
-        log(res["prefill_error"])
     if res["taps_in"].startswith("registered"):
         d.unregister_host(memoryview(pool_buf))
-    d.close()
-    d.fast = None
-    torch.cuda.empty_cache()
     return res
 
 
@@ -731,7 +748,7 @@ def main() -> int:
     ap.add_argument("--out", default="bench/results/draft_step_h200.json")
     ap.add_argument("--presets", default="k3,qwen3-8b")
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations (of the slow paths)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: prefill, server, exact")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: steps, prefill, server, exact")
     ap.add_argument("--no-skinny", action="store_true", help="the GEMM tuner without its skinny strategy (an A/B)")
     args = ap.parse_args()
     if args.no_skinny:
