@@ -199,10 +199,10 @@ class FastStep:
         self.spec_host_np = self.spec_host.numpy()
         self.spec = torch.zeros_like(self.spec_host, device=self.dev)
         self.ing = torch.empty(2 * self.r_max, dtype=torch.int32, device=self.dev)
-        self._ingest_done = torch.cuda.Event() if self.dev.type == "cuda" else None
+        self._staging_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
-        self._ingest_inflight = False  # an ingest graph launched since the stream was last waited for
+        self._staging_pending = False  # copies from rows_host / spec_host queued since the stream was last waited for
         # byte ranges of ``rows`` that may be non-zero (all others are zero): the head the last ingest
         # wrote, and what longer ingests before it wrote past the rows it zeroed
         self._rows_dirty: list[tuple[int, int]] = []
@@ -441,9 +441,11 @@ class FastStep:
         runs = None if on_device else self._registered_runs(parts)
         landed = None
         if runs is not None and r >= PIPELINED_ROWS and self._copy_stream is not None:
-            landed = self._land(fmt, runs)  # issued before waiting for the previous chunk's graph
-        if self._ingest_done is not None and self._ingest_inflight:
-            self._ingest_done.synchronize()  # the pinned buffers are free again
+            landed = self._land(fmt, runs)  # issued before waiting for the previous chunk's staging copies
+        if self._staging_read is not None and self._staging_pending:
+            # the pinned buffers are free again once the last chunk's copies from them ran (they precede its
+            # graph): the host prepares this chunk while that graph computes, and the GPU finds it queued
+            self._staging_read.synchronize()
         if landed is not None:  # this chunk's rows, copied up while the previous one computed
             land, i = landed
             assert stream is not None
@@ -470,14 +472,14 @@ class FastStep:
             dev[:rb].copy_(host[:rb], non_blocking=True)
             self._zero_tail(dev, r, rb, zeroed=True)
         self._describe(keys, firsts, counts, r)
+        if self._staging_read is not None:  # the staging buffers' last reads are queued: free once they ran
+            self._staging_read.record(stream)
+            self._staging_pending = True
         g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
             g.replay()
         else:
             self._ingest_body(fmt, rb)
-        if self._ingest_done is not None:
-            self._ingest_done.record(stream)
-            self._ingest_inflight = True
 
     @staticmethod
     def _nbytes(rows: torch.Tensor, n: int) -> int:
@@ -634,7 +636,7 @@ class FastStep:
         self.out_host[:n].copy_(self.out[:n], non_blocking=True)
         if self.dev.type == "cuda":
             torch.cuda.current_stream(self.dev).synchronize()
-            self._rows_pending = self._ingest_inflight = False  # the stream is idle: every earlier copy is done
+            self._rows_pending = self._staging_pending = False  # the stream is idle: every earlier copy is done
         res = self.out_host[:n].numpy()
         conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
         return res[:, :B].astype(np.int64), conf
