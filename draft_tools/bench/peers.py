@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -356,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ep_srv, ep_echo, ep_rr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     bind, ep_conc = ep_srv, ep_srv  # where the server listens; where the concurrent callers call it
+    ipc_dir = ""
     if args.transport == "shm":
         ipc_dir = tempfile.mkdtemp(prefix="peers-")
         ep_conc, ep_rr = f"ipc://{ipc_dir}/srv.sock", f"ipc://{ipc_dir}/reqrep.sock"
@@ -426,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for p in procs:
             p.kill()
+        if ipc_dir:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out}")
