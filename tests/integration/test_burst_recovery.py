@@ -40,6 +40,7 @@ BUDGET_A = 100.0  # the bursting client's: its burst takes about six of them
 BUDGET_B = 2000.0  # the other client's: roomy enough to wait out A's burst batch on this server
 INGEST_US_PER_ROW = 300.0
 FORWARD_S = 0.015  # the target's forward between steps
+RESEND_RATIO_A = 4.0  # a step of A resends up to 4 x its new rows (see the test)
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -127,10 +128,15 @@ def fully_drafted(recs: list[Record]) -> bool:
     return all(len(r.reply.tokens) == K for r in recs)
 
 
-def client(endpoint: str, name: str, budget_ms: float) -> DraftClient:
+def client(endpoint: str, name: str, budget_ms: float, resend_ratio: float = 1.0) -> DraftClient:
     c = DraftClient(
         ClientConfig(
-            endpoint=endpoint, budget_ms=budget_ms, name=name, expect=CHECKSUM_CONTRACT, registry=CollectorRegistry()
+            endpoint=endpoint,
+            budget_ms=budget_ms,
+            name=name,
+            expect=CHECKSUM_CONTRACT,
+            registry=CollectorRegistry(),
+            resend_ratio=resend_ratio,
         )
     )
     c.connect(wait=True)
@@ -148,7 +154,12 @@ class BurstServer(ServerProc):
 @pytest.mark.parametrize("early", [True, False], ids=["early_taps", "single_message"])
 def test_drafting_resumes_after_a_burst_larger_than_the_budget_from_every_committed_row(early: bool) -> None:
     srv = BurstServer().start()
-    a = client(srv.endpoint, "burst", BUDGET_A)
+    # A's steps that carry a joining prompt miss for every session in them, and on a loaded machine two
+    # or three such misses in a row leave more unacknowledged rows than a step's default resend room
+    # (ClientConfig.resend_ratio: 1 x its new rows); the rows past it are given up and the sessions
+    # restarted, as designed (tests/unit/test_client_resend.py). Room for a few missed steps keeps this
+    # test on what it is for: the bursts themselves lose nothing.
+    a = client(srv.endpoint, "burst", BUDGET_A, resend_ratio=RESEND_RATIO_A)
     b = client(srv.endpoint, "steady", BUDGET_B)
     assert a.early_taps and b.early_taps
     eng_a, eng_b = Engine(a, early, seed=1), Engine(b, early, seed=2)
