@@ -8,7 +8,10 @@ row count, the time of
 - ``recon``: exllamav3's ``reconstruct`` into a scratch, then a cuBLAS fp16 GEMM, Hadamards around;
 - ``inline``: ``kernels.exl3_gemm.exl3_matmul`` with its default launch shape, Hadamards around;
 - ``kernel/<config>``: the bare Triton kernel at every launch shape of the sweep, each checked
-  against ``A @ decode_inner(trellis)`` before it is timed;
+  against ``A @ decode_inner(trellis)`` before it is timed (``kernel_old``: the per-element decode,
+  ``kernel_default``: the kernel ``exl3_matmul`` picks, lane order for K in 1, 2, 4);
+- ``decode`` / ``decode_mm``: ``exl3_decode`` of Wq.T into a scratch alone / followed by the fp16
+  ``F.linear`` on it (``mm_fp16``: that GEMM alone), the packed-only large-batch alternative;
 
 beside the floor (trellis + activation bytes over the copy bandwidth measured in the same run).
 Random trellises decode to valid weights, so no quantizer runs. Prints a table; JSON to ``--out``.
@@ -32,11 +35,11 @@ import torch
 from draft_server.models.exl3.cuda import Exl3Backend, load_ext
 from draft_server.models.exl3.decode import decode_inner
 from draft_server.models.exl3.linear import Exl3Linear, pad128
-from draft_server.models.kernels.exl3_gemm import KernelConfig, exl3_matmul
+from draft_server.models.kernels.exl3_gemm import KernelConfig, exl3_decode, exl3_matmul
 
 # Kimi-K3 drafter linears (in x out): q_a, kv_a, q_b, o, gate_up, down, context projection
 SHAPES = ((7168, 1536), (7168, 576), (1536, 12288), (8192, 7168), (7168, 14336), (14336, 7168))
-ROWS = (7, 448, 56, 112)
+ROWS = (7, 448, 56, 112, 14)
 
 
 def bench(fn: Callable[[], object], reps: int = 20) -> float:
@@ -56,12 +59,12 @@ def floors(dev: torch.device) -> dict[str, float]:
 
 
 def configs() -> list[KernelConfig]:
-    grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (2, 8))
+    grid = itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (1, 2), (2, 8))
     return [KernelConfig(bn, bk, w, s, p) for bn, bk, w, s, p in grid]
 
 
 def measure(
-    be: Exl3Backend,
+    be: Exl3Backend | None,
     i: int,
     o: int,
     rows: int,
@@ -86,20 +89,33 @@ def measure(
     tol = 1e-4 * want.abs().max().item()
     wb = torch.randn(i, o, dtype=torch.bfloat16, device=dev, generator=g)
 
-    def kernel(cfg: KernelConfig | None = None) -> torch.Tensor:
-        return exl3_matmul(a, trellis, args.codebook, config=cfg)
+    def kernel(cfg: KernelConfig | None = None, lanes: bool | None = None) -> torch.Tensor:
+        return exl3_matmul(a, trellis, args.codebook, config=cfg, lanes=lanes)
+
+    scratch = torch.empty((n, k), dtype=torch.float16, device=dev)
+
+    def decode_mm() -> torch.Tensor:
+        return torch.nn.functional.linear(a, exl3_decode(trellis, args.codebook, out=scratch, trans=True))
 
     assert (kernel() - want).abs().max().item() <= tol
+    assert (kernel(lanes=False) - want).abs().max().item() <= tol
+    assert (decode_mm().float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # fp16 out
+    wt = torch.randn(o, i, dtype=torch.bfloat16, device=dev, generator=g)
     row: dict[str, Any] = {
         "floor_ms": (trellis.numel() * 2 + a.numel() * 2 + rows * n * 4) / fl["copy_gb_s"] / 1e6,
         "bf16": bench(lambda: x @ wb),
-        "fused": bench(lambda: be._exl3(lin, x, None, "fused")),
-        "recon": bench(lambda: be._exl3(lin, x, None, "recon")),
-        "inline": bench(lambda: be._exl3(lin, x, None, "inline")),
+        "bf16_linear": bench(lambda: torch.nn.functional.linear(x, wt)),
         "kernel_default": bench(kernel),
+        "kernel_old": bench(lambda: kernel(lanes=False)),
+        "decode": bench(lambda: exl3_decode(trellis, args.codebook, out=scratch, trans=True)),
+        "mm_fp16": bench(lambda: torch.nn.functional.linear(a, scratch)),
+        "decode_mm": bench(decode_mm),
         "default_config": KernelConfig()._asdict(),
         "kernel": {},
     }
+    if be is not None:
+        for path in ("fused", "recon", "inline"):
+            row[path] = bench(lambda path=path: be._exl3(lin, x, None, path))
     for cfg in sweep:
         if time.monotonic() - t0 > args.deadline_s:
             break
@@ -125,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--codebook", default="3inst")
     ap.add_argument("--deadline-s", type=float, default=420.0, help="stop sweeping launch shapes after this")
+    ap.add_argument("--no-exllamav3", action="store_true", help="our kernels and BF16 only (no extension build)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     dev = torch.device("cuda")
-    ext = load_ext()
-    be = Exl3Backend(fused_max_rows=1 << 30, ext=ext)
+    be = None if args.no_exllamav3 else Exl3Backend(fused_max_rows=1 << 30, ext=load_ext())
     fl = floors(dev)
     print(f"copy {fl['copy_gb_s']:.0f} GB/s, bf16 {fl['bf16_tflops']:.0f} TFLOP/s", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -149,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         for i, o in SHAPES:
             row = measure(be, i, o, rows, args, fl, g, [] if time.monotonic() - t0 > args.deadline_s else sweep, t0)
             out["rows"][f"{i}x{o}_r{rows}"] = row
+            ext_cols = "".join(f"  {p} {row[p]:6.3f}" for p in ("fused", "recon", "inline") if p in row)
             print(
-                f"{i:>5}x{o:<5} r{rows:<4} floor {row['floor_ms']:6.3f}  bf16 {row['bf16']:6.3f}"
-                f"  fused {row['fused']:6.3f}  recon {row['recon']:6.3f}  inline {row['inline']:6.3f}"
-                f"  kernel {row['kernel_default']:6.3f}  best {row.get('kernel_best_ms', float('nan')):6.3f}"
+                f"{i:>5}x{o:<5} r{rows:<4} floor {row['floor_ms']:6.3f}  bf16 {row['bf16_linear']:6.3f}{ext_cols}"
+                f"  old {row['kernel_old']:6.3f}  kernel {row['kernel_default']:6.3f}"
+                f"  dec {row['decode']:6.3f} +mm {row['decode_mm']:6.3f} (mm {row['mm_fp16']:6.3f})"
+                f"  best {row.get('kernel_best_ms', float('nan')):6.3f}"
                 f" {row.get('kernel_best', '-')}  ({len(row['kernel'])} shapes, {time.monotonic() - t0:.0f} s)",
                 flush=True,
             )

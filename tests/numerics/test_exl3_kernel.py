@@ -1,10 +1,12 @@
-"""The Triton EXL3 decode-GEMM (``kernels/exl3_gemm.py``) under Triton's interpreter, against the decoder.
+"""The Triton EXL3 decode-GEMM and decode (``kernels/exl3_gemm.py``) under Triton's interpreter, against the decoder.
 
 ``exl3.decode.decode_inner`` is bit-exact with exllamav3's ``reconstruct`` on every GPU golden
 (``test_exl3_golden``). Here the kernel's in-register decode must give the same fp16 weights bit for
 bit (an identity input makes ``C = Wq`` exactly: one fp16 product per output, accumulated in fp32),
 on every golden's trellis (all three codebooks, K = 1..8, several shapes) and on random trellises,
-and its products on real inputs must equal ``A @ Wq`` up to the fp32 summation order.
+and its products on real inputs must equal ``A @ Wq`` up to the fp32 summation order. Both decode
+orders are checked: per element (any K) and lane order (K in 1, 2, 4: A's columns and C's gathered
+and scattered through a permutation), and the lane-order decode into a scratch (``exl3_decode``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from draft_server.models.exl3.decode import CODEBOOKS, decode_inner
-from draft_server.models.kernels.exl3_gemm import exl3_matmul
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3"
 GOLDENS = sorted(FIXTURES.glob("gpu_*.safetensors"))
@@ -33,36 +35,53 @@ def _golden(path: Path) -> tuple[torch.Tensor, str]:
 def test_in_register_decode_is_bit_exact_on_every_golden(path: Path) -> None:
     trellis, codebook = _golden(path)
     k = trellis.shape[0] * 16
-    w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), trellis.contiguous().to(DEV), codebook)
-    assert torch.equal(w.cpu(), decode_inner(trellis, codebook).float())
+    t = trellis.contiguous().to(DEV)
+    wq = decode_inner(trellis, codebook)
+    for lanes in (False, True) if trellis.shape[2] // 16 in LANE_BITS else (False,):
+        w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), t, codebook, lanes=lanes)
+        assert torch.equal(w.cpu(), wq.float()), f"lanes={lanes}"
+    if trellis.shape[2] // 16 in LANE_BITS and k % 64 == 0 and trellis.shape[1] % 4 == 0:
+        assert torch.equal(exl3_decode(t, codebook, trans=True).cpu(), wq.t())
 
 
 @pytest.mark.parametrize("codebook", CODEBOOKS)
-@pytest.mark.parametrize("bits", [1, 3, 5, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 def test_random_trellis_products(codebook: str, bits: int) -> None:
     g = torch.Generator().manual_seed(bits)
     trellis = torch.randint(-(1 << 15), 1 << 15, (16, 8, 16 * bits), dtype=torch.int16, generator=g)
     wq = decode_inner(trellis, codebook)
     t = trellis.to(DEV)
-    assert torch.equal(exl3_matmul(torch.eye(256, dtype=torch.float16, device=DEV), t, codebook).cpu(), wq.float())
-    for rows in (1, 7, 33):  # one block, a partial block, two blocks of rows
-        a = torch.randn(rows, 256, generator=g).half()
-        want = a.double() @ wq.double()
-        got = exl3_matmul(a.to(DEV), t, codebook).cpu()
-        assert got.shape == (rows, 128) and got.dtype == torch.float32
-        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    for lanes in (False, True) if bits in LANE_BITS else (False,):
+        eye = torch.eye(256, dtype=torch.float16, device=DEV)
+        assert torch.equal(exl3_matmul(eye, t, codebook, lanes=lanes).cpu(), wq.float()), f"lanes={lanes}"
+        for rows in (1, 7, 33):  # one block, a partial block, two blocks of rows
+            a = torch.randn(rows, 256, generator=g).half()
+            want = a.double() @ wq.double()
+            got = exl3_matmul(a.to(DEV), t, codebook, lanes=lanes).cpu()
+            assert got.shape == (rows, 128) and got.dtype == torch.float32
+            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    if bits in LANE_BITS:  # into a scratch, both orientations, any block that divides the weight
+        scratch = torch.full((128, 256), float("nan"), dtype=torch.float16, device=DEV)
+        assert exl3_decode(t, codebook, out=scratch, trans=True) is scratch
+        assert torch.equal(scratch.cpu(), wq.t())
+        assert torch.equal(exl3_decode(t, codebook, block=32).cpu(), wq)
+    else:
+        with pytest.raises(ValueError, match="lane order"):
+            exl3_matmul(torch.eye(256, dtype=torch.float16, device=DEV), t, codebook, lanes=True)
+        with pytest.raises(ValueError, match="decode kernel"):
+            exl3_decode(t, codebook)
 
 
-@pytest.mark.parametrize("block_m, split_k", [(16, 2), (32, 4), (128, 1)])
-def test_k_splits_and_row_blocks_give_the_same_products(block_m: int, split_k: int) -> None:
+@pytest.mark.parametrize("block_m, split_k, lanes", [(16, 2, False), (32, 4, True), (128, 1, True)])
+def test_k_splits_and_row_blocks_give_the_same_products(block_m: int, split_k: int, lanes: bool) -> None:
     """Splits of k sum their float32 partials in a fixed order: deterministic, and equal to one
     program's walk up to the summation order; every row block decodes the same weights."""
     g = torch.Generator().manual_seed(block_m + split_k)
     trellis = torch.randint(-(1 << 15), 1 << 15, (32, 8, 64), dtype=torch.int16, generator=g).to(DEV)
     a = torch.randn(40, 512, generator=g).half().to(DEV)
-    one = exl3_matmul(a, trellis, "mcg", block_m=16, split_k=1)
-    got = exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k)
-    assert torch.equal(got, exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k))
+    one = exl3_matmul(a, trellis, "mcg", block_m=16, split_k=1, lanes=False)
+    got = exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k, lanes=lanes)
+    assert torch.equal(got, exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k, lanes=lanes))
     torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
     with pytest.raises(ValueError, match="split_k"):
         exl3_matmul(a, trellis, "mcg", split_k=3)

@@ -97,7 +97,7 @@ def test_fused_path_pads_trims_adds_bias_and_casts(codebook) -> None:
     assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()  # fp16 A, bf16 out
     y32 = through(be, lin, x)
     assert y32.dtype == torch.float32 and (y32.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
-    assert be.calls == {"fused": 2, "recon": 0, "inline": 0, "dense": 0}
+    assert be.calls == {"fused": 2, "recon": 0, "inline": 0, "decode": 0, "dense": 0}
 
 
 def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
@@ -107,7 +107,7 @@ def test_rows_above_the_bucket_take_the_cached_dense_weight() -> None:
     be = Exl3Backend(fused_max_rows=16, ext=ext, large="dense")
     x = torch.randn(17, 128)
     assert torch.equal(through(be, lin, x), F.linear(x, lin.weight(torch.float32)))
-    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "inline": 0, "dense": 1}
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 0, "inline": 0, "decode": 0, "dense": 1}
     assert be.path(lin, 16) == "fused"
 
 
@@ -131,7 +131,7 @@ def test_recon_decodes_into_one_shared_scratch_and_keeps_no_dense_copy(codebook)
         assert y.shape == (3, 7, lin.out_features) and y.dtype == torch.float32
         assert (y.double() - ref).abs().max() <= 5e-3 * ref.abs().max()  # fp16 input, weight and output
         assert not lin._dense  # nothing cached
-    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "inline": 0, "dense": 0}
+    assert ext.rows == [] and be.calls == {"fused": 0, "recon": 2, "inline": 0, "decode": 0, "dense": 0}
     assert len(set(ext.recon)) == 1  # the second, smaller linear reused the first one's scratch
 
 
@@ -148,7 +148,7 @@ def test_inline_decodes_inside_the_gemm_and_equals_recon(codebook) -> None:
     inline = Exl3Backend(fused_max_rows=0, ext=ext, large="inline")
     y = through(inline, lin, x)
     assert not ext.recon and not ext.rows and not inline._scratch and not lin._dense
-    assert inline.calls == {"fused": 0, "recon": 0, "inline": 1, "dense": 0}
+    assert inline.calls == {"fused": 0, "recon": 0, "inline": 1, "decode": 0, "dense": 0}
     recon = through(Exl3Backend(fused_max_rows=0, ext=FakeExt(), large="recon"), lin, x)
     assert y.shape == recon.shape == (2, 9, 200) and y.dtype == torch.float32
     ref = x.double() @ lin.exact_weight().t() + lin.bias.double()
@@ -156,6 +156,32 @@ def test_inline_decodes_inside_the_gemm_and_equals_recon(codebook) -> None:
     assert err <= 5e-3 * ref.abs().max().item()
     assert err <= recon_err  # recon's cuBLAS product is rounded to fp16 before its output rotation; inline's is fp32
     torch.testing.assert_close(y, recon, rtol=0, atol=2 * recon_err)
+
+
+@pytest.mark.parametrize("codebook", ["3inst", "mcg", "mul1"])
+def test_decode_writes_the_transposed_weight_into_the_shared_scratch_and_equals_recon(codebook) -> None:
+    """``decode``: our Triton decoder (lane order, K in 1, 2, 4) writes Wq.T into the scratch ``recon`` uses and
+    ``F.linear`` reads it: no reconstruct call, no dense copy, one buffer for every linear, and ``recon``'s
+    product (the same fp16 weight; the fp16 GEMM outputs may round apart); a linear of another K takes
+    ``recon`` instead."""
+    g = torch.Generator().manual_seed(14)
+    lins = []
+    for seed, (o, i, bits) in enumerate(((200, 300, 4), (130, 128, 2), (128, 256, 3))):
+        t = random_linear(o, i, bits, codebook, seed=15 + seed)
+        lins.append(Exl3Linear(f"l{seed}", i, o, t["trellis"], t["suh"], t["svh"], codebook, torch.randn(o)))
+    ext = FakeExt()
+    be = Exl3Backend(fused_max_rows=0, ext=ext, large="decode")
+    for lin in lins:
+        x = torch.randn(2, 9, lin.in_features, generator=g)
+        y = through(be, lin, x)
+        recon = through(Exl3Backend(fused_max_rows=0, ext=FakeExt(), large="recon"), lin, x)
+        assert y.shape == recon.shape == (2, 9, lin.out_features) and not lin._dense
+        torch.testing.assert_close(y, recon, rtol=0, atol=2**-9 * recon.abs().max().item())  # fp16 roundings apart
+        ref = x.double() @ lin.exact_weight().t() + lin.bias.double()
+        assert (y.double() - ref).abs().max() <= 5e-3 * ref.abs().max()
+    assert be.calls == {"fused": 0, "recon": 1, "inline": 0, "decode": 2, "dense": 0}
+    assert len(ext.recon) == 1 and len(be._scratch) == 1  # the K = 3 linear's reconstruct, in the same buffer
+    assert ext.recon[0] == next(iter(be._scratch.values())).data_ptr()
 
 
 def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
@@ -208,7 +234,7 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
 
 def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing() -> None:
     """Unset ``fused_max_rows``: while ``gemm.TUNER.tuning``, each (in, out, K, codebook, rows) times the
-    fused and both packed large paths once and keeps the fastest; a path that fails is left out; a
+    fused and the packed large paths once and keeps the fastest; a path that fails is left out; a
     shape never tuned falls back to the default threshold; a capture (or tuning off) never times."""
     from draft_server.models import gemm
     from draft_server.models.exl3 import cuda
@@ -230,7 +256,7 @@ def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing
             timed.append(self.calls[path])
             if path == "inline" and rows == 32:
                 raise RuntimeError("triton: out of resources")
-            return {"fused": 1.0, "recon": 2.0, "inline": 1.5}[path] * (1 if rows <= 32 else -1) + 5
+            return {"fused": 1.0, "recon": 2.0, "inline": 1.5, "decode": 1.8}[path] * (1 if rows <= 32 else -1) + 5
 
     be = Timed(ext=FakeExt())
     assert be.fused_max_rows is None
@@ -245,11 +271,14 @@ def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing
         for rows in (8, 32):
             assert be.path(lin, rows) == "fused"
         n = len(timed)
-        assert n == 9 and be.path(lin, 8) == "fused" and len(timed) == n  # cached; inline failed at 32 rows
+        assert n == 12 and be.path(lin, 8) == "fused" and len(timed) == n  # cached; inline failed at 32 rows
     finally:
         gemm.TUNER.tuning = False
     assert set(be.choice) == {(128, 128, 4, "mcg", r) for r in (8, 32, 48)}
-    assert set(be.timings[(128, 128, 4, "mcg", 32)]) == {"fused", "recon"} and "inline" in be.failed
+    assert set(be.timings[(128, 128, 4, "mcg", 32)]) == {"fused", "recon", "decode"} and "inline" in be.failed
+    k3 = random_linear(128, 128, 3, "mcg", seed=31)  # K = 3: no lane-order decode to time
+    assert be.candidates(Exl3Linear("y", 128, 128, k3["trellis"], k3["suh"], k3["svh"], "mcg")) == (
+        "fused", "recon", "inline")  # fmt: skip
     assert cuda.FUSED_MAX_ROWS == 16 and be.path(lin, 20) == "recon"  # untuned rows: the default threshold
 
 
@@ -296,8 +325,8 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
     rows = torch.randn(9, load_drafter(q, target, "cpu", "float32", 1 << 20).contract.tap_width)
     results = {}
     try:
-        # dense only; recon only; inline only; ingest (9 rows) recon, block (B rows) fused; fused only
-        for setting in ((0, "dense"), (0, "recon"), (0, "inline"), (8, "recon"), (1 << 20, "recon")):
+        # dense only; recon only; inline only; decode only; ingest (9 rows) recon, block (B rows) fused; fused only
+        for setting in ((0, "dense"), (0, "recon"), (0, "inline"), (0, "decode"), (8, "recon"), (1 << 20, "recon")):
             max_rows, large = setting
             d = load_drafter(q, target, "cpu", "float32", 1 << 20)
             ext = FakeExt()
@@ -312,7 +341,7 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
                 assert set(ext.rows) == {d.contract.block_size} and 9 not in ext.rows
                 assert be.calls["recon"] >= 1 and be.calls["fused"] >= 1 and be.calls["dense"] == 0
             else:
-                assert be.calls["dense"] == be.calls["recon"] == be.calls["inline"] == 0 and 9 in ext.rows
+                assert be.calls["fused"] == sum(be.calls.values()) and 9 in ext.rows
             assert isinstance(m.kv_a_all if variant == "k3" else m.kv_w, FusedLinear)
     finally:
         set_backend(DequantBackend())

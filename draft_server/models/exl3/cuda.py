@@ -22,9 +22,12 @@ nor a GPU):
   and rotates the output back (``had_r_128`` with suh / svh), so no dense copy is ever kept;
   ``inline`` is ``recon`` without the scratch: a Triton GEMM that decodes Wq tile by tile in
   registers from the trellis (``kernels/exl3_gemm.py``), so only the packed bytes are read;
+  ``decode`` is ``recon`` with our Triton decoder (``exl3_decode``, K in 1, 2, 4: each lane's two
+  words read once for its eight weights) writing Wq.T, so the GEMM takes the weight in the same
+  orientation as the BF16 drafter's ``F.linear``;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
   BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
-  recon and inline (of fused and dense when dense weights are kept),
+  recon, inline and decode (of fused and dense when dense weights are kept),
   timed once while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up runs every bucket with
   its own row counts before capturing it, so each graph bakes in the tuned path); untuned calls take
   fused up to ``FUSED_MAX_ROWS`` rows. ``DRAFT_EXL3_FUSED_MAX_ROWS=N`` fixes the threshold instead
@@ -52,12 +55,13 @@ import torch.nn.functional as F
 
 from draft_server.models import gemm
 from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, pad128
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul
 
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
 ENV_FUSED_MAX_ROWS = "DRAFT_EXL3_FUSED_MAX_ROWS"
-ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default), inline or dense
-LARGE_PATHS = ("recon", "inline", "dense")
+ENV_LARGE = "DRAFT_EXL3_LARGE"  # the path above fused_max_rows: recon (default), inline, decode or dense
+LARGE_PATHS = ("recon", "inline", "decode", "dense")
 TuneKey = tuple[int, int, int, str, int]  # (in, out, K, codebook, rows)
 
 
@@ -170,7 +174,7 @@ class Exl3Backend:
         needs_ext = fused_max_rows is None or fused_max_rows > 0 or large != "dense"
         self.ext = ext if ext is not None or not needs_ext else load_ext()
         # per path, counted in Python (capture: once per graph)
-        self.calls = {"fused": 0, "recon": 0, "inline": 0, "dense": 0}
+        self.calls = {"fused": 0, "recon": 0, "inline": 0, "decode": 0, "dense": 0}
         self.choice: dict[TuneKey, str] = {}  # tuned: the faster path per shape and row count
         self.timings: dict[TuneKey, dict[str, float]] = {}
         self.failed: dict[str, str] = {}  # path -> why it could not run while tuning
@@ -181,7 +185,7 @@ class Exl3Backend:
         and row count while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up, never a capture);
         before that, fused up to ``FUSED_MAX_ROWS``."""
         if self.fused_max_rows is not None:
-            return "fused" if rows <= self.fused_max_rows else self.large
+            return "fused" if rows <= self.fused_max_rows else self._large(lin)
         key = (lin.in_features, lin.out_features, lin.K, lin.codebook, rows)
         p = self.choice.get(key)
         if p is not None:
@@ -189,15 +193,21 @@ class Exl3Backend:
         if gemm.TUNER.tuning and self._can_time(lin):
             self.choice[key] = p = self._tune(key, lin, rows, dtype)
             return p
-        return "fused" if rows <= FUSED_MAX_ROWS else self.large
+        return "fused" if rows <= FUSED_MAX_ROWS else self._large(lin)
+
+    def _large(self, lin: Exl3Linear) -> str:
+        """The large path for lin: ``decode`` needs K in ``LANE_BITS``; other K take ``recon``."""
+        return "recon" if self.large == "decode" and lin.K not in LANE_BITS else self.large
 
     def _can_time(self, lin: Exl3Linear) -> bool:
         return lin.trellis.is_cuda and not torch.cuda.is_current_stream_capturing()
 
-    def candidates(self) -> tuple[str, ...]:
-        """The paths the tuner times: fused and dense when dense weights are kept, else fused and both
-        packed-only large paths."""
-        return ("fused", "dense") if self.large == "dense" else ("fused", "recon", "inline")
+    def candidates(self, lin: Exl3Linear) -> tuple[str, ...]:
+        """The paths the tuner times: fused and dense when dense weights are kept, else fused and the
+        packed-only large paths (``decode`` where lin's K allows)."""
+        if self.large == "dense":
+            return ("fused", "dense")
+        return ("fused", "recon", "inline") + (("decode",) if lin.K in LANE_BITS else ())
 
     def _tune(self, key: TuneKey, lin: Exl3Linear, rows: int, dtype: torch.dtype) -> str:
         """Each candidate on fresh random rows of the caller's dtype (never its values), 2 warm-up runs,
@@ -205,7 +215,7 @@ class Exl3Backend:
         not a candidate."""
         x = torch.randn((rows, lin.in_features), dtype=dtype, device=lin.trellis.device)
         times: dict[str, float] = {}
-        for name in self.candidates():
+        for name in self.candidates(lin):
             try:
                 times[name] = self._time(lambda name=name: self._exl3(lin, x, None, name))
             except Exception as e:
@@ -261,9 +271,10 @@ class Exl3Backend:
                 w = self.scratch(k * n, a.device)[: k * n].view(k, n)
                 self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
                 c = torch.mm(ah, w)
+            elif path == "decode":  # Wq.T decoded into the shared scratch by our kernel, then cuBLAS
+                w = self.scratch(k * n, a.device)[: k * n].view(n, k)
+                c = F.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
             else:  # Wq decoded tile by tile inside the GEMM, no scratch
-                from draft_server.models.kernels.exl3_gemm import exl3_matmul
-
                 c = exl3_matmul(ah, lin.trellis, lin.codebook)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         y = c if n == lin.out_features else c[:, : lin.out_features]

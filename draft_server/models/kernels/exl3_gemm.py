@@ -1,6 +1,7 @@
 """EXL3 trellis decode inside a Triton GEMM: ``C = A @ Wq`` reading only the packed trellis.
 
-Owns ``exl3_matmul``: A [M, k] fp16 (the Hadamard-rotated input, ``had_r_128(x, suh)``) times the
+Owns ``exl3_matmul`` and ``exl3_decode`` (Wq or Wq.T into a buffer, for a cuBLAS GEMM after it).
+``exl3_matmul``: A [M, k] fp16 (the Hadamard-rotated input, ``had_r_128(x, suh)``) times the
 inner weight Wq [k, n] that the trellis [k/16, n/16, 16K] int16 encodes, into float32 C [M, n],
 with Wq decoded tile by tile in registers and never written to memory. This is the ``recon`` path
 (exllamav3's ``reconstruct`` into an fp16 scratch, then a cuBLAS GEMM) without its round trip of
@@ -13,6 +14,15 @@ lane = 4 (c & 7) + ((r >> 1) & 3) and j = (r & 1) + 2 (r >> 3) + 4 (c >> 3) (the
 (little-endian uint32 words) that ends at bit (p + 1) K; the codebook turns the state into fp16
 arithmetically (3inst and mcg: a multiply(-add), mask, xor and the sum of the two fp16 halves,
 rounded once; mul1: 1024 + the byte sum of a product, times 1/147.7 plus a bias, rounded once).
+
+Lanes (K in 1, 2, 4: ``LANE_BITS``): the eight states of a lane (j = 0..7) all lie in the two words
+before and at the one holding its last state's last bit, so ``_lane_block`` loads those two words once
+per lane as a 64-bit window and makes each state with one shift, instead of two gathered loads and a
+funnel of shifts per weight. It decodes in lane order: block rows kappa = 16 t + 4 ((r >> 1) & 3) +
+2 (r >> 3) + (r & 1) and columns nu = 16 t + 2 (c & 7) + (c >> 3), so that a lane's eight weights are
+one [4, 2] corner of a [BLOCK_K/4, 4, BLOCK_N/2, 2] tensor; the GEMM gathers A's columns in kappa order
+and stores C's in nu order, and ``exl3_decode`` stores each weight at its (r, c), so the permutation
+moves no data of its own.
 
 Each program owns a BLOCK_M x BLOCK_N block of C and walks its share of k, so with M <= BLOCK_M
 every weight is decoded exactly once per call; when those blocks are too few to fill the GPU, k
@@ -30,6 +40,26 @@ import triton
 import triton.language as tl
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+@triton.jit
+def _codebook(s, CB: tl.constexpr):
+    """16-bit states (uint32, high bits zero) -> fp16 weights, by codebook (module docstring)."""
+    if CB == 2:  # mul1
+        x = s * 0x83DCD12D
+        bsum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        h = (1024 + bsum).to(tl.float32)
+        w = (h * 0.00676727294921875 - 10.3828125).to(tl.float16)  # fp16 0x1EEE, 0xC931: exact in fp32
+    else:
+        if CB == 1:  # mcg
+            x = s * 0xCBAC1FED
+        else:  # 3inst
+            x = s * 89226354 + 64248484
+        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        w = lo + hi  # one fp16 add: rounded once, as exllamav3's
+    return w
 
 
 @triton.jit
@@ -66,25 +96,87 @@ def _exl3_matmul_kernel(
         w0 = tl.load(t_ptr + o0).to(tl.uint32)
         w1 = tl.load(t_ptr + o1).to(tl.uint32)
         s = ((((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)) & 0xFFFF
-        if CB == 2:  # mul1
-            x = s * 0x83DCD12D
-            bsum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
-            h = (1024 + bsum).to(tl.float32)
-            w = (h * 0.00676727294921875 - 10.3828125).to(tl.float16)  # fp16 0x1EEE, 0xC931: exact in fp32
-        else:
-            if CB == 1:  # mcg
-                x = s * 0xCBAC1FED
-            else:  # 3inst
-                x = s * 89226354 + 64248484
-            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-            hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-            w = lo + hi  # one fp16 add: rounded once, as exllamav3's
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, _codebook(s, CB), acc)
         a_ptrs += BLOCK_K
         t_ptr += (BLOCK_K // 16) * row_words
     out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
     tl.store(out, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _lane_block(T, t_row, pn, row_words, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):  # fmt: skip
+    """One BLOCK_K x BLOCK_N block of Wq in lane order (module docstring, "Lanes"), decoded from tile row
+    ``t_row`` on: per lane the two words holding all eight of its states are loaded once, as one 64-bit
+    window, and each state is one shift of it. Returns fp16 [BLOCK_K, BLOCK_N], rows kappa, columns nu."""
+    d0 = tl.arange(0, BLOCK_K // 4)  # 4 tile row + (r >> 1) & 3
+    d2 = tl.arange(0, BLOCK_N // 2)  # 8 tile column + (c & 7)
+    lane = 4 * (d2[None, :] & 7) + (d0[:, None] & 3)
+    i1 = ((8 * lane + 8) * BITS - 1) // 32  # the word holding the lane's last state's last bit
+    i0 = tl.where(i1 == 0, 8 * BITS - 1, i1 - 1)  # the word before it (circular)
+    tile = (t_row + d0[:, None] // 4).to(tl.int64) * row_words + (pn * (BLOCK_N // 16) + d2[None, :] // 8) * (8 * BITS)
+    w0 = tl.load(T + tile + i0).to(tl.uint32).to(tl.uint64)
+    w1 = tl.load(T + tile + i1).to(tl.uint32).to(tl.uint64)
+    v = (w0 << 32) | w1  # [BLOCK_K / 4, BLOCK_N / 2]: every state of the lane lies in these 64 bits
+    jr = tl.arange(0, 4)  # j & 3 = (r & 1) + 2 (r >> 3)
+    jc = tl.arange(0, 2)  # j >> 2 = c >> 3
+    j = jr[None, None, :, None] + 4 * jc[None, None, None, :]
+    end = (8 * lane[:, :, None, None] + j + 1) * BITS
+    shift = (32 * (i1[:, :, None, None] + 1) - end).to(tl.uint64)  # 0..63 - 16 for K in 1, 2, 4
+    s = ((v[:, :, None, None] >> shift) & 0xFFFF).to(tl.uint32)
+    w = _codebook(s, CB)  # [d0, d2, jr, jc]
+    return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BLOCK_K, BLOCK_N))
+
+
+@triton.jit
+def _lane_orders(pn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weight row of each kappa in a k block (0..BLOCK_K) and the column of each nu of block pn."""
+    kap = tl.arange(0, BLOCK_K)
+    k_of = (kap // 16) * 16 + 8 * ((kap >> 1) & 1) + 2 * ((kap >> 2) & 3) + (kap & 1)
+    nu = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_of = (nu // 16) * 16 + 8 * (nu & 1) + ((nu >> 1) & 7)
+    return k_of, n_of
+
+
+@triton.jit
+def _exl3_matmul_lanes_kernel(
+    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words,
+    BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``_exl3_matmul_kernel`` decoding in lane order: A's columns gathered in kappa order, C's stored in
+    nu order, so the permutation costs no data movement (K in 1, 2, 4)."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    ps = tl.program_id(2)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_of, n_of = _lane_orders(pn, BLOCK_N, BLOCK_K)
+    k_start = ps * k_per_split
+    a_ptrs = A + rm[:, None].to(tl.int64) * s_am + (k_start + k_of)[None, :]
+    a_mask = rm[:, None] < M
+    t_row = k_start // 16
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, k_per_split, BLOCK_K):
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = tl.dot(a, _lane_block(T, t_row, pn, row_words, BITS, CB, BLOCK_N, BLOCK_K), acc)
+        a_ptrs += BLOCK_K
+        t_row += BLOCK_K // 16
+    out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + n_of[None, :]
+    tl.store(out, acc, mask=(rm[:, None] < M) & (n_of[None, :] < N))
+
+
+@triton.jit
+def _exl3_decode_kernel(T, W, ldw, row_words, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
+    """Wq's block (program_id(0) along k, (1) along n) into W: [k, n] fp16, or [n, k] with TRANS."""
+    pk = tl.program_id(0)
+    pn = tl.program_id(1)
+    k_of, n_of = _lane_orders(pn, BLOCK_N, BLOCK_K)
+    w = _lane_block(T, pk * (BLOCK_K // 16), pn, row_words, BITS, CB, BLOCK_N, BLOCK_K)
+    k = (pk * BLOCK_K + k_of).to(tl.int64)
+    if TRANS:
+        tl.store(W + n_of[None, :].to(tl.int64) * ldw + k[:, None], w)
+    else:
+        tl.store(W + k[:, None] * ldw + n_of[None, :], w)
 
 
 class KernelConfig(NamedTuple):
@@ -101,6 +193,9 @@ class KernelConfig(NamedTuple):
     per_sm: int = 8
 
 
+LANE_BITS = (1, 2, 4)  # K whose lanes' eight states lie in two words: the lane-order kernels
+
+
 def exl3_matmul(
     a: torch.Tensor,
     trellis: torch.Tensor,
@@ -108,13 +203,15 @@ def exl3_matmul(
     block_m: int | None = None,
     split_k: int | None = None,
     config: KernelConfig | None = None,
+    lanes: bool | None = None,
 ) -> torch.Tensor:
     """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
 
     ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
     many rows decode every weight once. ``split_k``: programs per output block along k (default:
     enough to give every SM ``config.per_sm`` programs), whose float32 partials are summed in a
-    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``)."""
+    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``). ``lanes``:
+    decode in lane order (default: where K allows, ``LANE_BITS``)."""
     if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
@@ -126,6 +223,11 @@ def exl3_matmul(
         raise ValueError(f"a has {a.shape[1]} columns, the trellis encodes {tk * 16} rows")
     if codebook not in CODEBOOK_IDS:
         raise ValueError(f"unknown EXL3 codebook '{codebook}'")
+    bits = last // 16
+    if lanes is None:
+        lanes = bits in LANE_BITS
+    elif lanes and bits not in LANE_BITS:
+        raise ValueError(f"lane order needs K in {LANE_BITS}, got {bits}")
     m, n, kd = a.shape[0], tn * 16, tk * 16
     if m == 0:
         return torch.empty((0, n), dtype=torch.float32, device=a.device)
@@ -138,13 +240,42 @@ def exl3_matmul(
     if kd % bk or (kd // bk) % split_k:
         raise ValueError(f"split_k {split_k} does not divide the {kd // bk} k blocks of {bk} rows")
     c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    bits = last // 16
-    _exl3_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
+    kernel = _exl3_matmul_lanes_kernel if lanes else _exl3_matmul_kernel
+    kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
         a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn * 8 * bits,
         BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c[0] if split_k == 1 else c.sum(0)
+
+
+def exl3_decode(
+    trellis: torch.Tensor, codebook: str, out: torch.Tensor | None = None, trans: bool = False, block: int = 64
+) -> torch.Tensor:
+    """Wq [k, n] fp16 (``trans``: Wq.T [n, k], ``nn.Linear``'s orientation) decoded from ``trellis
+    [k/16, n/16, 16K]`` (K in ``LANE_BITS``) into ``out`` (a view of a scratch buffer) or a new tensor."""
+    if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
+        raise ValueError(f"trellis must be a contiguous 3-d int16 tensor, got {tuple(trellis.shape)}")
+    tk, tn, last = trellis.shape
+    bits = last // 16
+    if last % 16 or bits not in LANE_BITS:
+        raise ValueError(f"trellis last dim {last}: the decode kernel takes K in {LANE_BITS}")
+    if codebook not in CODEBOOK_IDS:
+        raise ValueError(f"unknown EXL3 codebook '{codebook}'")
+    kd, n = tk * 16, tn * 16
+    shape = (n, kd) if trans else (kd, n)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float16, device=trellis.device)
+    elif out.shape != shape or out.dtype != torch.float16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp16 {shape}, got {tuple(out.shape)} {out.dtype}")
+    bk = bn = block
+    if kd % bk or n % bn:
+        raise ValueError(f"block {block} does not divide the weight {kd} x {n}")
+    _exl3_decode_kernel[(kd // bk, n // bn)](
+        trellis.view(torch.int32), out, shape[1], tn * 8 * bits,
+        BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_N=bn, BLOCK_K=bk, TRANS=trans, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 @functools.cache
