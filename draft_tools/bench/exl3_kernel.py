@@ -12,6 +12,8 @@ row count, the time of
   ``kernel_default``: the kernel ``exl3_matmul`` picks, lane order for K in 1, 2, 4);
 - ``decode`` / ``decode_mm``: ``exl3_decode`` of Wq.T into a scratch alone / followed by the fp16
   ``F.linear`` on it (``mm_fp16``: that GEMM alone), the packed-only large-batch alternative;
+- ``had_in`` / ``had_out``: our ``hadamard_128`` on the fp16 input / fp32 output; ``inline_ours`` /
+  ``decode_ours``: the backend's ``inline`` / ``decode`` paths whole (both rotations included);
 
 beside the floor (trellis + activation bytes over the copy bandwidth measured in the same run).
 Random trellises decode to valid weights, so no quantizer runs. Prints a table; JSON to ``--out``.
@@ -35,7 +37,7 @@ import torch
 from draft_server.models.exl3.cuda import Exl3Backend, load_ext
 from draft_server.models.exl3.decode import decode_inner
 from draft_server.models.exl3.linear import Exl3Linear, pad128
-from draft_server.models.kernels.exl3_gemm import KernelConfig, exl3_decode, exl3_matmul
+from draft_server.models.kernels.exl3_gemm import KernelConfig, exl3_decode, exl3_matmul, hadamard_128
 
 # Kimi-K3 drafter linears (in x out): q_a, kv_a, q_b, o, gate_up, down, context projection
 SHAPES = ((7168, 1536), (7168, 576), (1536, 12288), (8192, 7168), (7168, 14336), (14336, 7168))
@@ -97,6 +99,15 @@ def measure(
     def decode_mm() -> torch.Tensor:
         return torch.nn.functional.linear(a, exl3_decode(trellis, args.codebook, out=scratch, trans=True))
 
+    def full(path: str) -> torch.Tensor:  # our paths as the backend runs them, rotations included
+        ah = hadamard_128(a, lin.suh)
+        if path == "decode":
+            c = torch.nn.functional.linear(ah, exl3_decode(trellis, args.codebook, out=scratch, trans=True))
+        else:
+            c = exl3_matmul(ah, trellis, args.codebook)
+        return hadamard_128(c, post=lin.svh, out=c)
+
+    c32 = torch.randn(rows, n, dtype=torch.float32, device=dev, generator=g)
     assert (kernel() - want).abs().max().item() <= tol
     assert (kernel(lanes=False) - want).abs().max().item() <= tol
     assert (decode_mm().float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # fp16 out
@@ -110,6 +121,10 @@ def measure(
         "decode": bench(lambda: exl3_decode(trellis, args.codebook, out=scratch, trans=True)),
         "mm_fp16": bench(lambda: torch.nn.functional.linear(a, scratch)),
         "decode_mm": bench(decode_mm),
+        "had_in": bench(lambda: hadamard_128(a, lin.suh)),
+        "had_out": bench(lambda: hadamard_128(c32, post=lin.svh, out=c32)),
+        "inline_ours": bench(lambda: full("inline")),
+        "decode_ours": bench(lambda: full("decode")),
         "default_config": KernelConfig()._asdict(),
         "kernel": {},
     }
@@ -170,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{i:>5}x{o:<5} r{rows:<4} floor {row['floor_ms']:6.3f}  bf16 {row['bf16_linear']:6.3f}{ext_cols}"
                 f"  old {row['kernel_old']:6.3f}  kernel {row['kernel_default']:6.3f}"
                 f"  dec {row['decode']:6.3f} +mm {row['decode_mm']:6.3f} (mm {row['mm_fp16']:6.3f})"
+                f"  had {row['had_in']:5.3f}/{row['had_out']:5.3f}  inl+h {row['inline_ours']:6.3f}"
+                f"  dec+h {row['decode_ours']:6.3f}"
                 f"  best {row.get('kernel_best_ms', float('nan')):6.3f}"
                 f" {row.get('kernel_best', '-')}  ({len(row['kernel'])} shapes, {time.monotonic() - t0:.0f} s)",
                 flush=True,

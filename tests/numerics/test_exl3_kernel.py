@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_server.models.exl3.decode import CODEBOOKS, decode_inner
-from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul
+from draft_server.models.exl3.decode import CODEBOOKS, decode_inner, had_right
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3"
 GOLDENS = sorted(FIXTURES.glob("gpu_*.safetensors"))
@@ -100,3 +100,27 @@ def test_bad_arguments_are_refused() -> None:
         with pytest.raises(ValueError, match=match):
             exl3_matmul(bad_a, bad_t, cb)
     assert exl3_matmul(a[:0], t, "3inst").shape == (0, 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 40, 70])
+def test_hadamard_rotation_equals_the_exact_one(dtype: torch.dtype, rows: int) -> None:
+    """``hadamard_128``: y = H128(x * pre) * post per 128-column block (exllamav3's ``had_r_128``): fp32 in and
+    out within 1e-6 of float64 (two fp16 products with the +-1 matrix keep about 22 bits), fp16 within its
+    rounding; in place equals out of place; without scales, the bare rotation."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 384, generator=g) * 3).to(dtype)
+    pre = torch.where(torch.rand(384, generator=g) < 0.5, -1.5, 1.5).half()
+    post = (torch.rand(384, generator=g) + 0.5).half()
+    want = had_right(x.double() * pre.double()) * post.double()
+    y = hadamard_128(x.to(DEV), pre.to(DEV), post.to(DEV)).cpu()
+    assert y.dtype == dtype
+    rel = 1e-6 if dtype == torch.float32 else 2**-11
+    assert (y.double() - want).abs().max() <= rel * want.abs().max()
+    inplace = x.clone().to(DEV)
+    assert hadamard_128(inplace, pre.to(DEV), post.to(DEV), out=inplace) is inplace
+    assert torch.equal(inplace.cpu(), y)
+    bare = hadamard_128(x.to(DEV)).cpu().double()
+    assert (bare - had_right(x.double())).abs().max() <= rel * 4 * x.double().abs().max()
+    with pytest.raises(ValueError, match="128"):
+        hadamard_128(x[:, :100].contiguous())

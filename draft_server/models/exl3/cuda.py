@@ -24,7 +24,8 @@ nor a GPU):
   registers from the trellis (``kernels/exl3_gemm.py``), so only the packed bytes are read;
   ``decode`` is ``recon`` with our Triton decoder (``exl3_decode``, K in 1, 2, 4: each lane's two
   words read once for its eight weights) writing Wq.T, so the GEMM takes the weight in the same
-  orientation as the BF16 drafter's ``F.linear``;
+  orientation as the BF16 drafter's ``F.linear``; both rotate with our ``hadamard_128`` (one
+  memory-bound pass, where exllamav3's ``had_r_128`` took 17 us a call at 448 rows on the H200);
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
   BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
   recon, inline and decode (of fused and dense when dense weights are kept),
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 
 from draft_server.models import gemm
 from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, pad128
-from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128
 
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
@@ -264,19 +265,21 @@ class Exl3Backend:
         if path == "fused":
             c = torch.empty((a.shape[0], n), dtype=torch.float32, device=a.device)
             self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
-        else:  # recon / inline: x H(suh) @ Wq, then H(svh) on the output
+        elif path == "recon":  # x H(suh) @ Wq, Wq decoded into the shared scratch, then H(svh) on the output
             ah = torch.empty_like(a)
             self.ext.had_r_128(a, ah, lin.suh, None, 1.0)
-            if path == "recon":  # Wq decoded into the shared scratch, then cuBLAS
-                w = self.scratch(k * n, a.device)[: k * n].view(k, n)
-                self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
-                c = torch.mm(ah, w)
-            elif path == "decode":  # Wq.T decoded into the shared scratch by our kernel, then cuBLAS
+            w = self.scratch(k * n, a.device)[: k * n].view(k, n)
+            self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
+            c = torch.mm(ah, w)
+            self.ext.had_r_128(c, c, None, lin.svh, 1.0)
+        else:  # the same with our kernels: the rotations, and the decode inside the GEMM or into the scratch
+            ah = hadamard_128(a, lin.suh)
+            if path == "decode":
                 w = self.scratch(k * n, a.device)[: k * n].view(n, k)
                 c = F.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
-            else:  # Wq decoded tile by tile inside the GEMM, no scratch
+            else:
                 c = exl3_matmul(ah, lin.trellis, lin.codebook)
-            self.ext.had_r_128(c, c, None, lin.svh, 1.0)
+            hadamard_128(c, post=lin.svh, out=c)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         return y if lin.bias is None else y + lin.bias
 

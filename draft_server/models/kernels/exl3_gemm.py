@@ -293,3 +293,60 @@ def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) ->
     while split < 16 and blocks * (2 * split) <= per_sm * sms and k_blocks % (2 * split) == 0:
         split *= 2
     return split
+
+
+@triton.jit
+def _hadamard_kernel(X, Y, H, PRE, POST, R, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
+                     BLOCK_R: tl.constexpr):  # fmt: skip
+    """One BLOCK_R x 128 block: y = H128(x * pre) * post, in float32 through two fp16 products with the +-1
+    matrix (x's fp16 head and its remainder), so an fp32 input keeps about 22 bits."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = rows[:, None] < R
+    x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_PRE:
+        x = x * tl.load(PRE + cols).to(tl.float32)[None, :]
+    head = x.to(tl.float16)
+    rest = (x - head.to(tl.float32)).to(tl.float16)
+    i = tl.arange(0, 128)
+    h = tl.load(H + i[:, None] * 128 + i[None, :])
+    y = (tl.dot(head, h) + tl.dot(rest, h)) * 0.08838834764831845  # 1 / sqrt(128)
+    if HAS_POST:
+        y = y * tl.load(POST + cols).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _signs_128(device: torch.device) -> torch.Tensor:
+    """The 128x128 Sylvester Hadamard matrix unnormalised (+-1, exact in fp16)."""
+    i = torch.arange(128)
+    p = i[:, None] & i[None, :]
+    parity = torch.zeros_like(p)
+    while bool(p.any()):
+        parity ^= p & 1
+        p = p >> 1
+    return (1 - 2 * parity).to(torch.float16).to(device)
+
+
+def hadamard_128(
+    x: torch.Tensor, pre: torch.Tensor | None = None, post: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``out = H128(x * pre) * post`` over each row's 128-column blocks (H orthonormal, exllamav3's
+    ``had_r_128`` with scale 1); x fp16 or fp32 [R, k], k a multiple of 128; ``out`` may be x."""
+    if x.dim() != 2 or x.shape[1] % 128 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"x must be fp16 or fp32 [R, 128 m] with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    r, k = x.shape
+    out = torch.empty_like(x) if out is None else out
+    if out.shape != x.shape or out.stride(1) != 1:
+        raise ValueError(f"out must be shaped like x {tuple(x.shape)} with contiguous rows")
+    for v in (pre, post):
+        if v is not None and v.shape != (k,):
+            raise ValueError(f"scale vectors must have {k} values, got {tuple(v.shape)}")
+    if r == 0:
+        return out
+    block_r = max(16, min(64, triton.next_power_of_2(r)))
+    _hadamard_kernel[(triton.cdiv(r, block_r), k // 128)](
+        x, out, _signs_128(x.device), pre if pre is not None else x, post if post is not None else x, r,
+        x.stride(0), out.stride(0), HAS_PRE=pre is not None, HAS_POST=post is not None, BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip
+    return out
