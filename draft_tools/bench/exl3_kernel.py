@@ -8,8 +8,8 @@ row count, the time of
 - ``recon``: exllamav3's ``reconstruct`` into a scratch, then a cuBLAS fp16 GEMM, Hadamards around;
 - ``inline``: ``kernels.exl3_gemm.exl3_matmul`` with its default launch shape, Hadamards around;
 - ``kernel/<config>``: the bare Triton kernel at every launch shape of the sweep, each checked
-  against ``A @ decode_inner(trellis)`` before it is timed (``kernel_old``: the per-element decode,
-  ``kernel_default``: the kernel ``exl3_matmul`` picks, lane order for K in 1, 2, 4);
+  against ``A @ decode_inner(trellis)`` before it is timed (``kernel_default``: each state one shift
+  of a 64-bit word pair, ``kernel_old``: a funnel of 32-bit shifts);
 - ``decode`` / ``decode_mm``: ``exl3_decode`` of Wq.T into a scratch alone / followed by the fp16
   ``F.linear`` on it (``mm_fp16``: that GEMM alone), the packed-only large-batch alternative;
 - ``had_in`` / ``had_out``: our ``hadamard_128`` on the fp16 input / fp32 output; ``inline_ours`` /
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from draft_server.models import gemm
 from draft_server.models.exl3.cuda import Exl3Backend, load_ext
 from draft_server.models.exl3.decode import decode_inner
 from draft_server.models.exl3.linear import Exl3Linear, pad128
@@ -44,11 +45,10 @@ SHAPES = ((7168, 1536), (7168, 576), (1536, 12288), (8192, 7168), (7168, 14336),
 ROWS = (7, 448, 56, 112, 14)
 
 
-def bench(fn: Callable[[], object], reps: int = 20) -> float:
-    """Median ms over ``reps`` runs on CUDA events, after 3 warm-ups; L2 flushed before each run."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=3, rep=reps, return_mode="median"))
+def bench(fn: Callable[[], object]) -> float:
+    """Median ms of ``fn`` as replays of its CUDA graph (as the step runs it: no Python launch in the
+    time, which made small Triton calls read 6-7 us whatever their size), L2 flushed before each."""
+    return gemm.graph_ms(fn, flush_l2=True, runs=11)
 
 
 def floors(dev: torch.device) -> dict[str, float]:
@@ -91,8 +91,8 @@ def measure(
     tol = 1e-4 * want.abs().max().item()
     wb = torch.randn(i, o, dtype=torch.bfloat16, device=dev, generator=g)
 
-    def kernel(cfg: KernelConfig | None = None, lanes: bool | None = None) -> torch.Tensor:
-        return exl3_matmul(a, trellis, args.codebook, config=cfg, lanes=lanes)
+    def kernel(cfg: KernelConfig | None = None, u64: bool = True) -> torch.Tensor:
+        return exl3_matmul(a, trellis, args.codebook, config=cfg, u64=u64)
 
     scratch = torch.empty((n, k), dtype=torch.float16, device=dev)
 
@@ -109,7 +109,7 @@ def measure(
 
     c32 = torch.randn(rows, n, dtype=torch.float32, device=dev, generator=g)
     assert (kernel() - want).abs().max().item() <= tol
-    assert (kernel(lanes=False) - want).abs().max().item() <= tol
+    assert (kernel(u64=False) - want).abs().max().item() <= tol
     assert (decode_mm().float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # fp16 out
     wt = torch.randn(o, i, dtype=torch.bfloat16, device=dev, generator=g)
     row: dict[str, Any] = {
@@ -117,7 +117,7 @@ def measure(
         "bf16": bench(lambda: x @ wb),
         "bf16_linear": bench(lambda: torch.nn.functional.linear(x, wt)),
         "kernel_default": bench(kernel),
-        "kernel_old": bench(lambda: kernel(lanes=False)),
+        "kernel_old": bench(lambda: kernel(u64=False)),
         "decode": bench(lambda: exl3_decode(trellis, args.codebook, out=scratch, trans=True)),
         "mm_fp16": bench(lambda: torch.nn.functional.linear(a, scratch)),
         "decode_mm": bench(decode_mm),

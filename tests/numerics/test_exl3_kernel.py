@@ -5,8 +5,8 @@
 bit (an identity input makes ``C = Wq`` exactly: one fp16 product per output, accumulated in fp32),
 on every golden's trellis (all three codebooks, K = 1..8, several shapes) and on random trellises,
 and its products on real inputs must equal ``A @ Wq`` up to the fp32 summation order. Both decode
-orders are checked: per element (any K) and lane order (K in 1, 2, 4: A's columns and C's gathered
-and scattered through a permutation), and the lane-order decode into a scratch (``exl3_decode``).
+ways of cutting a state out of its two words are checked (a 64-bit shift, a funnel of 32-bit
+shifts), and the lane-order decode into a scratch (``exl3_decode``, K in 1, 2, 4).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def test_in_register_decode_is_bit_exact_on_every_golden(path: Path) -> None:
     k = trellis.shape[0] * 16
     t = trellis.contiguous().to(DEV)
     wq = decode_inner(trellis, codebook)
-    for lanes in (False, True) if trellis.shape[2] // 16 in LANE_BITS else (False,):
-        w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), t, codebook, lanes=lanes)
-        assert torch.equal(w.cpu(), wq.float()), f"lanes={lanes}"
+    for u64 in (False, True):
+        w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), t, codebook, u64=u64)
+        assert torch.equal(w.cpu(), wq.float()), f"u64={u64}"
     if trellis.shape[2] // 16 in LANE_BITS and k % 64 == 0 and trellis.shape[1] % 4 == 0:
         assert torch.equal(exl3_decode(t, codebook, trans=True).cpu(), wq.t())
 
@@ -51,13 +51,13 @@ def test_random_trellis_products(codebook: str, bits: int) -> None:
     trellis = torch.randint(-(1 << 15), 1 << 15, (16, 8, 16 * bits), dtype=torch.int16, generator=g)
     wq = decode_inner(trellis, codebook)
     t = trellis.to(DEV)
-    for lanes in (False, True) if bits in LANE_BITS else (False,):
+    for u64 in (False, True):
         eye = torch.eye(256, dtype=torch.float16, device=DEV)
-        assert torch.equal(exl3_matmul(eye, t, codebook, lanes=lanes).cpu(), wq.float()), f"lanes={lanes}"
+        assert torch.equal(exl3_matmul(eye, t, codebook, u64=u64).cpu(), wq.float()), f"u64={u64}"
         for rows in (1, 7, 33):  # one block, a partial block, two blocks of rows
             a = torch.randn(rows, 256, generator=g).half()
             want = a.double() @ wq.double()
-            got = exl3_matmul(a.to(DEV), t, codebook, lanes=lanes).cpu()
+            got = exl3_matmul(a.to(DEV), t, codebook, u64=u64).cpu()
             assert got.shape == (rows, 128) and got.dtype == torch.float32
             assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     if bits in LANE_BITS:  # into a scratch, both orientations, any block that divides the weight
@@ -66,22 +66,20 @@ def test_random_trellis_products(codebook: str, bits: int) -> None:
         assert torch.equal(scratch.cpu(), wq.t())
         assert torch.equal(exl3_decode(t, codebook, block=32).cpu(), wq)
     else:
-        with pytest.raises(ValueError, match="lane order"):
-            exl3_matmul(torch.eye(256, dtype=torch.float16, device=DEV), t, codebook, lanes=True)
         with pytest.raises(ValueError, match="decode kernel"):
             exl3_decode(t, codebook)
 
 
-@pytest.mark.parametrize("block_m, split_k, lanes", [(16, 2, False), (32, 4, True), (128, 1, True)])
-def test_k_splits_and_row_blocks_give_the_same_products(block_m: int, split_k: int, lanes: bool) -> None:
+@pytest.mark.parametrize("block_m, split_k", [(16, 2), (32, 4), (128, 1)])
+def test_k_splits_and_row_blocks_give_the_same_products(block_m: int, split_k: int) -> None:
     """Splits of k sum their float32 partials in a fixed order: deterministic, and equal to one
     program's walk up to the summation order; every row block decodes the same weights."""
     g = torch.Generator().manual_seed(block_m + split_k)
     trellis = torch.randint(-(1 << 15), 1 << 15, (32, 8, 64), dtype=torch.int16, generator=g).to(DEV)
     a = torch.randn(40, 512, generator=g).half().to(DEV)
-    one = exl3_matmul(a, trellis, "mcg", block_m=16, split_k=1, lanes=False)
-    got = exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k, lanes=lanes)
-    assert torch.equal(got, exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k, lanes=lanes))
+    one = exl3_matmul(a, trellis, "mcg", block_m=16, split_k=1)
+    got = exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k)
+    assert torch.equal(got, exl3_matmul(a, trellis, "mcg", block_m=block_m, split_k=split_k))
     torch.testing.assert_close(got, one, rtol=1e-5, atol=1e-5 * one.abs().max().item())
     with pytest.raises(ValueError, match="split_k"):
         exl3_matmul(a, trellis, "mcg", split_k=3)
@@ -124,3 +122,13 @@ def test_hadamard_rotation_equals_the_exact_one(dtype: torch.dtype, rows: int) -
     assert (bare - had_right(x.double())).abs().max() <= rel * 4 * x.double().abs().max()
     with pytest.raises(ValueError, match="128"):
         hadamard_128(x[:, :100].contiguous())
+
+
+def test_hadamard_over_many_column_blocks_per_program() -> None:
+    """Wide rows (k >= 16384) take four 128-column blocks a program; a last program with fewer is masked."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 128 * 130, generator=g)
+    post = (torch.rand(128 * 130, generator=g) + 0.5).half()
+    want = had_right(x.double()) * post.double()
+    y = hadamard_128(x.to(DEV), post=post.to(DEV)).cpu()
+    assert (y.double() - want).abs().max() <= 1e-6 * want.abs().max()

@@ -282,9 +282,14 @@ def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing
     assert cuda.FUSED_MAX_ROWS == 16 and be.path(lin, 20) == "recon"  # untuned rows: the default threshold
 
 
-def test_dense_only_needs_no_exllamav3_and_the_env_knob() -> None:
-    assert Exl3Backend(fused_max_rows=0, large="dense").ext is None  # never loads the extension
-    for needs in ({"fused_max_rows": 1, "large": "dense"}, {"fused_max_rows": 0}):
+def test_dense_or_inline_only_needs_no_exllamav3_and_the_env_knob() -> None:
+    for ours in ("dense", "inline"):  # never loads the extension: every call is ours
+        assert Exl3Backend(fused_max_rows=0, large=ours).ext is None
+    for needs in (
+        {"fused_max_rows": 1, "large": "dense"},
+        {"fused_max_rows": 0},
+        {"fused_max_rows": 0, "large": "decode"},
+    ):
         with pytest.raises(Exl3Unavailable):  # CPU torch: a one-line reason, not a build attempt
             Exl3Backend(**needs)
     with pytest.raises(ValueError):

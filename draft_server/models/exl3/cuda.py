@@ -172,7 +172,8 @@ class Exl3Backend:
         if large not in LARGE_PATHS:
             raise ValueError(f"large path {large!r}: expected one of {', '.join(LARGE_PATHS)}")
         self.fused_max_rows, self.large = fused_max_rows, large
-        needs_ext = fused_max_rows is None or fused_max_rows > 0 or large != "dense"
+        # exllamav3 runs fused, recon, and decode's fallback for K outside LANE_BITS; inline and dense are ours
+        needs_ext = fused_max_rows is None or fused_max_rows > 0 or large in ("recon", "decode")
         self.ext = ext if ext is not None or not needs_ext else load_ext()
         # per path, counted in Python (capture: once per graph)
         self.calls = {"fused": 0, "recon": 0, "inline": 0, "decode": 0, "dense": 0}

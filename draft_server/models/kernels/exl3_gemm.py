@@ -20,9 +20,9 @@ before and at the one holding its last state's last bit, so ``_lane_block`` load
 per lane as a 64-bit window and makes each state with one shift, instead of two gathered loads and a
 funnel of shifts per weight. It decodes in lane order: block rows kappa = 16 t + 4 ((r >> 1) & 3) +
 2 (r >> 3) + (r & 1) and columns nu = 16 t + 2 (c & 7) + (c >> 3), so that a lane's eight weights are
-one [4, 2] corner of a [BLOCK_K/4, 4, BLOCK_N/2, 2] tensor; the GEMM gathers A's columns in kappa order
-and stores C's in nu order, and ``exl3_decode`` stores each weight at its (r, c), so the permutation
-moves no data of its own.
+one [4, 2] corner of a [BLOCK_K/4, 4, BLOCK_N/2, 2] tensor, and ``exl3_decode`` stores each weight at
+its (r, c). (The same decode inside the GEMM, A's columns gathered in kappa order, was 1.1x slower
+than the per-element decode at 7 rows and 8x at 448 on an H100: the layout conversions; removed.)
 
 Each program owns a BLOCK_M x BLOCK_N block of C and walks its share of k, so with M <= BLOCK_M
 every weight is decoded exactly once per call; when those blocks are too few to fill the GPU, k
@@ -66,6 +66,7 @@ def _codebook(s, CB: tl.constexpr):
 def _exl3_matmul_kernel(
     A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words,
     BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    U64: tl.constexpr,
 ):  # fmt: skip
     pm = tl.program_id(0)
     pn = tl.program_id(1)
@@ -95,7 +96,10 @@ def _exl3_matmul_kernel(
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
         w0 = tl.load(t_ptr + o0).to(tl.uint32)
         w1 = tl.load(t_ptr + o1).to(tl.uint32)
-        s = ((((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)) & 0xFFFF
+        if U64:  # one funnel shift of the 64-bit pair
+            s = (((w0.to(tl.uint64) << 32) | w1.to(tl.uint64)) >> shift.to(tl.uint64)).to(tl.uint32) & 0xFFFF
+        else:
+            s = ((((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)) & 0xFFFF
         acc = tl.dot(a, _codebook(s, CB), acc)
         a_ptrs += BLOCK_K
         t_ptr += (BLOCK_K // 16) * row_words
@@ -129,48 +133,15 @@ def _lane_block(T, t_row, pn, row_words, BITS: tl.constexpr, CB: tl.constexpr, B
 
 
 @triton.jit
-def _lane_orders(pn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weight row of each kappa in a k block (0..BLOCK_K) and the column of each nu of block pn."""
-    kap = tl.arange(0, BLOCK_K)
-    k_of = (kap // 16) * 16 + 8 * ((kap >> 1) & 1) + 2 * ((kap >> 2) & 3) + (kap & 1)
-    nu = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_of = (nu // 16) * 16 + 8 * (nu & 1) + ((nu >> 1) & 7)
-    return k_of, n_of
-
-
-@triton.jit
-def _exl3_matmul_lanes_kernel(
-    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words,
-    BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """``_exl3_matmul_kernel`` decoding in lane order: A's columns gathered in kappa order, C's stored in
-    nu order, so the permutation costs no data movement (K in 1, 2, 4)."""
-    pm = tl.program_id(0)
-    pn = tl.program_id(1)
-    ps = tl.program_id(2)
-    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    k_of, n_of = _lane_orders(pn, BLOCK_N, BLOCK_K)
-    k_start = ps * k_per_split
-    a_ptrs = A + rm[:, None].to(tl.int64) * s_am + (k_start + k_of)[None, :]
-    a_mask = rm[:, None] < M
-    t_row = k_start // 16
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, k_per_split, BLOCK_K):
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        acc = tl.dot(a, _lane_block(T, t_row, pn, row_words, BITS, CB, BLOCK_N, BLOCK_K), acc)
-        a_ptrs += BLOCK_K
-        t_row += BLOCK_K // 16
-    out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + n_of[None, :]
-    tl.store(out, acc, mask=(rm[:, None] < M) & (n_of[None, :] < N))
-
-
-@triton.jit
 def _exl3_decode_kernel(T, W, ldw, row_words, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
     """Wq's block (program_id(0) along k, (1) along n) into W: [k, n] fp16, or [n, k] with TRANS."""
     pk = tl.program_id(0)
     pn = tl.program_id(1)
-    k_of, n_of = _lane_orders(pn, BLOCK_N, BLOCK_K)
+    kap = tl.arange(0, BLOCK_K)  # kappa -> the weight row r in its tile, and nu -> the column c
+    k_of = (kap // 16) * 16 + 8 * ((kap >> 1) & 1) + 2 * ((kap >> 2) & 3) + (kap & 1)
+    nu = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_of = (nu // 16) * 16 + 8 * (nu & 1) + ((nu >> 1) & 7)
     w = _lane_block(T, pk * (BLOCK_K // 16), pn, row_words, BITS, CB, BLOCK_N, BLOCK_K)
     k = (pk * BLOCK_K + k_of).to(tl.int64)
     if TRANS:
@@ -193,7 +164,7 @@ class KernelConfig(NamedTuple):
     per_sm: int = 8
 
 
-LANE_BITS = (1, 2, 4)  # K whose lanes' eight states lie in two words: the lane-order kernels
+LANE_BITS = (1, 2, 4)  # K whose lanes' eight states lie in two words: ``exl3_decode``
 
 
 def exl3_matmul(
@@ -203,15 +174,15 @@ def exl3_matmul(
     block_m: int | None = None,
     split_k: int | None = None,
     config: KernelConfig | None = None,
-    lanes: bool | None = None,
+    u64: bool = True,
 ) -> torch.Tensor:
     """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
 
     ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
     many rows decode every weight once. ``split_k``: programs per output block along k (default:
     enough to give every SM ``config.per_sm`` programs), whose float32 partials are summed in a
-    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``). ``lanes``:
-    decode in lane order (default: where K allows, ``LANE_BITS``)."""
+    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``). ``u64``:
+    each state by one shift of its two words as a 64-bit pair (else by a funnel of 32-bit shifts)."""
     if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
@@ -224,10 +195,6 @@ def exl3_matmul(
     if codebook not in CODEBOOK_IDS:
         raise ValueError(f"unknown EXL3 codebook '{codebook}'")
     bits = last // 16
-    if lanes is None:
-        lanes = bits in LANE_BITS
-    elif lanes and bits not in LANE_BITS:
-        raise ValueError(f"lane order needs K in {LANE_BITS}, got {bits}")
     m, n, kd = a.shape[0], tn * 16, tk * 16
     if m == 0:
         return torch.empty((0, n), dtype=torch.float32, device=a.device)
@@ -240,10 +207,9 @@ def exl3_matmul(
     if kd % bk or (kd // bk) % split_k:
         raise ValueError(f"split_k {split_k} does not divide the {kd // bk} k blocks of {bk} rows")
     c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
-    kernel = _exl3_matmul_lanes_kernel if lanes else _exl3_matmul_kernel
-    kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
+    _exl3_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
         a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn * 8 * bits,
-        BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, U64=u64,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c[0] if split_k == 1 else c.sum(0)
@@ -296,24 +262,28 @@ def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) ->
 
 
 @triton.jit
-def _hadamard_kernel(X, Y, H, PRE, POST, R, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
-                     BLOCK_R: tl.constexpr):  # fmt: skip
-    """One BLOCK_R x 128 block: y = H128(x * pre) * post, in float32 through two fp16 products with the +-1
-    matrix (x's fp16 head and its remainder), so an fp32 input keeps about 22 bits."""
+def _hadamard_kernel(X, Y, H, PRE, POST, R, K, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """BLOCK_R rows x BLOCKS 128-column blocks: y = H128(x * pre) * post, in float32 through two fp16 products
+    with the +-1 matrix (loaded once per program: x's fp16 head and its remainder), so an fp32 input
+    keeps about 22 bits."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    mask = rows[:, None] < R
-    x = tl.load(X + rows[:, None].to(tl.int64) * s_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_PRE:
-        x = x * tl.load(PRE + cols).to(tl.float32)[None, :]
-    head = x.to(tl.float16)
-    rest = (x - head.to(tl.float32)).to(tl.float16)
     i = tl.arange(0, 128)
     h = tl.load(H + i[:, None] * 128 + i[None, :])
-    y = (tl.dot(head, h) + tl.dot(rest, h)) * 0.08838834764831845  # 1 / sqrt(128)
-    if HAS_POST:
-        y = y * tl.load(POST + cols).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    x_rows = X + rows[:, None].to(tl.int64) * s_x
+    y_rows = Y + rows[:, None].to(tl.int64) * s_y
+    for b in range(BLOCKS):
+        cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
+        mask = (rows[:, None] < R) & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            x = x * tl.load(PRE + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        head = x.to(tl.float16)
+        rest = (x - head.to(tl.float32)).to(tl.float16)
+        y = (tl.dot(head, h) + tl.dot(rest, h)) * 0.08838834764831845  # 1 / sqrt(128)
+        if HAS_POST:
+            y = y * tl.load(POST + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -345,8 +315,10 @@ def hadamard_128(
     if r == 0:
         return out
     block_r = max(16, min(64, triton.next_power_of_2(r)))
-    _hadamard_kernel[(triton.cdiv(r, block_r), k // 128)](
-        x, out, _signs_128(x.device), pre if pre is not None else x, post if post is not None else x, r,
-        x.stride(0), out.stride(0), HAS_PRE=pre is not None, HAS_POST=post is not None, BLOCK_R=block_r, num_warps=4,
+    blocks = 4 if k >= 4 * 128 * 32 else 1  # several column blocks a program where there are plenty
+    _hadamard_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
+        x, out, _signs_128(x.device), pre if pre is not None else x, post if post is not None else x, r, k,
+        x.stride(0), out.stride(0), HAS_PRE=pre is not None, HAS_POST=post is not None, BLOCK_R=block_r,
+        BLOCKS=blocks, num_warps=4,
     )  # fmt: skip
     return out
