@@ -209,7 +209,8 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
     for bits, lins in packed.items():
         given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
         for rows in args.fused_max_rows.split(","):
-            for large in LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",):
+            larges = LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",)
+            for large in args.large.split(",") if args.large else larges:
                 if rows == "tuned" and large == "inline":  # tuned recon already times inline
                     continue
                 label = f"exl3_k{bits}_{large}" + ("" if rows == "tuned" else f"_f{rows}")
@@ -261,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="layers 1.. copy layer 0's random values, so each bit width quantizes one layer (timing is unchanged)",
     )
+    ap.add_argument("--large", default="", help="large paths to time (comma list), instead of --both-paths' choice")
     ap.add_argument(
         "--fused-max-rows", default="tuned", help="settings to time: 'tuned' (per shape and rows), fixed thresholds"
     )
