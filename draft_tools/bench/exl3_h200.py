@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import re
+import sys
 import tarfile
 import time
 from types import SimpleNamespace
@@ -171,10 +173,10 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
     # 1. quantize every bit width (GPU-heavy minutes), so that all timing below runs back to back
     pat = re.compile(args.modules)
     names = [n for n in sorted(own) if n.endswith(".weight") and own[n].dim() == 2 and pat.search(n[: -len(".weight")])]
-    packed: dict[int, dict[str, Exl3Linear]] = {}
-    meta: dict[int, dict[str, Any]] = {}
-    for bits in [int(b) for b in args.bits.split(",")]:
-        encode, version = exllamav3_encoder(bits, "mul1", dev)
+    packed: dict[tuple[int, str], dict[str, Exl3Linear]] = {}
+    meta: dict[tuple[int, str], dict[str, Any]] = {}
+    for bits, cb in itertools.product([int(b) for b in args.bits.split(",")], args.codebook.split(",")):
+        encode, version = exllamav3_encoder(bits, cb, dev)
         t0 = time.perf_counter()
         lins: dict[str, Exl3Linear] = {}
         for i, n in enumerate(names):
@@ -185,36 +187,39 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
                 q = encode(own[n].float(), i)
             o, k = own[n].shape
             lins[n] = Exl3Linear(
-                n[: -len(".weight")], k, o, q["trellis"].to(dev), q["suh"].to(dev), q["svh"].to(dev), "mul1"
+                n[: -len(".weight")], k, o, q["trellis"].to(dev), q["suh"].to(dev), q["svh"].to(dev), cb
             )
         quant_s = time.perf_counter() - t0
         dense = {n: t for n, t in own.items() if n not in lins}
         stored = nbytes(dense.values()) + sum(lin.stored_bytes() for lin in lins.values())
-        packed[bits] = lins
-        meta[bits] = {
+        packed[bits, cb] = lins
+        meta[bits, cb] = {
             "bits": bits,
+            "codebook": cb,
             "quantize_s": round(quant_s, 1),
             "version": version,
             "weight_bytes": stored,
             "weight_ratio_vs_bf16": round(stored / out["bf16_weight_bytes"], 4),
         }
         log(
-            f"k3 K={bits}: {len(lins)} linears quantized in {quant_s:.1f} s; weights {stored / 2**30:.2f} GiB"
+            f"k3 K={bits} {cb}: {len(lins)} linears quantized in {quant_s:.1f} s; weights {stored / 2**30:.2f} GiB"
             f" ({stored / out['bf16_weight_bytes']:.3f} x BF16)"
         )
 
     # 2. BF16, every EXL3 setting, BF16 again (the bracket shows any drift of the GPU's clocks over the run)
     bf16, keep = run("bf16", build_model(cfg, dict(w), dev, torch.bfloat16), keep=True)
     save()
-    for bits, lins in packed.items():
+    for (bits, cb), lins in packed.items():
         given = {**w, **{n: lin.exact_weight(torch.bfloat16) for n, lin in lins.items()}}  # kv_b is absorbed dense
         for rows in args.fused_max_rows.split(","):
             larges = LARGE_PATHS if str(bits) in args.both_paths.split(",") else ("recon",)
             for large in args.large.split(",") if args.large else larges:
                 if rows == "tuned" and large == "inline":  # tuned recon already times inline
                     continue
-                label = f"exl3_k{bits}_{large}" + ("" if rows == "tuned" else f"_f{rows}")
-                out[label] = {**meta[bits], "fused_max_rows": rows, "large": large}
+                label = f"exl3_k{bits}{'' if cb == 'mul1' else '_' + cb}_{large}" + (
+                    "" if rows == "tuned" else f"_f{rows}"
+                )
+                out[label] = {**meta[bits, cb], "fused_max_rows": rows, "large": large}
                 be = Exl3Backend(None if rows == "tuned" else int(rows), ext, large)
                 set_backend(be)
                 model = build_model(cfg, dict(given), dev, torch.bfloat16)
@@ -262,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="layers 1.. copy layer 0's random values, so each bit width quantizes one layer (timing is unchanged)",
     )
+    ap.add_argument("--codebook", default="mul1", help="EXL3 codebooks to quantize with (comma list)")
     ap.add_argument("--large", default="", help="large paths to time (comma list), instead of --both-paths' choice")
     ap.add_argument(
         "--fused-max-rows", default="tuned", help="settings to time: 'tuned' (per shape and rows), fixed thresholds"
@@ -275,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
-        "command": "python3 -m draft_tools.bench.exl3_h200 " + " ".join(argv or []),
+        "command": "python3 -m draft_tools.bench.exl3_h200 " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
 
     def save() -> None:
