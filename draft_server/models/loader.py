@@ -56,14 +56,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def _exl3_backend(model_dir: str, dev: torch.device) -> Exl3Backend | DequantBackend:
-    """CUDA: exllamav3's kernels (``DRAFT_EXL3_FUSED_MAX_ROWS``, ``DRAFT_EXL3_LARGE``); CPU: decode once + GEMM."""
+    """CUDA: ``Exl3Backend`` (``DRAFT_EXL3_FUSED_MAX_ROWS``, ``DRAFT_EXL3_LARGE``); CPU: decode once + GEMM."""
     if dev.type != "cuda":
         return DequantBackend()
     try:
         return Exl3Backend(fused_max_rows_from_env(), large=large_path_from_env())
     except Exl3Unavailable as e:
-        dense = f"{ENV_FUSED_MAX_ROWS}=0 {ENV_LARGE}=dense runs it dense"
-        raise CheckpointError(f"{model_dir}: EXL3 on CUDA: {e} ({dense})") from None
+        ours = f"{ENV_FUSED_MAX_ROWS}=0 with {ENV_LARGE}=inline (packed, our Triton kernels) or =dense runs it without"
+        raise CheckpointError(f"{model_dir}: EXL3 on CUDA: {e} ({ours})") from None
 
 
 def build_model(cfg: DSparkConfig, w: dict[str, torch.Tensor], dev: torch.device, dtype: torch.dtype) -> DSparkModel:

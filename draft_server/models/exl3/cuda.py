@@ -32,7 +32,7 @@ nor a GPU):
   timed once while ``gemm.TUNER.tuning`` is on (``FastStep.capture``'s warm-up runs every bucket with
   its own row counts before capturing it, so each graph bakes in the tuned path); untuned calls take
   fused up to ``FUSED_MAX_ROWS`` rows. ``DRAFT_EXL3_FUSED_MAX_ROWS=N`` fixes the threshold instead
-  (``0`` with ``DRAFT_EXL3_LARGE=dense`` never calls exllamav3).
+  (``0`` with ``DRAFT_EXL3_LARGE=dense`` or ``inline`` never calls exllamav3).
 
 CUDA graphs: the fused GEMM tunes its tile shape on the first call per (row bucket, k, n, K), and the
 dense path decodes on its first call; both must happen before capture. ``FastStep.capture`` runs every
