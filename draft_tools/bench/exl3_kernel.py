@@ -8,8 +8,7 @@ row count, the time of
 - ``recon``: exllamav3's ``reconstruct`` into a scratch, then a cuBLAS fp16 GEMM, Hadamards around;
 - ``inline``: ``kernels.exl3_gemm.exl3_matmul`` with its default launch shape, Hadamards around;
 - ``kernel/<config>``: the bare Triton kernel at every launch shape of the sweep, each checked
-  against ``A @ decode_inner(trellis)`` before it is timed (``kernel_default``: each state one shift
-  of a 64-bit word pair, ``kernel_old``: a funnel of 32-bit shifts);
+  against ``A @ decode_inner(trellis)`` before it is timed;
 - ``decode`` / ``decode_mm``: ``exl3_decode`` of Wq.T into a scratch alone / followed by the fp16
   ``F.linear`` on it (``mm_fp16``: that GEMM alone), the packed-only large-batch alternative;
 - ``had_in`` / ``had_out``: our ``hadamard_128`` on the fp16 input / fp32 output; ``inline_ours`` /
@@ -91,8 +90,8 @@ def measure(
     tol = 1e-4 * want.abs().max().item()
     wb = torch.randn(i, o, dtype=torch.bfloat16, device=dev, generator=g)
 
-    def kernel(cfg: KernelConfig | None = None, u64: bool = True) -> torch.Tensor:
-        return exl3_matmul(a, trellis, args.codebook, config=cfg, u64=u64)
+    def kernel(cfg: KernelConfig | None = None) -> torch.Tensor:
+        return exl3_matmul(a, trellis, args.codebook, config=cfg)
 
     scratch = torch.empty((n, k), dtype=torch.float16, device=dev)
 
@@ -109,7 +108,6 @@ def measure(
 
     c32 = torch.randn(rows, n, dtype=torch.float32, device=dev, generator=g)
     assert (kernel() - want).abs().max().item() <= tol
-    assert (kernel(u64=False) - want).abs().max().item() <= tol
     assert (decode_mm().float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # fp16 out
     wt = torch.randn(o, i, dtype=torch.bfloat16, device=dev, generator=g)
     row: dict[str, Any] = {
@@ -117,7 +115,6 @@ def measure(
         "bf16": bench(lambda: x @ wb),
         "bf16_linear": bench(lambda: torch.nn.functional.linear(x, wt)),
         "kernel_default": bench(kernel),
-        "kernel_old": bench(lambda: kernel(u64=False)),
         "decode": bench(lambda: exl3_decode(trellis, args.codebook, out=scratch, trans=True)),
         "mm_fp16": bench(lambda: torch.nn.functional.linear(a, scratch)),
         "decode_mm": bench(decode_mm),
@@ -183,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             ext_cols = "".join(f"  {p} {row[p]:6.3f}" for p in ("fused", "recon", "inline") if p in row)
             print(
                 f"{i:>5}x{o:<5} r{rows:<4} floor {row['floor_ms']:6.3f}  bf16 {row['bf16_linear']:6.3f}{ext_cols}"
-                f"  old {row['kernel_old']:6.3f}  kernel {row['kernel_default']:6.3f}"
+                f"  kernel {row['kernel_default']:6.3f}"
                 f"  dec {row['decode']:6.3f} +mm {row['decode_mm']:6.3f} (mm {row['mm_fp16']:6.3f})"
                 f"  had {row['had_in']:5.3f}/{row['had_out']:5.3f}  inl+h {row['inline_ours']:6.3f}"
                 f"  dec+h {row['decode_ours']:6.3f}"

@@ -1,7 +1,7 @@
 """The EXL3 decode kernels' machine code, counted without a GPU: instructions per decoded weight.
 
-Owns one offline measurement: Triton compiles ``kernels/exl3_gemm.py``'s decode-GEMM (each state cut
-by a 64-bit shift or by a funnel of 32-bit shifts) and the decode-into-scratch kernel for an sm_90a
+Owns one offline measurement: Triton compiles ``kernels/exl3_gemm.py``'s decode-GEMM and the
+decode-into-scratch kernel for an sm_90a
 target with the ``ptxas`` Triton ships, ``nvdisasm`` lists the SASS, and this counts the instructions
 of the kernel's k loop (the one loop; one trip decodes BLOCK_K x BLOCK_N weights, shared by the
 program's threads) by opcode. The decode in registers is bound by integer instructions on an H100 /
@@ -31,9 +31,9 @@ from draft_server.models.kernels import exl3_gemm as K
 
 MATMUL_SIG = {
     "A": "*fp16", "T": "*i32", "C": "*fp32", "M": "i32", "N": "i32", "k_per_split": "i32", "s_am": "i32",
-    "s_cm": "i32", "s_cs": "i32", "row_words": "i32",
+    "s_cm": "i32", "s_cs": "i32", "row_words": "i32", "MASK": "i32",
 }  # fmt: skip
-DECODE_SIG = {"T": "*i32", "W": "*fp16", "ldw": "i32", "row_words": "i32"}
+DECODE_SIG = {"T": "*i32", "W": "*fp16", "ldw": "i32", "row_words": "i32", "MASK": "i32"}
 LABEL = re.compile(r"^\.L_x_\d+:$")
 INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -78,22 +78,21 @@ def main(argv: list[str] | None = None) -> int:
         "kernels": {},
     }
     for cb_name, cb in K.CODEBOOK_IDS.items():
-        for u64 in (True, False):
-            ce = {"BITS": 4, "CB": cb, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "U64": u64}
-            body = loop_body(sass(K._exl3_matmul_kernel, MATMUL_SIG, ce, warps))
-            assert body is not None, "no k loop found"
-            c = counts(body)
-            row = {"loop_instructions": sum(c.values()), "per_weight": round(sum(c.values()) / weights_per_thread, 2),
-                   "ops": dict(c.most_common())}  # fmt: skip
-            res["kernels"][f"matmul_{cb_name}_K4_{'u64' if u64 else 'funnel'}"] = row
-            print(f"decode-GEMM {cb_name:5s} K=4 {'u64   ' if u64 else 'funnel'}: {row['per_weight']:5.2f} instructions"
-                  f" a weight ({row['loop_instructions']} in the loop)")  # fmt: skip
+        ce = {"BITS": 4, "CB": cb, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+        body = loop_body(sass(K._exl3_matmul_kernel, MATMUL_SIG, ce, warps))
+        assert body is not None, "no k loop found"
+        c = counts(body)
+        row = {"loop_instructions": sum(c.values()), "per_weight": round(sum(c.values()) / weights_per_thread, 2),
+               "ops": dict(c.most_common())}  # fmt: skip
+        res["kernels"][f"matmul_{cb_name}_K4"] = row
+        print(f"decode-GEMM {cb_name:5s} K=4: {row['per_weight']:5.2f} instructions a weight"
+              f" ({row['loop_instructions']} in the loop)")  # fmt: skip
         ce = {"BITS": 4, "CB": cb, "BLOCK_N": 64, "BLOCK_K": 64, "TRANS": True}
         c = counts(sass(K._exl3_decode_kernel, DECODE_SIG, ce, 4).splitlines())  # no loop: one block a program
         row = {"instructions": sum(c.values()), "per_weight": round(sum(c.values()) / (64 * 64 // 128), 2),
                "ops": dict(c.most_common())}  # fmt: skip
         res["kernels"][f"decode_{cb_name}_K4"] = row
-        print(f"exl3_decode {cb_name:5s} K=4       : {row['per_weight']:5.2f} instructions a weight (whole kernel)")
+        print(f"exl3_decode {cb_name:5s} K=4: {row['per_weight']:5.2f} instructions a weight (whole kernel)")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0

@@ -4,9 +4,8 @@
 (``test_exl3_golden``). Here the kernel's in-register decode must give the same fp16 weights bit for
 bit (an identity input makes ``C = Wq`` exactly: one fp16 product per output, accumulated in fp32),
 on every golden's trellis (all three codebooks, K = 1..8, several shapes) and on random trellises,
-and its products on real inputs must equal ``A @ Wq`` up to the fp32 summation order. Both decode
-ways of cutting a state out of its two words are checked (a 64-bit shift, a funnel of 32-bit
-shifts), and the lane-order decode into a scratch (``exl3_decode``, K in 1, 2, 4).
+and its products on real inputs must equal ``A @ Wq`` up to the fp32 summation order; so must the
+lane-order decode into a scratch (``exl3_decode``, K in 1, 2, 4).
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ def test_in_register_decode_is_bit_exact_on_every_golden(path: Path) -> None:
     k = trellis.shape[0] * 16
     t = trellis.contiguous().to(DEV)
     wq = decode_inner(trellis, codebook)
-    for u64 in (False, True):
-        w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), t, codebook, u64=u64)
-        assert torch.equal(w.cpu(), wq.float()), f"u64={u64}"
+    w = exl3_matmul(torch.eye(k, dtype=torch.float16, device=DEV), t, codebook)
+    assert torch.equal(w.cpu(), wq.float())
     if trellis.shape[2] // 16 in LANE_BITS and k % 64 == 0 and trellis.shape[1] % 4 == 0:
         assert torch.equal(exl3_decode(t, codebook, trans=True).cpu(), wq.t())
 
@@ -51,15 +49,13 @@ def test_random_trellis_products(codebook: str, bits: int) -> None:
     trellis = torch.randint(-(1 << 15), 1 << 15, (16, 8, 16 * bits), dtype=torch.int16, generator=g)
     wq = decode_inner(trellis, codebook)
     t = trellis.to(DEV)
-    for u64 in (False, True):
-        eye = torch.eye(256, dtype=torch.float16, device=DEV)
-        assert torch.equal(exl3_matmul(eye, t, codebook, u64=u64).cpu(), wq.float()), f"u64={u64}"
-        for rows in (1, 7, 33):  # one block, a partial block, two blocks of rows
-            a = torch.randn(rows, 256, generator=g).half()
-            want = a.double() @ wq.double()
-            got = exl3_matmul(a.to(DEV), t, codebook, u64=u64).cpu()
-            assert got.shape == (rows, 128) and got.dtype == torch.float32
-            assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(exl3_matmul(torch.eye(256, dtype=torch.float16, device=DEV), t, codebook).cpu(), wq.float())
+    for rows in (1, 7, 33):  # one block, a partial block, two blocks of rows
+        a = torch.randn(rows, 256, generator=g).half()
+        want = a.double() @ wq.double()
+        got = exl3_matmul(a.to(DEV), t, codebook).cpu()
+        assert got.shape == (rows, 128) and got.dtype == torch.float32
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     if bits in LANE_BITS:  # into a scratch, both orientations, any block that divides the weight
         scratch = torch.full((128, 256), float("nan"), dtype=torch.float16, device=DEV)
         assert exl3_decode(t, codebook, out=scratch, trans=True) is scratch

@@ -40,11 +40,13 @@ import triton
 import triton.language as tl
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+MASK = 0x8FFF8FFF - (1 << 32)  # 3inst / mcg's mask, as the int32 kernel argument ``_codebook`` takes
 
 
 @triton.jit
-def _codebook(s, CB: tl.constexpr):
-    """16-bit states (uint32, high bits zero) -> fp16 weights, by codebook (module docstring)."""
+def _codebook(s, mask, CB: tl.constexpr):
+    """16-bit states (uint32, high bits zero) -> fp16 weights, by codebook (module docstring). ``mask`` is
+    0x8FFF8FFF passed in at run time: as a literal, ptxas rebuilt it in a register before every use."""
     if CB == 2:  # mul1
         x = s * 0x83DCD12D
         bsum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
@@ -55,7 +57,7 @@ def _codebook(s, CB: tl.constexpr):
             x = s * 0xCBAC1FED
         else:  # 3inst
             x = s * 89226354 + 64248484
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        x = (x & mask) ^ 0x3B603B60
         lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         w = lo + hi  # one fp16 add: rounded once, as exllamav3's
@@ -63,10 +65,33 @@ def _codebook(s, CB: tl.constexpr):
 
 
 @triton.jit
+def _where(rows, cols, row_words, BITS: tl.constexpr):
+    """Per (weight row in a k block, column): the tile's int32 offset from the block's first tile row, the
+    in-tile indices of the two words holding the state (the one with its last bit, and the one before,
+    circular), and the right shift of that 64-bit pair that leaves the state in its low 16 bits."""
+    r = rows[:, None] % 16
+    c = cols[None, :] % 16
+    lane = 4 * (c & 7) + ((r >> 1) & 3)
+    j = (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
+    end = (8 * lane + j + 1) * BITS  # the state's window ends at this bit of the tile
+    i1 = (end - 1) // 32
+    i0 = tl.where(i1 == 0, 8 * BITS - 1, i1 - 1)
+    shift = ((i1 + 1) * 32 - end).to(tl.uint64)  # 0..31
+    tile = (rows[:, None] // 16) * row_words + (cols[None, :] // 16) * (8 * BITS)
+    return tile, i0, i1, shift
+
+
+@triton.jit
+def _weights(t_ptr, tile, i0, i1, shift, mask, CB: tl.constexpr):
+    w0 = tl.load(t_ptr + tile + i0).to(tl.uint32).to(tl.uint64)
+    w1 = tl.load(t_ptr + tile + i1).to(tl.uint32).to(tl.uint64)
+    return _codebook((((w0 << 32) | w1) >> shift).to(tl.uint32) & 0xFFFF, mask, CB)
+
+
+@triton.jit
 def _exl3_matmul_kernel(
-    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words,
+    A, T, C, M, N, k_per_split, s_am, s_cm, s_cs, row_words, MASK,
     BITS: tl.constexpr, CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    U64: tl.constexpr,
 ):  # fmt: skip
     pm = tl.program_id(0)
     pn = tl.program_id(1)
@@ -74,19 +99,8 @@ def _exl3_matmul_kernel(
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
-    # Per (row in the k block, column), hoisted out of the loop: the int32 offsets, from the block's
-    # first tile row, of the two words holding the element's 16-bit state, and the shift between them.
-    r = kk[:, None] % 16
-    c = rn[None, :] % 16
-    lane = 4 * (c & 7) + ((r >> 1) & 3)
-    j = (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
-    end = (8 * lane + j + 1) * BITS  # the state's window ends at this bit of the tile
-    i1 = (end - 1) // 32  # word holding its last bit
-    i0 = tl.where(i1 == 0, 8 * BITS - 1, i1 - 1)  # the word before (circular)
-    shift = ((i1 + 1) * 32 - end).to(tl.uint32)  # 0..31
-    tile = (kk[:, None] // 16) * row_words + (rn[None, :] // 16) * (8 * BITS)
-    o0 = tile + i0
-    o1 = tile + i1
+    mask = MASK.to(tl.uint32)
+    tile, i0, i1, shift = _where(kk, rn, row_words, BITS)  # hoisted out of the loop
     k_start = ps * k_per_split
     a_ptrs = A + rm[:, None].to(tl.int64) * s_am + (k_start + kk)[None, :]
     t_ptr = T + (k_start // 16).to(tl.int64) * row_words
@@ -94,13 +108,7 @@ def _exl3_matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, k_per_split, BLOCK_K):
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w0 = tl.load(t_ptr + o0).to(tl.uint32)
-        w1 = tl.load(t_ptr + o1).to(tl.uint32)
-        if U64:  # one funnel shift of the 64-bit pair
-            s = (((w0.to(tl.uint64) << 32) | w1.to(tl.uint64)) >> shift.to(tl.uint64)).to(tl.uint32) & 0xFFFF
-        else:
-            s = ((((w0 & 0xFFFF) << (31 - shift)) << 1) | (w1 >> shift)) & 0xFFFF
-        acc = tl.dot(a, _codebook(s, CB), acc)
+        acc = tl.dot(a, _weights(t_ptr, tile, i0, i1, shift, mask, CB), acc)
         a_ptrs += BLOCK_K
         t_ptr += (BLOCK_K // 16) * row_words
     out = C + ps.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
@@ -108,7 +116,7 @@ def _exl3_matmul_kernel(
 
 
 @triton.jit
-def _lane_block(T, t_row, pn, row_words, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
+def _lane_block(T, t_row, pn, row_words, mask, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr):  # fmt: skip
     """One BLOCK_K x BLOCK_N block of Wq in lane order (module docstring, "Lanes"), decoded from tile row
     ``t_row`` on: per lane the two words holding all eight of its states are loaded once, as one 64-bit
@@ -128,12 +136,12 @@ def _lane_block(T, t_row, pn, row_words, BITS: tl.constexpr, CB: tl.constexpr, B
     end = (8 * lane[:, :, None, None] + j + 1) * BITS
     shift = (32 * (i1[:, :, None, None] + 1) - end).to(tl.uint64)  # 0..63 - 16 for K in 1, 2, 4
     s = ((v[:, :, None, None] >> shift) & 0xFFFF).to(tl.uint32)
-    w = _codebook(s, CB)  # [d0, d2, jr, jc]
+    w = _codebook(s, mask, CB)  # [d0, d2, jr, jc]
     return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (BLOCK_K, BLOCK_N))
 
 
 @triton.jit
-def _exl3_decode_kernel(T, W, ldw, row_words, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
+def _exl3_decode_kernel(T, W, ldw, row_words, MASK, BITS: tl.constexpr, CB: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, TRANS: tl.constexpr):  # fmt: skip
     """Wq's block (program_id(0) along k, (1) along n) into W: [k, n] fp16, or [n, k] with TRANS."""
     pk = tl.program_id(0)
@@ -142,7 +150,7 @@ def _exl3_decode_kernel(T, W, ldw, row_words, BITS: tl.constexpr, CB: tl.constex
     k_of = (kap // 16) * 16 + 8 * ((kap >> 1) & 1) + 2 * ((kap >> 2) & 3) + (kap & 1)
     nu = pn * BLOCK_N + tl.arange(0, BLOCK_N)
     n_of = (nu // 16) * 16 + 8 * (nu & 1) + ((nu >> 1) & 7)
-    w = _lane_block(T, pk * (BLOCK_K // 16), pn, row_words, BITS, CB, BLOCK_N, BLOCK_K)
+    w = _lane_block(T, pk * (BLOCK_K // 16), pn, row_words, MASK.to(tl.uint32), BITS, CB, BLOCK_N, BLOCK_K)
     k = (pk * BLOCK_K + k_of).to(tl.int64)
     if TRANS:
         tl.store(W + n_of[None, :].to(tl.int64) * ldw + k[:, None], w)
@@ -174,15 +182,13 @@ def exl3_matmul(
     block_m: int | None = None,
     split_k: int | None = None,
     config: KernelConfig | None = None,
-    u64: bool = True,
 ) -> torch.Tensor:
     """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
 
     ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
     many rows decode every weight once. ``split_k``: programs per output block along k (default:
     enough to give every SM ``config.per_sm`` programs), whose float32 partials are summed in a
-    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``). ``u64``:
-    each state by one shift of its two words as a 64-bit pair (else by a funnel of 32-bit shifts)."""
+    fixed order (deterministic). ``config``: the launch shape (default: ``KernelConfig()``)."""
     if a.dtype != torch.float16 or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"a must be a 2-d fp16 matrix with contiguous rows, got {tuple(a.shape)} {a.dtype}")
     if trellis.dtype != torch.int16 or trellis.dim() != 3 or not trellis.is_contiguous():
@@ -209,7 +215,7 @@ def exl3_matmul(
     c = torch.empty((split_k, m, n), dtype=torch.float32, device=a.device)
     _exl3_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split_k)](
         a, trellis.view(torch.int32), c, m, n, kd // split_k, a.stride(0), c.stride(1), c.stride(0), tn * 8 * bits,
-        BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, U64=u64,
+        MASK, BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return c[0] if split_k == 1 else c.sum(0)
@@ -238,7 +244,7 @@ def exl3_decode(
     if kd % bk or n % bn:
         raise ValueError(f"block {block} does not divide the weight {kd} x {n}")
     _exl3_decode_kernel[(kd // bk, n // bn)](
-        trellis.view(torch.int32), out, shape[1], tn * 8 * bits,
+        trellis.view(torch.int32), out, shape[1], tn * 8 * bits, MASK,
         BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_N=bn, BLOCK_K=bk, TRANS=trans, num_warps=4,
     )  # fmt: skip
     return out
