@@ -24,8 +24,8 @@ nor a GPU):
   registers from the trellis (``kernels/exl3_gemm.py``), so only the packed bytes are read;
   ``decode`` is ``recon`` with our Triton decoder (``exl3_decode``, K in 1, 2, 4: each lane's two
   words read once for its eight weights) writing Wq.T, so the GEMM takes the weight in the same
-  orientation as the BF16 drafter's ``F.linear``; both rotate with our ``hadamard_128`` (one
-  memory-bound pass, where exllamav3's ``had_r_128`` took 17 us a call at 448 rows on the H200);
+  orientation as the BF16 drafter's ``F.linear``; both rotate with our ``hadamard_128`` (Triton), so
+  neither calls exllamav3;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
   BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
   recon, inline and decode (of fused and dense when dense weights are kept),

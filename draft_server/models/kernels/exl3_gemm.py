@@ -1,6 +1,7 @@
 """EXL3 trellis decode inside a Triton GEMM: ``C = A @ Wq`` reading only the packed trellis.
 
-Owns ``exl3_matmul`` and ``exl3_decode`` (Wq or Wq.T into a buffer, for a cuBLAS GEMM after it).
+Owns ``exl3_matmul``, ``exl3_decode`` (Wq or Wq.T into a buffer, for a cuBLAS GEMM after it) and
+``hadamard_128`` (the 128-block rotations around both, with the sign/scale vectors).
 ``exl3_matmul``: A [M, k] fp16 (the Hadamard-rotated input, ``had_r_128(x, suh)``) times the
 inner weight Wq [k, n] that the trellis [k/16, n/16, 16K] int16 encodes, into float32 C [M, n],
 with Wq decoded tile by tile in registers and never written to memory. This is the ``recon`` path
@@ -17,12 +18,13 @@ rounded once; mul1: 1024 + the byte sum of a product, times 1/147.7 plus a bias,
 
 Lanes (K in 1, 2, 4: ``LANE_BITS``): the eight states of a lane (j = 0..7) all lie in the two words
 before and at the one holding its last state's last bit, so ``_lane_block`` loads those two words once
-per lane as a 64-bit window and makes each state with one shift, instead of two gathered loads and a
-funnel of shifts per weight. It decodes in lane order: block rows kappa = 16 t + 4 ((r >> 1) & 3) +
-2 (r >> 3) + (r & 1) and columns nu = 16 t + 2 (c & 7) + (c >> 3), so that a lane's eight weights are
-one [4, 2] corner of a [BLOCK_K/4, 4, BLOCK_N/2, 2] tensor, and ``exl3_decode`` stores each weight at
-its (r, c). (The same decode inside the GEMM, A's columns gathered in kappa order, was 1.1x slower
-than the per-element decode at 7 rows and 8x at 448 on an H100: the layout conversions; removed.)
+per lane as a 64-bit window and makes each state with one shift (``exl3_matmul`` loads each state's own
+pair of words, two gathered loads per weight). It decodes in lane order: block rows kappa = 16 t +
+4 ((r >> 1) & 3) + 2 (r >> 3) + (r & 1) and columns nu = 16 t + 2 (c & 7) + (c >> 3), so that a lane's
+eight weights are one [4, 2] corner of a [BLOCK_K/4, 4, BLOCK_N/2, 2] tensor, and ``exl3_decode``
+stores each weight at its (r, c). (The same decode inside the GEMM, A's columns gathered in kappa
+order, was 1.1x slower than the per-element decode at 7 rows and 8x at 448 on an H100: the layout
+conversions; removed.)
 
 Each program owns a BLOCK_M x BLOCK_N block of C and walks its share of k, so with M <= BLOCK_M
 every weight is decoded exactly once per call; when those blocks are too few to fill the GPU, k
