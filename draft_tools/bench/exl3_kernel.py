@@ -78,6 +78,7 @@ def measure(
     """One linear (in i x out o, random trellis and signs) at ``rows`` rows: every path, then the sweep's
     launch shapes until the deadline."""
     dev = torch.device("cuda")
+    ours = Exl3Backend(fused_max_rows=0, large="inline")  # our kernels only: needs no exllamav3
     k, n = pad128(i), pad128(o)
     trellis = torch.randint(-(1 << 15), 1 << 15, (k // 16, n // 16, 16 * args.bits), dtype=torch.int16,
                             device=dev, generator=g)  # fmt: skip
@@ -98,14 +99,6 @@ def measure(
     def decode_mm() -> torch.Tensor:
         return torch.nn.functional.linear(a, exl3_decode(trellis, args.codebook, out=scratch, trans=True))
 
-    def full(path: str) -> torch.Tensor:  # our paths as the backend runs them, rotations included
-        ah = hadamard_128(a, lin.suh)
-        if path == "decode":
-            c = torch.nn.functional.linear(ah, exl3_decode(trellis, args.codebook, out=scratch, trans=True))
-        else:
-            c = exl3_matmul(ah, trellis, args.codebook)
-        return hadamard_128(c, post=lin.svh, out=c)
-
     c32 = torch.randn(rows, n, dtype=torch.float32, device=dev, generator=g)
     assert (kernel() - want).abs().max().item() <= tol
     assert (decode_mm().float() - want).abs().max().item() <= 1e-2 * want.abs().max().item()  # fp16 out
@@ -120,8 +113,8 @@ def measure(
         "decode_mm": bench(decode_mm),
         "had_in": bench(lambda: hadamard_128(a, lin.suh)),
         "had_out": bench(lambda: hadamard_128(c32, post=lin.svh, out=c32)),
-        "inline_ours": bench(lambda: full("inline")),
-        "decode_ours": bench(lambda: full("decode")),
+        "inline_ours": bench(lambda: ours._exl3(lin, x, None, "inline")),
+        "decode_ours": bench(lambda: ours._exl3(lin, x, None, "decode")),
         "default_config": KernelConfig()._asdict(),
         "kernel": {},
     }

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from draft_server.models.exl3.decode import hadamard
+
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 MASK = 0x8FFF8FFF - (1 << 32)  # 3inst / mcg's mask, as the int32 kernel argument ``_codebook`` takes
 
@@ -296,14 +298,8 @@ def _hadamard_kernel(X, Y, H, PRE, POST, R, K, s_x, s_y, HAS_PRE: tl.constexpr, 
 
 @functools.cache
 def _signs_128(device: torch.device) -> torch.Tensor:
-    """The 128x128 Sylvester Hadamard matrix unnormalised (+-1, exact in fp16)."""
-    i = torch.arange(128)
-    p = i[:, None] & i[None, :]
-    parity = torch.zeros_like(p)
-    while bool(p.any()):
-        parity ^= p & 1
-        p = p >> 1
-    return (1 - 2 * parity).to(torch.float16).to(device)
+    """``exl3.decode.hadamard``'s matrix unnormalised (+-1, exact in fp16)."""
+    return torch.sign(hadamard(torch.float64)).to(torch.float16).to(device)
 
 
 def hadamard_128(
