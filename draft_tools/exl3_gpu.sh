@@ -11,6 +11,7 @@
 #   kernel  draft_tools.bench.exl3_kernel: the Triton decode-GEMM's launch shapes vs exllamav3 and BF16, per
 #           K3 linear and row count -> $OUT/exl3_kernel.json
 #   all     golden, then smoke in the time left (does not fit 600 s when the build is not cached)
+#   module  any Python module with the extension loaded (e.g. `module draft_tools.bench.ab --base X -- ...`)
 # Extra arguments after the task go to the task's Python module (e.g. `bench --bits 4 --large recon`).
 #
 # The built extension comes back as $OUT/exl3_ext.so.z.part* (xz or gzip, 15 MB parts): put them in
@@ -88,6 +89,7 @@ case "$task" in
     bench) bench "$@" ;;
     kernel) kernel "$@" ;;
     golden+bench) golden; g=$?; bench "$@"; b=$?; exit $((g || b)) ;;
+    module) timeout "$(left)" python3 -m "$@" 2>&1 | tee "$OUT/module.log"; exit "${PIPESTATUS[0]}" ;;
     all) golden; g=$?; smoke; s=$?; exit $((g || s)) ;;
-    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|bench|kernel|golden+bench|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/exl3_gpu.sh golden|smoke|bench|kernel|golden+bench|all|module [args]" >&2; exit 2 ;;
 esac

@@ -116,8 +116,25 @@ def test_hadamard_rotation_equals_the_exact_one(dtype: torch.dtype, rows: int) -
     assert torch.equal(inplace.cpu(), y)
     bare = hadamard_128(x.to(DEV)).cpu().double()
     assert (bare - had_right(x.double())).abs().max() <= rel * 4 * x.double().abs().max()
-    with pytest.raises(ValueError, match="128"):
-        hadamard_128(x[:, :100].contiguous())
+    with pytest.raises(ValueError, match="scale vectors"):
+        hadamard_128(x.to(DEV), pre[:128].to(DEV))
+
+
+@pytest.mark.parametrize("width", [384, 300])
+def test_hadamard_reads_bf16_and_writes_the_padded_fp16_input(width: int) -> None:
+    """The EXL3 input in one pass: bf16 rows of any width, zero-extended to the 128-multiple, rotated with
+    suh and stored as fp16: the same bits as converting to fp16, padding, then rotating."""
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(9, width, generator=g) * 3).to(torch.bfloat16)
+    pre = torch.where(torch.rand(384, generator=g) < 0.5, -1.0, 1.0).half()
+    y = hadamard_128(x.to(DEV), pre.to(DEV), dtype=torch.float16).cpu()
+    assert y.shape == (9, 384) and y.dtype == torch.float16
+    padded = torch.nn.functional.pad(x.half(), (0, 384 - width))
+    assert torch.equal(y, hadamard_128(padded.to(DEV), pre.to(DEV)).cpu())
+    want = had_right(padded.double() * pre.double())
+    assert (y.double() - want).abs().max() <= 2**-11 * want.abs().max()
+    with pytest.raises(ValueError, match="out must be"):
+        hadamard_128(x.to(DEV), out=torch.empty(9, width + 1, dtype=torch.float16, device=DEV))
 
 
 def test_hadamard_over_many_column_blocks_per_program() -> None:

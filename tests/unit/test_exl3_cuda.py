@@ -232,6 +232,32 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
     )
 
 
+@pytest.mark.parametrize("large", ["inline", "decode"])
+def test_our_paths_rotate_the_callers_rows_without_an_fp16_copy(large: str) -> None:
+    """``inline`` and ``decode`` make their rotated fp16 input from the caller's rows in one kernel
+    (``hadamard_128`` converts and zero-pads): no ``_half`` copy, whatever the input's dtype, and the product
+    of ``recon`` (which rotates the fp16 copy) within fp16 roundings."""
+    halves: list[int] = []
+
+    class Counting(Exl3Backend):
+        @staticmethod
+        def _half(x2: torch.Tensor, k: int) -> torch.Tensor:
+            halves.append(x2.shape[1])
+            return Exl3Backend._half(x2, k)
+
+    g = torch.Generator().manual_seed(16)
+    t = random_linear(256, 300, 4, "3inst", seed=17)
+    lin = Exl3Linear("x", 300, 256, t["trellis"], t["suh"], t["svh"], "3inst")
+    be = Counting(fused_max_rows=0, ext=FakeExt(), large=large)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(2, 5, 300, generator=g).to(dtype)
+        y = through(be, lin, x)
+        recon = through(Exl3Backend(fused_max_rows=0, ext=FakeExt(), large="recon"), lin, x)
+        assert y.dtype == dtype and y.shape == (2, 5, 256)
+        torch.testing.assert_close(y.float(), recon.float(), rtol=0, atol=2**-7 * recon.float().abs().max().item())
+    assert halves == [] and be.calls[large] == 2
+
+
 def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing() -> None:
     """Unset ``fused_max_rows``: while ``gemm.TUNER.tuning``, each (in, out, K, codebook, rows) times the
     fused and the packed large paths once and keeps the fastest; a path that fails is left out; a

@@ -24,8 +24,10 @@ nor a GPU):
   registers from the trellis (``kernels/exl3_gemm.py``), so only the packed bytes are read;
   ``decode`` is ``recon`` with our Triton decoder (``exl3_decode``, K in 1, 2, 4: each lane's two
   words read once for its eight weights) writing Wq.T, so the GEMM takes the weight in the same
-  orientation as the BF16 drafter's ``F.linear``; both rotate with our ``hadamard_128`` (Triton), so
-  neither calls exllamav3;
+  orientation as the BF16 drafter's ``F.linear``, in the form ``gemm.TUNER`` times fastest for its shape
+  and rows (as the BF16 drafter's GEMMs: e.g. rows padded to 512); both rotate with our ``hadamard_128``
+  (Triton), which reads the caller's rows as they are (bf16) and writes the padded fp16 input in one
+  pass, so neither makes an fp16 copy first nor calls exllamav3;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
   BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
   recon, inline and decode (of fused and dense when dense weights are kept),
@@ -236,14 +238,14 @@ class Exl3Backend:
 
     def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
         rows = x2.shape[0]
-        a: torch.Tensor | None = None  # x2 as fp16 padded to the 128-multiple: made once for every part
+        a: torch.Tensor | None = None  # x2 as fp16 padded to the 128-multiple (fused, recon): made once for all
         outs = []
         for p in parts:
             if isinstance(p, DenseLinear):
                 outs.append(p.forward(x2))
                 continue
             path = self.path(p, rows, x2.dtype)
-            if path != "dense" and a is None:
+            if path in ("fused", "recon") and a is None:
                 a = self._half(x2, pad128(p.in_features))
             outs.append(self._exl3(p, x2, a, path))
         return outs
@@ -254,15 +256,17 @@ class Exl3Backend:
         return F.pad(a, (0, k - x2.shape[1])) if k != x2.shape[1] else a.contiguous()
 
     def _exl3(self, lin: Exl3Linear, x2: torch.Tensor, a: torch.Tensor | None, path: str) -> torch.Tensor:
-        """lin's product [rows, out] by ``path``: float32 (exllamav3) or x2's dtype (dense), bias added."""
+        """lin's product [rows, out] by ``path``: float32 or fp16 (exllamav3's and our paths) or x2's dtype
+        (dense), bias added. ``a``: x2 as padded fp16 where the caller made it (fused and recon read it)."""
         self.calls[path] += 1
         if path == "dense":
             return F.linear(x2, lin.weight(x2.dtype, x2.device), lin.bias_as(x2))
-        assert self.ext is not None
         k, n = pad128(lin.in_features), pad128(lin.out_features)
-        if a is None:
-            a = self._half(x2, k)
         mcg, mul1 = lin.codebook == "mcg", lin.codebook == "mul1"
+        if path in ("fused", "recon"):
+            assert self.ext is not None
+            if a is None:
+                a = self._half(x2, k)
         if path == "fused":
             c = torch.empty((a.shape[0], n), dtype=torch.float32, device=a.device)
             self.ext.exl3_gemm(a, lin.trellis, c, lin.suh, torch.empty_like(a), lin.svh, -1, mcg, mul1, 0)
@@ -273,11 +277,11 @@ class Exl3Backend:
             self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
             c = torch.mm(ah, w)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
-        else:  # the same with our kernels: the rotations, and the decode inside the GEMM or into the scratch
-            ah = hadamard_128(a, lin.suh)
-            if path == "decode":
-                w = self.scratch(k * n, a.device)[: k * n].view(n, k)
-                c = F.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
+        else:  # our kernels: x2 converted, padded and rotated in one pass; the decode in the GEMM or the scratch
+            ah = hadamard_128(x2, lin.suh, dtype=torch.float16)
+            if path == "decode":  # the GEMM in its tuned form for this shape (gemm.linear), as BF16's
+                w = self.scratch(k * n, x2.device)[: k * n].view(n, k)
+                c = gemm.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
             else:
                 c = exl3_matmul(ah, lin.trellis, lin.codebook)
             hadamard_128(c, post=lin.svh, out=c)

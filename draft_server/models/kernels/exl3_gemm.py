@@ -272,11 +272,11 @@ def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) ->
 
 
 @triton.jit
-def _hadamard_kernel(X, Y, H, PRE, POST, R, K, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
+def _hadamard_kernel(X, Y, H, PRE, POST, R, K_IN, K, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """BLOCK_R rows x BLOCKS 128-column blocks: y = H128(x * pre) * post, in float32 through two fp16 products
     with the +-1 matrix (loaded once per program: x's fp16 head and its remainder), so an fp32 input
-    keeps about 22 bits."""
+    keeps about 22 bits. x's columns from K_IN to K read as zeros (exllamav3's padding)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, 128)
     h = tl.load(H + i[:, None] * 128 + i[None, :])
@@ -285,7 +285,7 @@ def _hadamard_kernel(X, Y, H, PRE, POST, R, K, s_x, s_y, HAS_PRE: tl.constexpr, 
     for b in range(BLOCKS):
         cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
         mask = (rows[:, None] < R) & (cols[None, :] < K)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + cols[None, :], mask=mask & (cols[None, :] < K_IN), other=0.0).to(tl.float32)
         if HAS_PRE:
             x = x * tl.load(PRE + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
         head = x.to(tl.float16)
@@ -303,25 +303,35 @@ def _signs_128(device: torch.device) -> torch.Tensor:
 
 
 def hadamard_128(
-    x: torch.Tensor, pre: torch.Tensor | None = None, post: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    pre: torch.Tensor | None = None,
+    post: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out = H128(x * pre) * post`` over each row's 128-column blocks (H orthonormal, exllamav3's
-    ``had_r_128`` with scale 1); x fp16 or fp32 [R, k], k a multiple of 128; ``out`` may be x."""
-    if x.dim() != 2 or x.shape[1] % 128 or x.stride(1) != 1 or x.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"x must be fp16 or fp32 [R, 128 m] with contiguous rows, got {tuple(x.shape)} {x.dtype}")
-    r, k = x.shape
-    out = torch.empty_like(x) if out is None else out
-    if out.shape != x.shape or out.stride(1) != 1:
-        raise ValueError(f"out must be shaped like x {tuple(x.shape)} with contiguous rows")
+    ``had_r_128`` with scale 1). x fp16, bf16 or fp32 [R, w] with contiguous rows; ``out`` [R, k] with k
+    the 128-multiple >= w (x zero-extended, as exllamav3 pads), of ``dtype`` (default x's) or ``out``'s;
+    ``out`` may be x. So ``hadamard_128(x_bf16, suh, dtype=torch.float16)`` is the rotated fp16 input of
+    an EXL3 GEMM in one pass, the conversion and padding included."""
+    dts = (torch.float16, torch.bfloat16, torch.float32)
+    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1) or x.dtype not in dts:
+        raise ValueError(f"x must be a fp16, bf16 or fp32 matrix with contiguous rows, got {tuple(x.shape)} {x.dtype}")
+    r, w = x.shape
+    k = -(-w // 128) * 128
+    if out is None:
+        out = torch.empty((r, k), dtype=dtype or x.dtype, device=x.device)
+    if out.shape != (r, k) or out.stride(1) != 1 or out.dtype not in dts or (dtype and out.dtype != dtype):
+        raise ValueError(f"out must be a {dtype or 'float'} ({r}, {k}) with contiguous rows, got {tuple(out.shape)}")
     for v in (pre, post):
         if v is not None and v.shape != (k,):
             raise ValueError(f"scale vectors must have {k} values, got {tuple(v.shape)}")
-    if r == 0:
+    if r == 0 or k == 0:
         return out
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     blocks = 4 if k >= 4 * 128 * 32 else 1  # several column blocks a program where there are plenty
     _hadamard_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
-        x, out, _signs_128(x.device), pre if pre is not None else x, post if post is not None else x, r, k,
+        x, out, _signs_128(x.device), pre if pre is not None else out, post if post is not None else out, r, w, k,
         x.stride(0), out.stride(0), HAS_PRE=pre is not None, HAS_POST=post is not None, BLOCK_R=block_r,
         BLOCKS=blocks, num_warps=4,
     )  # fmt: skip
