@@ -278,7 +278,7 @@ class Exl3Backend:
             c = torch.mm(ah, w)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
         else:  # our kernels: x2 converted, padded and rotated in one pass; the decode in the GEMM or the scratch
-            ah = hadamard_128(x2, lin.suh, dtype=torch.float16)
+            ah = hadamard_128(x2 if x2.stride(-1) == 1 else x2.contiguous(), lin.suh, dtype=torch.float16)
             if path == "decode":  # the GEMM in its tuned form for this shape (gemm.linear), as BF16's
                 w = self.scratch(k * n, x2.device)[: k * n].view(n, k)
                 c = gemm.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
