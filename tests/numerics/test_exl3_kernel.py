@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from draft_server.models.exl3.decode import CODEBOOKS, decode_inner, had_right
-from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128, hadamard_swiglu
+from draft_server.models.kernels.fused import silu_mul_parts
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "exl3"
 GOLDENS = sorted(FIXTURES.glob("gpu_*.safetensors"))
@@ -135,6 +137,46 @@ def test_hadamard_reads_bf16_and_writes_the_padded_fp16_input(width: int) -> Non
     assert (y.double() - want).abs().max() <= 2**-11 * want.abs().max()
     with pytest.raises(ValueError, match="out must be"):
         hadamard_128(x.to(DEV), out=torch.empty(9, width + 1, dtype=torch.float16, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_output_rotation_with_the_residual_add_rounds_once(dtype: torch.dtype) -> None:
+    """``add``: h + H128(c) * post in float32, rounded once into h's dtype: the same bits as the fp32 rotation
+    added to h in float32 and rounded; within bf16's rounding of the float64 sum."""
+    g = torch.Generator().manual_seed(5)
+    c = (torch.randn(11, 256, generator=g) * 4).to(dtype)
+    h = torch.randn(11, 256, generator=g).to(torch.bfloat16)
+    post = (torch.rand(256, generator=g) + 0.5).half()
+    y = hadamard_128(c.to(DEV), post=post.to(DEV), add=h.to(DEV), dtype=torch.bfloat16).cpu()
+    rotated = hadamard_128(c.float().to(DEV), post=post.to(DEV)).cpu()
+    total = rotated + h.float()  # float32, as the kernel sums before its one rounding
+    assert y.dtype == torch.bfloat16
+    if DEV == "cuda":
+        assert torch.equal(y, total.to(torch.bfloat16))
+    else:  # the interpreter's cast to bf16 truncates: one bf16 step of the float32 sum, toward zero
+        assert ((y.float() - total).abs() <= total.abs() * 2**-7).all() and (y.float().abs() <= total.abs()).all()
+    want = had_right(c.double()) * post.double() + h.double()
+    assert (y.double() - want).abs().max() <= 2**-7 * want.abs().max()
+    with pytest.raises(ValueError, match="add must be"):
+        hadamard_128(c.to(DEV), add=h[:, :128].contiguous().to(DEV))
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_rotated_swiglu_equals_rotating_then_the_activation(rows: int) -> None:
+    """``hadamard_swiglu``: both output rotations and silu(gate) * up in one pass, bit for bit what rotating
+    each product (float32) and then ``silu_mul_parts`` give (each rounded to bf16 first)."""
+    g = torch.Generator().manual_seed(rows)
+    gate, up = ((torch.randn(rows, 384, generator=g) * 3).to(DEV) for _ in range(2))
+    pg, pu = ((torch.rand(384, generator=g) + 0.5).half().to(DEV) for _ in range(2))
+    y = hadamard_swiglu(gate, up, pg, pu, torch.bfloat16).cpu()
+    want = silu_mul_parts(hadamard_128(gate, post=pg), hadamard_128(up, post=pu), torch.bfloat16).cpu()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    exact = (
+        F.silu(had_right(gate.cpu().double()) * pg.cpu().double()) * had_right(up.cpu().double()) * pu.cpu().double()
+    )
+    assert (y.double() - exact).abs().max() <= 2**-5 * exact.abs().max()  # three bf16 roundings
+    with pytest.raises(ValueError, match="gate and up"):
+        hadamard_swiglu(gate, up[:, :256].contiguous(), pg, pu, torch.bfloat16)
 
 
 def test_hadamard_over_many_column_blocks_per_program() -> None:

@@ -258,6 +258,46 @@ def test_our_paths_rotate_the_callers_rows_without_an_fp16_copy(large: str) -> N
     assert halves == [] and be.calls[large] == 2
 
 
+@pytest.mark.parametrize("large", ["inline", "decode", "recon"])
+def test_mlp_output_rotations_fuse_into_the_activation_and_the_residual_add(large: str) -> None:
+    """On our paths the gate and up products' output rotations and the SwiGLU activation are one kernel, and
+    down's rotation and the residual add another (``hadamard_swiglu``, ``hadamard_128(add=)``); ``recon``
+    (exllamav3's kernels) keeps the separate ops. Either way the MLP equals the dense one within fp16
+    kernel tolerances, in the residual's dtype, and each linear is one call of its path."""
+    from draft_server.models.exl3 import linear as ex
+
+    g = torch.Generator().manual_seed(18)
+    parts = []
+    for i, (n, k) in enumerate(((256, 128), (256, 128), (128, 256))):  # gate, up, down
+        t = random_linear(n, k, 4, "3inst", seed=30 + i)
+        parts.append(Exl3Linear(f"p{i}", k, n, t["trellis"], t["suh"], t["svh"], "3inst"))
+    gate_up, down = FusedLinear("gate_up", parts[:2]), parts[2]
+    fused_calls: list[str] = []
+
+    class Watching(Exl3Backend):
+        def _exl3(self, lin, x2, a, path):  # the unfused way: a product with its own output rotation
+            fused_calls.append(lin.key)
+            return super()._exl3(lin, x2, a, path)
+
+    be = Watching(fused_max_rows=0, ext=FakeExt(), large=large)
+    x = torch.randn(2, 3, 128, generator=g).to(torch.bfloat16)
+    h = torch.randn(2, 3, 128, generator=g).to(torch.bfloat16)
+    prev = set_backend(be)
+    try:
+        y = ex.swiglu_add(h, x, gate_up, down)
+    finally:
+        set_backend(prev)
+    prev = set_backend(DequantBackend())
+    try:
+        ref = ex.swiglu_add(h.float(), x.float(), gate_up, down)
+    finally:
+        set_backend(prev)
+    assert y.shape == h.shape and y.dtype == torch.bfloat16
+    assert (y.double() - ref.double()).abs().max() <= 2e-2 * ref.abs().max()
+    assert be.calls[large] == 3 and sum(be.calls.values()) == 3
+    assert fused_calls == ([] if large != "recon" else ["p0", "p1", "p2"])
+
+
 def test_tuned_paths_time_both_once_per_shape_and_rows_and_never_while_capturing() -> None:
     """Unset ``fused_max_rows``: while ``gemm.TUNER.tuning``, each (in, out, K, codebook, rows) times the
     fused and the packed large paths once and keeps the fastest; a path that fails is left out; a

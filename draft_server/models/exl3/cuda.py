@@ -57,8 +57,9 @@ import torch
 import torch.nn.functional as F
 
 from draft_server.models import gemm
-from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, pad128
-from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128
+from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, add_rounded, pad128
+from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128, hadamard_swiglu
+from draft_server.models.layers import ops
 
 EXT = "exllamav3_ext"
 FUSED_MAX_ROWS = 16  # rows up to which exl3_gemm is used (H200: equal to BF16 at 1-8 rows, 1.5x at 28)
@@ -277,16 +278,53 @@ class Exl3Backend:
             self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
             c = torch.mm(ah, w)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
-        else:  # our kernels: x2 converted, padded and rotated in one pass; the decode in the GEMM or the scratch
-            ah = hadamard_128(x2 if x2.stride(-1) == 1 else x2.contiguous(), lin.suh, dtype=torch.float16)
-            if path == "decode":  # the GEMM in its tuned form for this shape (gemm.linear), as BF16's
-                w = self.scratch(k * n, x2.device)[: k * n].view(n, k)
-                c = gemm.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
-            else:
-                c = exl3_matmul(ah, lin.trellis, lin.codebook)
+        else:  # our kernels, then the output rotation in place
+            c = self._ours(lin, x2, path)
             hadamard_128(c, post=lin.svh, out=c)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         return y if lin.bias is None else y + lin.bias
+
+    def _ours(self, lin: Exl3Linear, x2: torch.Tensor, path: str) -> torch.Tensor:
+        """``inline`` / ``decode``'s product before its output rotation, [rows, pad128(out)]: x2 converted,
+        padded and rotated in one pass, then the decode inside the GEMM or into the scratch."""
+        k, n = pad128(lin.in_features), pad128(lin.out_features)
+        ah = hadamard_128(x2 if x2.stride(-1) == 1 else x2.contiguous(), lin.suh, dtype=torch.float16)
+        if path == "decode":  # the GEMM in its tuned form for this shape (gemm.linear), as BF16's
+            w = self.scratch(k * n, x2.device)[: k * n].view(n, k)
+            return gemm.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
+        return exl3_matmul(ah, lin.trellis, lin.codebook)
+
+    def _rotates_out(self, lin: Exl3Linear | DenseLinear, rows: int, dtype: torch.dtype) -> str | None:
+        """lin's path where its output rotation can be fused into what follows (our paths, no bias, no
+        padded output columns), else None."""
+        if not isinstance(lin, Exl3Linear) or lin.bias is not None or pad128(lin.out_features) != lin.out_features:
+            return None
+        path = self.path(lin, rows, dtype)
+        return path if path in ("inline", "decode") else None
+
+    def product_add(self, lin: Exl3Linear | DenseLinear, x2: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+        """h2 + lin's product in h2's dtype; on our paths the output rotation and the add are one kernel."""
+        path = self._rotates_out(lin, x2.shape[0], x2.dtype)
+        if path is None or h2.stride(-1) != 1:
+            return add_rounded(h2, self.outputs([lin], x2)[0])
+        assert isinstance(lin, Exl3Linear)
+        self.calls[path] += 1
+        return hadamard_128(self._ours(lin, x2, path), post=lin.svh, add=h2, dtype=h2.dtype)
+
+    def swiglu(
+        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """silu(gate) * up in ``dtype``; where both take our paths, their output rotations and the activation
+        are one kernel."""
+        rows = x2.shape[0]
+        pg, pu = self._rotates_out(gate, rows, x2.dtype), self._rotates_out(up, rows, x2.dtype)
+        if pg is None or pu is None or gate.out_features != up.out_features:
+            return ops.swiglu_parts(*self.outputs([gate, up], x2), dtype)
+        assert isinstance(gate, Exl3Linear) and isinstance(up, Exl3Linear)
+        self.calls[pg] += 1
+        cg = self._ours(gate, x2, pg)
+        self.calls[pu] += 1
+        return hadamard_swiglu(cg, self._ours(up, x2, pu), gate.svh, up.svh, dtype)
 
     def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """The recon path's fp16 weight buffer, grown to the largest linear seen (before any graph capture:

@@ -52,12 +52,37 @@ class Exl3Backend(Protocol):
         one input conversion serves every part)."""
         ...
 
+    def product_add(self, lin: Exl3Linear | DenseLinear, x2: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+        """h2 + lin's product with x2, a new tensor in h2's dtype, rounded once (the residual add)."""
+        ...
+
+    def swiglu(
+        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """silu(gate's product) * up's product in ``dtype``, each product rounded to it first."""
+        ...
+
+
+def add_rounded(h2: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """h2 + y into a new tensor of h2's dtype: the rounding of y (any float dtype) and the add in one op."""
+    out = torch.empty(h2.shape, dtype=h2.dtype, device=h2.device)
+    torch.add(h2, y, out=out)
+    return out
+
 
 class DequantBackend:
     """Decode once into x's dtype and device, cache the dense weight, run ``F.linear``."""
 
     def outputs(self, parts: Sequence[Exl3Linear | DenseLinear], x2: torch.Tensor) -> list[torch.Tensor]:
         return [p.dense_forward(x2) for p in parts]
+
+    def product_add(self, lin: Exl3Linear | DenseLinear, x2: torch.Tensor, h2: torch.Tensor) -> torch.Tensor:
+        return add_rounded(h2, lin.dense_forward(x2))
+
+    def swiglu(
+        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return ops.swiglu_parts(gate.dense_forward(x2), up.dense_forward(x2), dtype)
 
 
 _backend: Exl3Backend = DequantBackend()
@@ -224,14 +249,6 @@ def _finish(y: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
     return y.to(x.dtype).contiguous().view(*x.shape[:-1], width)
 
 
-def _product(w: Linear, x: torch.Tensor) -> torch.Tensor:
-    """The raw [rows, out] product of a packed module (any float dtype)."""
-    x2 = _rows(x, w.in_features)
-    if isinstance(w, Exl3Linear | DenseLinear):
-        return _backend.outputs([w], x2)[0]
-    return w.forward(x2)
-
-
 def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
@@ -240,13 +257,14 @@ def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = N
 
 
 def linear_add(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor | Linear) -> torch.Tensor:
-    """h + x @ W.T: for a packed module, the product's rounding into h's dtype and the add are one op."""
+    """h + x @ W.T: for a packed module, the product's rounding into h's dtype and the add are one op (the
+    backend's ``product_add``: on CUDA, with the output rotation too)."""
     if isinstance(w, torch.Tensor):
         return ops.linear_add(h, x, w)
-    y = _product(w, x)
-    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-    torch.add(h.reshape(y.shape), y, out=out.view(y.shape))
-    return out
+    h2 = h.reshape(-1, w.out_features)
+    if isinstance(w, Exl3Linear | DenseLinear):
+        return _backend.product_add(w, _rows(x, w.in_features), h2).view(h.shape)
+    return add_rounded(h2, w.forward(_rows(x, w.in_features))).view(h.shape)
 
 
 def norm_linear(
@@ -277,8 +295,8 @@ def swiglu_add(
         and len(gate_up.parts) == 2
         and gate_up.parts[0].out_features * 2 == (gate_up.out_features)
     ):
-        g, u = _backend.outputs(gate_up.parts, _rows(x, gate_up.in_features))
-        act = ops.swiglu_parts(g, u, x.dtype).view(*x.shape[:-1], g.shape[-1])
+        gate, up = gate_up.parts
+        act = _backend.swiglu(gate, up, _rows(x, gate_up.in_features), x.dtype).view(*x.shape[:-1], gate.out_features)
     else:
         act = ops.swiglu(linear(x, gate_up))
     return linear_add(h, act, down)

@@ -1,7 +1,9 @@
 """EXL3 trellis decode inside a Triton GEMM: ``C = A @ Wq`` reading only the packed trellis.
 
-Owns ``exl3_matmul``, ``exl3_decode`` (Wq or Wq.T into a buffer, for a cuBLAS GEMM after it) and
-``hadamard_128`` (the 128-block rotations around both, with the sign/scale vectors).
+Owns ``exl3_matmul``, ``exl3_decode`` (Wq or Wq.T into a buffer, for a cuBLAS GEMM after it),
+``hadamard_128`` (the 128-block rotations around both, with the sign/scale vectors, the input's
+conversion and padding, and the residual add) and ``hadamard_swiglu`` (two outputs' rotations and the
+SwiGLU activation in one pass).
 ``exl3_matmul``: A [M, k] fp16 (the Hadamard-rotated input, ``had_r_128(x, suh)``) times the
 inner weight Wq [k, n] that the trellis [k/16, n/16, 16K] int16 encodes, into float32 C [M, n],
 with Wq decoded tile by tile in registers and never written to memory. This is the ``recon`` path
@@ -272,11 +274,25 @@ def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) ->
 
 
 @triton.jit
-def _hadamard_kernel(X, Y, H, PRE, POST, R, K_IN, K, s_x, s_y, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
-    """BLOCK_R rows x BLOCKS 128-column blocks: y = H128(x * pre) * post, in float32 through two fp16 products
-    with the +-1 matrix (loaded once per program: x's fp16 head and its remainder), so an fp32 input
-    keeps about 22 bits. x's columns from K_IN to K read as zeros (exllamav3's padding)."""
+def _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr):
+    """One BLOCK_R x 128 block: H128(x * pre) * post in float32 through two fp16 products with the +-1 matrix
+    h (x's fp16 head and its remainder), so an fp32 input keeps about 22 bits. x's columns from K_IN to K
+    read as zeros (exllamav3's padding)."""
+    x = tl.load(x_rows + cols[None, :], mask=mask & (cols[None, :] < K_IN), other=0.0).to(tl.float32)
+    if HAS_PRE:
+        x = x * tl.load(PRE + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+    head = x.to(tl.float16)
+    rest = (x - head.to(tl.float32)).to(tl.float16)
+    y = (tl.dot(head, h) + tl.dot(rest, h)) * 0.08838834764831845  # 1 / sqrt(128)
+    if HAS_POST:
+        y = y * tl.load(POST + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _hadamard_kernel(X, Y, H, PRE, POST, ADD, R, K_IN, K, s_x, s_y, s_a, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
+                     HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+    """BLOCK_R rows x BLOCKS 128-column blocks of y = H128(x * pre) * post (+ add), rounded once into Y."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, 128)
     h = tl.load(H + i[:, None] * 128 + i[None, :])
@@ -285,15 +301,29 @@ def _hadamard_kernel(X, Y, H, PRE, POST, R, K_IN, K, s_x, s_y, HAS_PRE: tl.const
     for b in range(BLOCKS):
         cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
         mask = (rows[:, None] < R) & (cols[None, :] < K)
-        x = tl.load(x_rows + cols[None, :], mask=mask & (cols[None, :] < K_IN), other=0.0).to(tl.float32)
-        if HAS_PRE:
-            x = x * tl.load(PRE + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
-        head = x.to(tl.float16)
-        rest = (x - head.to(tl.float32)).to(tl.float16)
-        y = (tl.dot(head, h) + tl.dot(rest, h)) * 0.08838834764831845  # 1 / sqrt(128)
-        if HAS_POST:
-            y = y * tl.load(POST + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        y = _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, HAS_PRE, HAS_POST)
+        if HAS_ADD:
+            y += tl.load(ADD + rows[:, None].to(tl.int64) * s_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _hadamard_swiglu_kernel(G, U, Y, H, PG, PU, R, K, s_g, s_u, s_y, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
+    """silu(H128(g) * pg) * (H128(u) * pu), each rotated product rounded to Y's dtype first (as
+    ``kernels.fused.silu_mul_parts`` rounds its inputs), the activation too, the product once."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.arange(0, 128)
+    h = tl.load(H + i[:, None] * 128 + i[None, :])
+    g_rows = G + rows[:, None].to(tl.int64) * s_g
+    u_rows = U + rows[:, None].to(tl.int64) * s_u
+    y_rows = Y + rows[:, None].to(tl.int64) * s_y
+    for b in range(BLOCKS):
+        cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
+        mask = (rows[:, None] < R) & (cols[None, :] < K)
+        g = _rotate(g_rows, cols, mask, h, PG, PG, K, K, False, True).to(Y.dtype.element_ty).to(tl.float32)
+        u = _rotate(u_rows, cols, mask, h, PU, PU, K, K, False, True).to(Y.dtype.element_ty).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        tl.store(y_rows + cols[None, :], (act * u).to(Y.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -308,12 +338,15 @@ def hadamard_128(
     post: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out = H128(x * pre) * post`` over each row's 128-column blocks (H orthonormal, exllamav3's
-    ``had_r_128`` with scale 1). x fp16, bf16 or fp32 [R, w] with contiguous rows; ``out`` [R, k] with k
-    the 128-multiple >= w (x zero-extended, as exllamav3 pads), of ``dtype`` (default x's) or ``out``'s;
-    ``out`` may be x. So ``hadamard_128(x_bf16, suh, dtype=torch.float16)`` is the rotated fp16 input of
-    an EXL3 GEMM in one pass, the conversion and padding included."""
+    """``out = H128(x * pre) * post (+ add)`` over each row's 128-column blocks (H orthonormal, exllamav3's
+    ``had_r_128`` with scale 1), computed in float32 and rounded once. x fp16, bf16 or fp32 [R, w] with
+    contiguous rows; ``out`` [R, k] with k the 128-multiple >= w (x zero-extended, as exllamav3 pads), of
+    ``dtype`` (default x's) or ``out``'s; ``out`` may be x; ``add`` [R, k] (a residual). So
+    ``hadamard_128(x_bf16, suh, dtype=torch.float16)`` is the rotated fp16 input of an EXL3 GEMM in one
+    pass, the conversion and padding included, and ``hadamard_128(c, post=svh, add=h, dtype=h.dtype)`` its
+    output rotated and added to the residual stream in one."""
     dts = (torch.float16, torch.bfloat16, torch.float32)
     if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1) or x.dtype not in dts:
         raise ValueError(f"x must be a fp16, bf16 or fp32 matrix with contiguous rows, got {tuple(x.shape)} {x.dtype}")
@@ -326,13 +359,41 @@ def hadamard_128(
     for v in (pre, post):
         if v is not None and v.shape != (k,):
             raise ValueError(f"scale vectors must have {k} values, got {tuple(v.shape)}")
+    if add is not None and (add.shape != (r, k) or add.stride(1) != 1):
+        raise ValueError(f"add must be ({r}, {k}) with contiguous rows, got {tuple(add.shape)}")
     if r == 0 or k == 0:
         return out
-    block_r = max(16, min(64, triton.next_power_of_2(r)))
-    blocks = 4 if k >= 4 * 128 * 32 else 1  # several column blocks a program where there are plenty
+    block_r, blocks = _hadamard_grid(r, k)
     _hadamard_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
-        x, out, _signs_128(x.device), pre if pre is not None else out, post if post is not None else out, r, w, k,
-        x.stride(0), out.stride(0), HAS_PRE=pre is not None, HAS_POST=post is not None, BLOCK_R=block_r,
+        x, out, _signs_128(x.device), pre if pre is not None else out, post if post is not None else out,
+        add if add is not None else out, r, w, k, x.stride(0), out.stride(0), add.stride(0) if add is not None else 0,
+        HAS_PRE=pre is not None, HAS_POST=post is not None, HAS_ADD=add is not None, BLOCK_R=block_r,
         BLOCKS=blocks, num_warps=4,
     )  # fmt: skip
+    return out
+
+
+def _hadamard_grid(r: int, k: int) -> tuple[int, int]:
+    """Rows a program (16-64) and 128-column blocks a program (several where there are plenty)."""
+    return max(16, min(64, triton.next_power_of_2(r))), 4 if k >= 4 * 128 * 32 else 1
+
+
+def hadamard_swiglu(
+    g: torch.Tensor, u: torch.Tensor, post_g: torch.Tensor, post_u: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """silu(H128(g) * post_g) * (H128(u) * post_u) in ``dtype``: two EXL3 products' output rotations and the
+    SwiGLU activation in one pass (each rotated product and the activation rounded to ``dtype`` first, as
+    ``hadamard_128`` then ``kernels.fused.silu_mul_parts`` round them). g, u [R, k] (k a 128-multiple)."""
+    if g.shape != u.shape or g.dim() != 2 or g.shape[1] % 128 or g.stride(1) != 1 or u.stride(1) != 1:
+        raise ValueError(f"gate and up must be [R, 128 m] with contiguous rows, got {tuple(g.shape)}, {tuple(u.shape)}")
+    r, k = g.shape
+    if post_g.shape != (k,) or post_u.shape != (k,):
+        raise ValueError(f"scale vectors must have {k} values")
+    out = torch.empty((r, k), dtype=dtype, device=g.device)
+    if r:
+        block_r, blocks = _hadamard_grid(r, k)
+        _hadamard_swiglu_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
+            g, u, out, _signs_128(g.device), post_g, post_u, r, k, g.stride(0), u.stride(0), out.stride(0),
+            BLOCK_R=block_r, BLOCKS=blocks, num_warps=4,
+        )  # fmt: skip
     return out
