@@ -184,6 +184,15 @@ def test_decode_writes_the_transposed_weight_into_the_shared_scratch_and_equals_
     assert ext.recon[0] == next(iter(be._scratch.values())).data_ptr()
 
 
+def mlp(codebook: str, seed: int) -> tuple[list[Exl3Linear], FusedLinear, Exl3Linear]:
+    """Random 4-bit gate, up (in 128, out 256) and down (in 256, out 128): the parts, gate | up, down."""
+    parts = []
+    for i, (n, k) in enumerate(((256, 128), (256, 128), (128, 256))):
+        t = random_linear(n, k, 4, codebook, seed=seed + i)
+        parts.append(Exl3Linear(f"p{i}", k, n, t["trellis"], t["suh"], t["svh"], codebook))
+    return parts, FusedLinear("gate_up", parts[:2]), parts[2]
+
+
 def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
     """A two-part ``FusedLinear`` (gate | up): both kernels read one fp16 copy of the input; the gate/up
     activation and the residual add take the float32 products straight (no bf16 copy, no concatenation
@@ -191,11 +200,7 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
     from draft_server.models.exl3 import linear as ex
 
     g = torch.Generator().manual_seed(11)
-    parts = []
-    for i, (n, k) in enumerate(((256, 128), (256, 128), (128, 256))):  # gate, up, down
-        t = random_linear(n, k, 4, "mul1", seed=20 + i)
-        parts.append(Exl3Linear(f"p{i}", k, n, t["trellis"], t["suh"], t["svh"], "mul1"))
-    gate_up, down = FusedLinear("gate_up", parts[:2]), parts[2]
+    parts, gate_up, down = mlp("mul1", seed=20)
     seen: list[int] = []
 
     class Recording(FakeExt):
@@ -267,11 +272,7 @@ def test_mlp_output_rotations_fuse_into_the_activation_and_the_residual_add(larg
     from draft_server.models.exl3 import linear as ex
 
     g = torch.Generator().manual_seed(18)
-    parts = []
-    for i, (n, k) in enumerate(((256, 128), (256, 128), (128, 256))):  # gate, up, down
-        t = random_linear(n, k, 4, "3inst", seed=30 + i)
-        parts.append(Exl3Linear(f"p{i}", k, n, t["trellis"], t["suh"], t["svh"], "3inst"))
-    gate_up, down = FusedLinear("gate_up", parts[:2]), parts[2]
+    parts, gate_up, down = mlp("3inst", seed=30)
     fused_calls: list[str] = []
 
     class Watching(Exl3Backend):
