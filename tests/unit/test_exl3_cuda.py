@@ -272,7 +272,7 @@ def test_mlp_output_rotations_fuse_into_the_activation_and_the_residual_add(larg
     from draft_server.models.exl3 import linear as ex
 
     g = torch.Generator().manual_seed(18)
-    parts, gate_up, down = mlp("3inst", seed=30)
+    _, gate_up, down = mlp("3inst", seed=30)
     fused_calls: list[str] = []
 
     class Watching(Exl3Backend):
