@@ -157,7 +157,7 @@ def k3(dev: torch.device, args: argparse.Namespace, res: dict[str, Any], save: A
             "prepare": prep,
             "run_s": round(time.perf_counter() - t0, 1),
             "steps": steps,
-            "profile": {f"B{n}": draft_profile(d, n) for n in (1, 64)},
+            "profile": {f"B{n}": draft_profile(d, n) for n in (1, 16, 64)},
             "gpu_mem_gib": round(torch.cuda.memory_allocated() / 2**30, 2),
         }
         log(
