@@ -179,6 +179,29 @@ def test_rotated_swiglu_equals_rotating_then_the_activation(rows: int) -> None:
         hadamard_swiglu(gate, up[:, :256].contiguous(), pg, pu, torch.bfloat16)
 
 
+def test_rotations_sum_k_split_partials_in_order() -> None:
+    """[S, R, w] partials (``exl3_matmul(partials=True)``): the rotations read their in-order float32 sum, so
+    they give the bits of rotating that sum (no reduction kernel); gate and up may have different S."""
+    g = torch.Generator().manual_seed(6)
+    parts = (torch.randn(3, 5, 256, generator=g) * 2).to(DEV)
+    total = parts[0] + parts[1] + parts[2]
+    post = (torch.rand(256, generator=g) + 0.5).half().to(DEV)
+    assert torch.equal(hadamard_128(parts, post=post), hadamard_128(total, post=post))
+    h = torch.randn(5, 256, generator=g).to(torch.bfloat16).to(DEV)
+    assert torch.equal(hadamard_128(parts, post=post, add=h, dtype=torch.bfloat16),
+                       hadamard_128(total, post=post, add=h, dtype=torch.bfloat16))  # fmt: skip
+    up = (torch.randn(2, 5, 256, generator=g) * 2).to(DEV)
+    assert torch.equal(hadamard_swiglu(parts, up, post, post, torch.bfloat16),
+                       hadamard_swiglu(total, up[0] + up[1], post, post, torch.bfloat16))  # fmt: skip
+    a = torch.randn(5, 256, generator=g).half().to(DEV)
+    trellis = torch.randint(-(1 << 15), 1 << 15, (16, 16, 64), dtype=torch.int16, generator=g).to(DEV)
+    split = exl3_matmul(a, trellis, "3inst", split_k=2, partials=True)
+    assert split.shape == (2, 5, 256)
+    assert torch.equal(hadamard_128(split), hadamard_128(split[0] + split[1]))
+    with pytest.raises(ValueError, match="gate and up"):
+        hadamard_swiglu(parts, up[:, :4], post, post, torch.bfloat16)
+
+
 def test_hadamard_over_many_column_blocks_per_program() -> None:
     """Wide rows (k >= 16384) take four 128-column blocks a program; a last program with fewer is masked."""
     g = torch.Generator().manual_seed(3)

@@ -263,13 +263,19 @@ def test_our_paths_rotate_the_callers_rows_without_an_fp16_copy(large: str) -> N
     assert halves == [] and be.calls[large] == 2
 
 
-@pytest.mark.parametrize("large", ["inline", "decode", "recon"])
-def test_mlp_output_rotations_fuse_into_the_activation_and_the_residual_add(large: str) -> None:
+@pytest.mark.parametrize("large,split", [("inline", 1), ("inline", 2), ("decode", 1), ("recon", 1)])
+def test_mlp_output_rotations_fuse_into_the_activation_and_the_residual_add(
+    large: str, split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On our paths the gate and up products' output rotations and the SwiGLU activation are one kernel, and
-    down's rotation and the residual add another (``hadamard_swiglu``, ``hadamard_128(add=)``); ``recon``
+    down's rotation and the residual add another (``hadamard_swiglu``, ``hadamard_128(add=)``); ``inline``'s
+    k-split partials are summed there (``split``: forced, as a GPU's SM count sets it); ``recon``
     (exllamav3's kernels) keeps the separate ops. Either way the MLP equals the dense one within fp16
     kernel tolerances, in the residual's dtype, and each linear is one call of its path."""
     from draft_server.models.exl3 import linear as ex
+    from draft_server.models.kernels import exl3_gemm
+
+    monkeypatch.setattr(exl3_gemm, "_split_for", lambda *_: split)
 
     g = torch.Generator().manual_seed(18)
     _, gate_up, down = mlp("3inst", seed=30)

@@ -278,21 +278,22 @@ class Exl3Backend:
             self.ext.reconstruct(w, lin.trellis, lin.K, mcg, mul1)
             c = torch.mm(ah, w)
             self.ext.had_r_128(c, c, None, lin.svh, 1.0)
-        else:  # our kernels, then the output rotation in place
+        else:  # our kernels, then the output rotation (in place, or summing inline's k-split partials)
             c = self._ours(lin, x2, path)
-            hadamard_128(c, post=lin.svh, out=c)
+            c = hadamard_128(c, post=lin.svh, out=c if c.dim() == 2 else None)
         y = c if n == lin.out_features else c[:, : lin.out_features]
         return y if lin.bias is None else y + lin.bias
 
     def _ours(self, lin: Exl3Linear, x2: torch.Tensor, path: str) -> torch.Tensor:
-        """``inline`` / ``decode``'s product before its output rotation, [rows, pad128(out)]: x2 converted,
-        padded and rotated in one pass, then the decode inside the GEMM or into the scratch."""
+        """``inline`` / ``decode``'s product before its output rotation, [rows, pad128(out)] (``inline``: its
+        k split's float32 partials [splits, rows, pad128(out)], which the rotation sums): x2 converted, padded
+        and rotated in one pass, then the decode inside the GEMM or into the scratch."""
         k, n = pad128(lin.in_features), pad128(lin.out_features)
         ah = hadamard_128(x2 if x2.stride(-1) == 1 else x2.contiguous(), lin.suh, dtype=torch.float16)
         if path == "decode":  # the GEMM in its tuned form for this shape (gemm.linear), as BF16's
             w = self.scratch(k * n, x2.device)[: k * n].view(n, k)
             return gemm.linear(ah, exl3_decode(lin.trellis, lin.codebook, out=w, trans=True))
-        return exl3_matmul(ah, lin.trellis, lin.codebook)
+        return exl3_matmul(ah, lin.trellis, lin.codebook, partials=True)
 
     def _rotates_out(self, lin: Exl3Linear | DenseLinear, rows: int, dtype: torch.dtype) -> str | None:
         """lin's path where its output rotation can be fused into what follows (our paths, no bias, no

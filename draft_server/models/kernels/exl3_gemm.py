@@ -188,8 +188,11 @@ def exl3_matmul(
     block_m: int | None = None,
     split_k: int | None = None,
     config: KernelConfig | None = None,
+    partials: bool = False,
 ) -> torch.Tensor:
     """``a [M, k] fp16 @ Wq [k, n]`` in float32, Wq decoded from ``trellis [k/16, n/16, 16K]`` int16 in place.
+    ``partials``: the k split's float32 partials [split_k, M, n] unsummed (``hadamard_128`` and
+    ``hadamard_swiglu`` sum them as they read them: no reduction kernel of its own).
 
     ``block_m``: rows per program (default: M up to 128, a power of two >= 16), so that up to that
     many rows decode every weight once. ``split_k``: programs per output block along k (default:
@@ -224,7 +227,7 @@ def exl3_matmul(
         MASK, BITS=bits, CB=CODEBOOK_IDS[codebook], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return c[0] if split_k == 1 else c.sum(0)
+    return c if partials else c[0] if split_k == 1 else c.sum(0)
 
 
 def exl3_decode(
@@ -274,11 +277,14 @@ def _split_for(blocks: int, k_blocks: int, per_sm: int, device: torch.device) ->
 
 
 @triton.jit
-def _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr):
+def _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, S, s_s, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr):
     """One BLOCK_R x 128 block: H128(x * pre) * post in float32 through two fp16 products with the +-1 matrix
-    h (x's fp16 head and its remainder), so an fp32 input keeps about 22 bits. x's columns from K_IN to K
-    read as zeros (exllamav3's padding)."""
+    h (x's fp16 head and its remainder), so an fp32 input keeps about 22 bits. x is the sum of S partials
+    ``s_s`` apart (a k-split GEMM's; in order, in float32); its columns from K_IN to K read as zeros
+    (exllamav3's padding)."""
     x = tl.load(x_rows + cols[None, :], mask=mask & (cols[None, :] < K_IN), other=0.0).to(tl.float32)
+    for s in range(1, S):
+        x += tl.load(x_rows + s * s_s + cols[None, :], mask=mask & (cols[None, :] < K_IN), other=0.0).to(tl.float32)
     if HAS_PRE:
         x = x * tl.load(PRE + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
     head = x.to(tl.float16)
@@ -290,8 +296,9 @@ def _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, HAS_PRE: tl.constexpr, HA
 
 
 @triton.jit
-def _hadamard_kernel(X, Y, H, PRE, POST, ADD, R, K_IN, K, s_x, s_y, s_a, HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr,
-                     HAS_ADD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
+def _hadamard_kernel(X, Y, H, PRE, POST, ADD, R, K_IN, K, S, s_s, s_x, s_y, s_a,
+                     HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ADD: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):  # fmt: skip
     """BLOCK_R rows x BLOCKS 128-column blocks of y = H128(x * pre) * post (+ add), rounded once into Y."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, 128)
@@ -301,14 +308,15 @@ def _hadamard_kernel(X, Y, H, PRE, POST, ADD, R, K_IN, K, s_x, s_y, s_a, HAS_PRE
     for b in range(BLOCKS):
         cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
         mask = (rows[:, None] < R) & (cols[None, :] < K)
-        y = _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, HAS_PRE, HAS_POST)
+        y = _rotate(x_rows, cols, mask, h, PRE, POST, K_IN, K, S, s_s, HAS_PRE, HAS_POST)
         if HAS_ADD:
             y += tl.load(ADD + rows[:, None].to(tl.int64) * s_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _hadamard_swiglu_kernel(G, U, Y, H, PG, PU, R, K, s_g, s_u, s_y, BLOCK_R: tl.constexpr, BLOCKS: tl.constexpr):
+def _hadamard_swiglu_kernel(G, U, Y, H, PG, PU, R, K, S_G, s_gs, S_U, s_us, s_g, s_u, s_y, BLOCK_R: tl.constexpr,
+                            BLOCKS: tl.constexpr):  # fmt: skip
     """silu(H128(g) * pg) * (H128(u) * pu), each rotated product rounded to Y's dtype first (as
     ``kernels.fused.silu_mul_parts`` rounds its inputs), the activation too, the product once."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -320,8 +328,8 @@ def _hadamard_swiglu_kernel(G, U, Y, H, PG, PU, R, K, s_g, s_u, s_y, BLOCK_R: tl
     for b in range(BLOCKS):
         cols = (tl.program_id(1) * BLOCKS + b) * 128 + i
         mask = (rows[:, None] < R) & (cols[None, :] < K)
-        g = _rotate(g_rows, cols, mask, h, PG, PG, K, K, False, True).to(Y.dtype.element_ty).to(tl.float32)
-        u = _rotate(u_rows, cols, mask, h, PU, PU, K, K, False, True).to(Y.dtype.element_ty).to(tl.float32)
+        g = _rotate(g_rows, cols, mask, h, PG, PG, K, K, S_G, s_gs, False, True).to(Y.dtype.element_ty).to(tl.float32)
+        u = _rotate(u_rows, cols, mask, h, PU, PU, K, K, S_U, s_us, False, True).to(Y.dtype.element_ty).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         tl.store(y_rows + cols[None, :], (act * u).to(Y.dtype.element_ty), mask=mask)
 
@@ -342,16 +350,16 @@ def hadamard_128(
 ) -> torch.Tensor:
     """``out = H128(x * pre) * post (+ add)`` over each row's 128-column blocks (H orthonormal, exllamav3's
     ``had_r_128`` with scale 1), computed in float32 and rounded once. x fp16, bf16 or fp32 [R, w] with
-    contiguous rows; ``out`` [R, k] with k the 128-multiple >= w (x zero-extended, as exllamav3 pads), of
-    ``dtype`` (default x's) or ``out``'s; ``out`` may be x; ``add`` [R, k] (a residual). So
-    ``hadamard_128(x_bf16, suh, dtype=torch.float16)`` is the rotated fp16 input of an EXL3 GEMM in one
-    pass, the conversion and padding included, and ``hadamard_128(c, post=svh, add=h, dtype=h.dtype)`` its
-    output rotated and added to the residual stream in one."""
-    dts = (torch.float16, torch.bfloat16, torch.float32)
-    if x.dim() != 2 or (x.stride(1) != 1 and x.shape[1] > 1) or x.dtype not in dts:
-        raise ValueError(f"x must be a fp16, bf16 or fp32 matrix with contiguous rows, got {tuple(x.shape)} {x.dtype}")
-    r, w = x.shape
+    contiguous rows, or [S, R, w]: the sum of S partials (``exl3_matmul(partials=True)``); ``out`` [R, k]
+    with k the 128-multiple >= w (x zero-extended, as exllamav3 pads), of ``dtype`` (default x's) or
+    ``out``'s; ``out`` may be a 2-d x; ``add`` [R, k] (a residual). So ``hadamard_128(x_bf16, suh,
+    dtype=torch.float16)`` is the rotated fp16 input of an EXL3 GEMM in one pass, the conversion and
+    padding included, and ``hadamard_128(c, post=svh, add=h, dtype=h.dtype)`` its output rotated and
+    added to the residual stream in one."""
+    x3 = _splits(x, "x")
+    n_s, r, w = x3.shape
     k = -(-w // 128) * 128
+    dts = (torch.float16, torch.bfloat16, torch.float32)
     if out is None:
         out = torch.empty((r, k), dtype=dtype or x.dtype, device=x.device)
     if out.shape != (r, k) or out.stride(1) != 1 or out.dtype not in dts or (dtype and out.dtype != dtype):
@@ -365,12 +373,25 @@ def hadamard_128(
         return out
     block_r, blocks = _hadamard_grid(r, k)
     _hadamard_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
-        x, out, _signs_128(x.device), pre if pre is not None else out, post if post is not None else out,
-        add if add is not None else out, r, w, k, x.stride(0), out.stride(0), add.stride(0) if add is not None else 0,
-        HAS_PRE=pre is not None, HAS_POST=post is not None, HAS_ADD=add is not None, BLOCK_R=block_r,
-        BLOCKS=blocks, num_warps=4,
+        x3, out, _signs_128(x.device), pre if pre is not None else out, post if post is not None else out,
+        add if add is not None else out, r, w, k, n_s, x3.stride(0), x3.stride(1), out.stride(0),
+        add.stride(0) if add is not None else 0, HAS_PRE=pre is not None, HAS_POST=post is not None,
+        HAS_ADD=add is not None, BLOCK_R=block_r, BLOCKS=blocks, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _splits(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x [R, w] or [S, R, w] (partials to sum) as [S, R, w], checked: float, contiguous rows."""
+    x3 = x if x.dim() == 3 else x.unsqueeze(0) if x.dim() == 2 else None
+    if (
+        x3 is None
+        or (x3.stride(2) != 1 and x3.shape[2] > 1)
+        or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    ):
+        raise ValueError(f"{name} must be a fp16, bf16 or fp32 [R, w] or [S, R, w] with contiguous rows, got"
+                         f" {tuple(x.shape)} {x.dtype}")  # fmt: skip
+    return x3
 
 
 def _hadamard_grid(r: int, k: int) -> tuple[int, int]:
@@ -383,17 +404,19 @@ def hadamard_swiglu(
 ) -> torch.Tensor:
     """silu(H128(g) * post_g) * (H128(u) * post_u) in ``dtype``: two EXL3 products' output rotations and the
     SwiGLU activation in one pass (each rotated product and the activation rounded to ``dtype`` first, as
-    ``hadamard_128`` then ``kernels.fused.silu_mul_parts`` round them). g, u [R, k] (k a 128-multiple)."""
-    if g.shape != u.shape or g.dim() != 2 or g.shape[1] % 128 or g.stride(1) != 1 or u.stride(1) != 1:
-        raise ValueError(f"gate and up must be [R, 128 m] with contiguous rows, got {tuple(g.shape)}, {tuple(u.shape)}")
-    r, k = g.shape
+    ``hadamard_128`` then ``kernels.fused.silu_mul_parts`` round them). g, u [R, k] (k a 128-multiple), or
+    [S, R, k] partials to sum (``exl3_matmul(partials=True)``), each its own S."""
+    g3, u3 = _splits(g, "gate"), _splits(u, "up")
+    if g3.shape[1:] != u3.shape[1:] or g3.shape[2] % 128:
+        raise ValueError(f"gate and up must be [R, 128 m] alike, got {tuple(g.shape)}, {tuple(u.shape)}")
+    r, k = g3.shape[1:]
     if post_g.shape != (k,) or post_u.shape != (k,):
         raise ValueError(f"scale vectors must have {k} values")
     out = torch.empty((r, k), dtype=dtype, device=g.device)
     if r:
         block_r, blocks = _hadamard_grid(r, k)
         _hadamard_swiglu_kernel[(triton.cdiv(r, block_r), triton.cdiv(k // 128, blocks))](
-            g, u, out, _signs_128(g.device), post_g, post_u, r, k, g.stride(0), u.stride(0), out.stride(0),
-            BLOCK_R=block_r, BLOCKS=blocks, num_warps=4,
+            g3, u3, out, _signs_128(g.device), post_g, post_u, r, k, g3.shape[0], g3.stride(0), u3.shape[0],
+            u3.stride(0), g3.stride(1), u3.stride(1), out.stride(0), BLOCK_R=block_r, BLOCKS=blocks, num_warps=4,
         )  # fmt: skip
     return out
