@@ -28,6 +28,9 @@ nor a GPU):
   and rows (as the BF16 drafter's GEMMs: e.g. rows padded to 512); both rotate with our ``hadamard_128``
   (Triton), which reads the caller's rows as they are (bf16) and writes the padded fp16 input in one
   pass, so neither makes an fp16 copy first nor calls exllamav3;
+  where a product feeds a residual add (``product_add``) or gate and up feed SwiGLU (``swiglu``), our
+  paths' output rotations run inside that op (``hadamard_128(add=)``, ``hadamard_swiglu``), and
+  ``inline``'s k-split partials are summed there too;
   ``dense`` multiplies by the dense weight decoded once and cached (``Exl3Linear.weight``):
   BF16 speed for BF16 memory. Which one: per (in, out, K, codebook, rows), the fastest of fused,
   recon, inline and decode (of fused and dense when dense weights are kept),
