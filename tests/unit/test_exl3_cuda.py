@@ -387,7 +387,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, 
     """variant -> (EXL3 draft, its dense original, target)."""
     root = tmp_path_factory.mktemp("pair")
     out = {}
-    for variant, ov in (("k3", {"num_hidden_layers": 2}), ("qwen3", {"num_hidden_layers": 2, "attention_bias": True})):
+    # hidden and intermediate widths of 128 (exllamav3's padding unit): our paths fuse the output rotations there
+    wide = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 128}
+    for variant, ov in (("k3", wide), ("qwen3", {**wide, "attention_bias": True})):
         draft, target = make_tiny(variant, str(root / variant), **ov)
         q = str(root / f"{variant}_q")
         write_exl3_checkpoint(draft, q, bits=4, codebook="mcg", encoder="random")
@@ -396,9 +398,21 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str, 
 
 
 @pytest.mark.parametrize("variant", ["k3", "qwen3"])
-def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None:
+def test_routed_model_drafts_the_same_through_either_path(pair, variant, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every quantized GEMM site of both variants runs through the backend; the fused (fake kernel) path
-    and the dense path give the same drafts, and the bucket picks the path by rows."""
+    and the dense path give the same drafts, and the bucket picks the path by rows; on our paths the MLP's
+    output rotations run inside SwiGLU and the residual adds."""
+    from draft_server.models.exl3 import cuda
+
+    fused_out: list[str] = []
+    for name in ("hadamard_swiglu", "hadamard_128"):
+        real = getattr(cuda, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            fused_out.append(_name if _name == "hadamard_swiglu" or k.get("add") is None else "add")
+            return _real(*a, **k)
+
+        monkeypatch.setattr(cuda, name, spy)
     q, _, target = pair[variant]
     rows = torch.randn(9, load_drafter(q, target, "cpu", "float32", 1 << 20).contract.tap_width)
     results = {}
@@ -415,6 +429,9 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant) -> None
             sites = len(m.linears) + 1  # every routed module, and the context K/V of all layers
             if max_rows == 0:
                 assert be.calls["fused"] == 0 and be.calls[large] >= sites and not ext.rows
+                ours = large in ("inline", "decode")
+                assert ("hadamard_swiglu" in fused_out and "add" in fused_out) == ours, (large, set(fused_out))
+                fused_out.clear()
             elif max_rows == 8:
                 assert set(ext.rows) == {d.contract.block_size} and 9 not in ext.rows
                 assert be.calls["recon"] >= 1 and be.calls["fused"] >= 1 and be.calls["dense"] == 0
