@@ -38,6 +38,16 @@ def git(repo: str, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def this_tree(repo: str = ROOT) -> str:
+    """The commit this working tree is at, "+ uncommitted changes" when it differs from it (a GPU box's copy
+    may carry an older history under newer files: then it says so); ``AB_AFTER`` or a plain word without git."""
+    try:
+        dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
+        return git(repo, "rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without its history (a GPU box)
+        return os.environ.get("AB_AFTER", "this tree (no git history here)")
+
+
 def worktree(repo: str, rev: str) -> tuple[str, str]:
     """(path, sha) of a worktree of ``rev`` under the repository's .ab/, made once and reused. A
     directory ``rev`` is taken as the base tree itself (a machine with no git history: ``export``
@@ -124,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out is required")
     module, args = bench[0], bench[1:]
     base, base_sha = worktree(repo, a.base)
-    try:
-        dirty = bool(git(repo, "status", "--porcelain", "--untracked-files=no"))
-        after_sha = git(repo, "rev-parse", "HEAD") + (" + uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without its history (a GPU box)
-        after_sha = os.environ.get("AB_AFTER", "this tree (no git history here)")
+    after_sha = this_tree(repo)
     sides: dict[str, list[Any]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
         for r in range(a.rounds):

@@ -26,18 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from draft_server.models import gemm
 from draft_server.models.exl3.decode import decode_inner
 from draft_server.models.kernels.exl3_gemm import KernelConfig, exl3_decode, exl3_matmul
+from draft_tools.bench.ab import this_tree
+from draft_tools.bench.exl3_kernel import bench, floors
 
 LAYER = ((7168, 1536), (7168, 576), (1536, 12288), (8192, 7168), (7168, 14336), (7168, 14336), (14336, 7168))
 ROWS = (7, 56, 112, 224, 448)
@@ -45,19 +44,6 @@ WARPS = {64: (4, 8), 128: (4, 8), 256: (8, 16), 512: (8, 16)}
 # (block_m, block_n, block_k, warps, per_sm)
 SHAPES = [(bm, bn, 64, w, 8) for bm, ws in WARPS.items() for bn in (32, 64, 128) for w in ws]
 CHUNKS = (256, 512, 1024)
-
-
-def bench(fn: Callable[[], object]) -> float:
-    return gemm.graph_ms(fn, flush_l2=True, runs=11)
-
-
-def floors(dev: torch.device) -> dict[str, float]:
-    x = torch.empty(1 << 28, dtype=torch.float32, device=dev)
-    y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x))
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    mm = bench(lambda: a @ a)
-    return {"copy_gb_s": 2 * x.numel() * 4 / ms / 1e6, "bf16_tflops": 2 * 8192**3 / mm / 1e9}
 
 
 class Linear:
@@ -260,16 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     fl = floors(dev)
     print(f"{torch.cuda.get_device_name()}: copy {fl['copy_gb_s']:.0f} GB/s, bf16 {fl['bf16_tflops']:.0f} TFLOP/s",
           flush=True)  # fmt: skip
-    try:
-        tree = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        tree = ""
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": __import__("triton").__version__,
         "machine": platform.node(),
-        "tree": tree,
+        "tree": this_tree(),
         "command": "python -m draft_tools.bench.exl3_overlap " + " ".join(argv if argv is not None else sys.argv[1:]),
         "bits": args.bits,
         "codebook": args.codebook,

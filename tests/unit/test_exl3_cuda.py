@@ -184,6 +184,18 @@ def test_decode_writes_the_transposed_weight_into_the_shared_scratch_and_equals_
     assert ext.recon[0] == next(iter(be._scratch.values())).data_ptr()
 
 
+class HalfCounting(Exl3Backend):
+    """The backend, recording the width of every fp16 input copy (``_half``) it makes."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.halves: list[int] = []
+
+    def _half(self, x2: torch.Tensor, k: int) -> torch.Tensor:
+        self.halves.append(x2.shape[1])
+        return Exl3Backend._half(x2, k)
+
+
 def mlp(codebook: str, seed: int) -> tuple[list[Exl3Linear], FusedLinear, Exl3Linear]:
     """Random 4-bit gate, up (in 128, out 256) and down (in 256, out 128): the parts, gate | up, down."""
     parts = []
@@ -208,15 +220,7 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
             seen.append(A.data_ptr())
             return super().exl3_gemm(A, *args)
 
-    halves: list[int] = []
-
-    class Counting(Exl3Backend):
-        @staticmethod
-        def _half(x2: torch.Tensor, k: int) -> torch.Tensor:
-            halves.append(x2.shape[1])
-            return Exl3Backend._half(x2, k)
-
-    be = Counting(fused_max_rows=64, ext=Recording())
+    be = HalfCounting(fused_max_rows=64, ext=Recording())
     x, h = torch.randn(2, 3, 128, generator=g), torch.randn(2, 3, 128, generator=g)
     wg, wu, wd = (p.exact_weight() for p in parts)
     act = F.silu(x.double() @ wg.t()) * (x.double() @ wu.t())
@@ -228,7 +232,7 @@ def test_parts_of_one_input_share_its_fp16_conversion_and_round_once() -> None:
     finally:
         set_backend(prev)
     assert len(seen) == 5 and seen[0] == seen[1] and seen[3] == seen[4]  # gate and up: one converted input
-    assert halves == [128, 256, 128]  # one conversion per input: x (gate, up), the activation (down), x
+    assert be.halves == [128, 256, 128]  # one conversion per input: x (gate, up), the activation (down), x
     assert y.shape == h.shape and y.dtype == h.dtype
     assert (y.double() - want).abs().max() <= 5e-3 * want.abs().max()
     assert gu.shape == (2, 3, 512) and gu.is_contiguous()
@@ -242,25 +246,17 @@ def test_our_paths_rotate_the_callers_rows_without_an_fp16_copy(large: str) -> N
     """``inline`` and ``decode`` make their rotated fp16 input from the caller's rows in one kernel
     (``hadamard_128`` converts and zero-pads): no ``_half`` copy, whatever the input's dtype, and the product
     of ``recon`` (which rotates the fp16 copy) within fp16 roundings."""
-    halves: list[int] = []
-
-    class Counting(Exl3Backend):
-        @staticmethod
-        def _half(x2: torch.Tensor, k: int) -> torch.Tensor:
-            halves.append(x2.shape[1])
-            return Exl3Backend._half(x2, k)
-
     g = torch.Generator().manual_seed(16)
     t = random_linear(256, 300, 4, "3inst", seed=17)
     lin = Exl3Linear("x", 300, 256, t["trellis"], t["suh"], t["svh"], "3inst")
-    be = Counting(fused_max_rows=0, ext=FakeExt(), large=large)
+    be = HalfCounting(fused_max_rows=0, ext=FakeExt(), large=large)
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.randn(2, 5, 300, generator=g).to(dtype)
         y = through(be, lin, x)
         recon = through(Exl3Backend(fused_max_rows=0, ext=FakeExt(), large="recon"), lin, x)
         assert y.dtype == dtype and y.shape == (2, 5, 256)
         torch.testing.assert_close(y.float(), recon.float(), rtol=0, atol=2**-7 * recon.float().abs().max().item())
-    assert halves == [] and be.calls[large] == 2
+    assert be.halves == [] and be.calls[large] == 2
 
 
 @pytest.mark.parametrize("large,split", [("inline", 1), ("inline", 2), ("decode", 1), ("recon", 1)])

@@ -46,6 +46,7 @@ import triton.language as tl
 from draft_server.models.exl3.decode import hadamard
 
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)  # what the rotations read and write
 MASK = 0x8FFF8FFF - (1 << 32)  # 3inst / mcg's mask, as the int32 kernel argument ``_codebook`` takes
 
 
@@ -359,10 +360,9 @@ def hadamard_128(
     x3 = _splits(x, "x")
     n_s, r, w = x3.shape
     k = -(-w // 128) * 128
-    dts = (torch.float16, torch.bfloat16, torch.float32)
     if out is None:
         out = torch.empty((r, k), dtype=dtype or x.dtype, device=x.device)
-    if out.shape != (r, k) or out.stride(1) != 1 or out.dtype not in dts or (dtype and out.dtype != dtype):
+    if out.shape != (r, k) or out.stride(1) != 1 or out.dtype not in FLOATS or (dtype and out.dtype != dtype):
         raise ValueError(f"out must be a {dtype or 'float'} ({r}, {k}) with contiguous rows, got {tuple(out.shape)}")
     for v in (pre, post):
         if v is not None and v.shape != (k,):
@@ -384,11 +384,7 @@ def hadamard_128(
 def _splits(x: torch.Tensor, name: str) -> torch.Tensor:
     """x [R, w] or [S, R, w] (partials to sum) as [S, R, w], checked: float, contiguous rows."""
     x3 = x if x.dim() == 3 else x.unsqueeze(0) if x.dim() == 2 else None
-    if (
-        x3 is None
-        or (x3.stride(2) != 1 and x3.shape[2] > 1)
-        or x.dtype not in (torch.float16, torch.bfloat16, torch.float32)
-    ):
+    if x3 is None or (x3.stride(2) != 1 and x3.shape[2] > 1) or x.dtype not in FLOATS:
         raise ValueError(f"{name} must be a fp16, bf16 or fp32 [R, w] or [S, R, w] with contiguous rows, got"
                          f" {tuple(x.shape)} {x.dtype}")  # fmt: skip
     return x3
