@@ -463,6 +463,55 @@ def test_the_io_thread_takes_the_socket_back_during_a_long_batch(running) -> Non
     assert _got(peer) == [1]
 
 
+def _nan_step(call_id: int, session: str, nan_rows: int) -> list:
+    """A Step of one entry with 3 rows (checksum contract), its first ``nan_rows`` rows NaN."""
+    from draft_tools.synthetic import bf16_normal
+    from protocol import DType, Step, StepEntry, spec_for
+    from tests.conftest import CHECKSUM_CONTRACT
+
+    taps = bf16_normal(np.random.default_rng(call_id), (3, CHECKSUM_CONTRACT.tap_width))
+    taps[:nan_rows] = 0x7FC0
+    entry = StepEntry(session, 0, 3, 1, 2)
+    return encode(Step(call_id=call_id, budget_ms=5000.0, entries=(entry,), taps=spec_for(taps, DType.BF16, 0)), [taps])
+
+
+def test_the_idle_engine_samples_rows_for_nan_after_its_reply(running, monkeypatch) -> None:
+    """The NaN/Inf sample (only a metric reads it) is off the idle engine's hop: a Step the idle
+    engine reads itself is answered first and sampled after, on its thread; one the I/O thread reads
+    beside a long batch is sampled there at once. Both are counted."""
+    from draft_server.io import router as router_mod
+    from protocol import StepResult
+
+    srv, peer = running(delay_ms=800.0)  # each draft call takes 0.8 s: a second Step finds the engine busy
+    events: list[tuple[str, str]] = []
+    sample, send = router_mod.nonfinite_rows, srv.router._send
+
+    def sampling(taps, dtype):
+        events.append(("sample", threading.current_thread().name))
+        return sample(taps, dtype)
+
+    def sending(ident, msg, payloads=()):
+        if isinstance(msg, StepResult):
+            events.append((f"reply {msg.call_id}", threading.current_thread().name))
+        send(ident, msg, payloads)
+
+    monkeypatch.setattr(router_mod, "nonfinite_rows", sampling)
+    srv.router._send = sending
+    names = _readers(srv)
+    assert wait_for(lambda: srv.router._engine_polling)  # idle: the engine reads the next Step itself
+    peer.send_multipart(_nan_step(1, "a", 2))
+    assert wait_for(lambda: names == ["draft-engine"])  # read by the idle engine, which now drafts
+    assert wait_for(lambda: not srv.router._engine_owns)  # the I/O thread watches during the batch
+    peer.send_multipart(_nan_step(2, "b", 1))
+    assert wait_for(lambda: len(events) == 4, timeout=10.0)
+    assert names == ["draft-engine", "draft-io"]
+    assert events.index(("reply 1", "draft-engine")) < events.index(("sample", "draft-engine"))
+    io_sample = events.index(("sample", "draft-io"))
+    assert io_sample < next(i for i, e in enumerate(events) if e[0] == "reply 2")
+    srv.metrics.later.flush()  # as a scrape does
+    assert srv.metrics.nonfinite_rows._value.get() == 3
+
+
 def test_nan_rows_are_counted_for_valid_entries_only() -> None:
     """A Step's NaN/Inf tap rows are counted (a metric and a log line per client) for the entries
     the server takes; the rows of an entry refused as malformed are not."""
