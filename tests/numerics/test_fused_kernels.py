@@ -270,3 +270,20 @@ def test_gqa_kv_writes_normed_roped_k_and_v_at_their_slots(dtype: torch.dtype) -
     assert not cache[:, rest].any()
     with pytest.raises(ValueError, match="takes these rows"):
         fused.gqa_kv(kv[:, :, 0], kv[:, :, 1], w, cos, sin, 1e-6, False, into=(cache[..., :8], slots))
+
+
+def test_rms_norm_and_silu_mul_store_fp16_as_converting_their_bf16_result_would() -> None:
+    """``out_dtype`` / ``store``: the bf16 op's result stored as fp16 by the kernel itself (what an EXL3
+    linear on exllamav3's kernels reads), bit for bit what converting the bf16 result gives."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(9, 3, 96, generator=g) * 3).to(DEV, torch.bfloat16)
+    w = torch.randn(96, generator=g).to(DEV, torch.bfloat16)
+    got = fused.rms_norm(x, w, 1e-6, torch.float16)
+    assert got.dtype == torch.float16 and torch.equal(got, fused.rms_norm(x, w, 1e-6).to(torch.float16))
+    assert torch.equal(ops.rms_norm(x.cpu(), w.cpu(), 1e-6, torch.float16), ops.rms_norm(x.cpu(), w.cpu(), 1e-6).half())
+    gate, up = (torch.randn(9, 200, generator=g).to(DEV) * 4 for _ in range(2))  # float32 products
+    got = fused.silu_mul_parts(gate, up, torch.bfloat16, torch.float16)
+    assert got.dtype == torch.float16
+    assert torch.equal(got, fused.silu_mul_parts(gate, up, torch.bfloat16).to(torch.float16))
+    want = ops.swiglu_parts(gate.cpu(), up.cpu(), torch.bfloat16).half()
+    assert torch.equal(ops.swiglu_parts(gate.cpu(), up.cpu(), torch.bfloat16, torch.float16), want)

@@ -439,6 +439,46 @@ def test_routed_model_drafts_the_same_through_either_path(pair, variant, monkeyp
     assert len({repr(r) for r in results.values()}) == 1, results
 
 
+@pytest.mark.parametrize("variant", ["k3", "qwen3"])
+def test_inputs_of_exllamav3_paths_are_made_fp16_by_their_producers(pair, variant, monkeypatch) -> None:
+    """In bf16, a norm whose linear takes exllamav3's paths (fused, recon: they read fp16) writes fp16
+    itself, and so does SwiGLU for such a down projection: fewer conversions, the same logits to the bit
+    (the values are the bf16 results either way)."""
+    from draft_server.drafters import DraftItem, IngestItem
+    from protocol import GREEDY
+
+    converted: list[tuple[int, ...]] = []
+    half = Exl3Backend._half
+
+    def counting(x2, k):
+        if x2.dtype != torch.float16:
+            converted.append(tuple(x2.shape))
+        return half(x2, k)
+
+    monkeypatch.setattr(Exl3Backend, "_half", staticmethod(counting))
+    q, _, target = pair[variant]
+    rows = torch.randn(9, load_drafter(q, target, "cpu", "bfloat16", 1 << 20).contract.tap_width)
+    got = {}
+    try:
+        for producers in (True, False):
+            for max_rows in (1 << 20, 8):  # every path fused; block rows fused, the 9 ingest rows recon
+                if not producers:
+                    monkeypatch.setattr(Exl3Backend, "half_input", lambda self, parts, rows, dtype: False)
+                d = load_drafter(q, target, "cpu", "bfloat16", 1 << 20)
+                set_backend(Exl3Backend(fused_max_rows=max_rows, ext=FakeExt(), large="recon"))
+                converted.clear()
+                assert d.reserve(1, 0, 9 + d.contract.block_size)
+                d.ingest([IngestItem(1, 0, 0, rows.to(torch.bfloat16).view(torch.int16).numpy().view("uint16"))])
+                outs, logits = d.draft_debug([DraftItem(1, 0, 9, 5, d.contract.block_size, GREEDY)])
+                got[producers, max_rows] = (outs[0].tokens, logits[0], len(converted))
+    finally:
+        set_backend(DequantBackend())
+    for max_rows in (1 << 20, 8):
+        (t1, l1, n1), (t0, l0, n0) = got[True, max_rows], got[False, max_rows]
+        assert t1 == t0 and torch.equal(l1, l0)
+        assert n1 < n0, (max_rows, n1, n0)  # the norms' and the activation's conversions went
+
+
 def test_dense_model_keeps_the_plain_ops(pair) -> None:
     from draft_server.models import gemm
     from draft_server.models.layers import ops

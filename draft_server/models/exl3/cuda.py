@@ -316,19 +316,30 @@ class Exl3Backend:
         return hadamard_128(self._ours(lin, x2, path), post=lin.svh, add=h2, dtype=h2.dtype)
 
     def swiglu(
-        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+        self,
+        gate: Exl3Linear | DenseLinear,
+        up: Exl3Linear | DenseLinear,
+        x2: torch.Tensor,
+        dtype: torch.dtype,
+        store: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """silu(gate) * up in ``dtype``; where both take our paths, their output rotations and the activation
-        are one kernel."""
+        """silu(gate) * up in ``dtype`` (stored as ``store``); where both take our paths, their output
+        rotations and the activation are one kernel."""
         rows = x2.shape[0]
-        pg, pu = self._rotates_out(gate, rows, x2.dtype), self._rotates_out(up, rows, x2.dtype)
+        pg, pu = self._rotates_out(gate, rows, dtype), self._rotates_out(up, rows, dtype)
         if pg is None or pu is None or gate.out_features != up.out_features:
-            return ops.swiglu_parts(*self.outputs([gate, up], x2), dtype)
+            return ops.swiglu_parts(*self.outputs([gate, up], x2), dtype, store)
         assert isinstance(gate, Exl3Linear) and isinstance(up, Exl3Linear)
         self.calls[pg] += 1
         cg = self._ours(gate, x2, pg)
         self.calls[pu] += 1
-        return hadamard_swiglu(cg, self._ours(up, x2, pu), gate.svh, up.svh, dtype)
+        y = hadamard_swiglu(cg, self._ours(up, x2, pu), gate.svh, up.svh, dtype)
+        return y if store is None else y.to(store)
+
+    def half_input(self, parts: Sequence[Exl3Linear | DenseLinear], rows: int, dtype: torch.dtype) -> bool:
+        """True where every part is packed and takes exllamav3's ``fused`` or ``recon`` path, which read an
+        fp16 copy of the input (``_half``); our paths convert inside their rotation, dense ones not at all."""
+        return all(isinstance(p, Exl3Linear) and self.path(p, rows, dtype) in ("fused", "recon") for p in parts)
 
     def scratch(self, numel: int, device: torch.device) -> torch.Tensor:
         """The recon path's fp16 weight buffer, grown to the largest linear seen (before any graph capture:

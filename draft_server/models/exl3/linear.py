@@ -57,9 +57,20 @@ class Exl3Backend(Protocol):
         ...
 
     def swiglu(
-        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+        self,
+        gate: Exl3Linear | DenseLinear,
+        up: Exl3Linear | DenseLinear,
+        x2: torch.Tensor,
+        dtype: torch.dtype,
+        store: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """silu(gate's product) * up's product in ``dtype``, each product rounded to it first."""
+        """silu(gate's product) * up's product in ``dtype``, each product rounded to it first; ``store``:
+        the result converted to that dtype (for a consumer that reads it so, ``half_input``)."""
+        ...
+
+    def half_input(self, parts: Sequence[Exl3Linear | DenseLinear], rows: int, dtype: torch.dtype) -> bool:
+        """Whether ``outputs(parts, x2)`` for ``rows`` rows of ``dtype`` reads x2 as fp16, converting it
+        first: then whoever makes x2 may make it fp16 at once (the same values: one conversion fewer)."""
         ...
 
 
@@ -80,9 +91,17 @@ class DequantBackend:
         return add_rounded(h2, lin.dense_forward(x2))
 
     def swiglu(
-        self, gate: Exl3Linear | DenseLinear, up: Exl3Linear | DenseLinear, x2: torch.Tensor, dtype: torch.dtype
+        self,
+        gate: Exl3Linear | DenseLinear,
+        up: Exl3Linear | DenseLinear,
+        x2: torch.Tensor,
+        dtype: torch.dtype,
+        store: torch.dtype | None = None,
     ) -> torch.Tensor:
-        return ops.swiglu_parts(gate.dense_forward(x2), up.dense_forward(x2), dtype)
+        return ops.swiglu_parts(gate.dense_forward(x2), up.dense_forward(x2), dtype, store)
+
+    def half_input(self, parts: Sequence[Exl3Linear | DenseLinear], rows: int, dtype: torch.dtype) -> bool:
+        return False  # the dense product runs in x2's own dtype
 
 
 _backend: Exl3Backend = DequantBackend()
@@ -169,8 +188,9 @@ class Exl3Linear:
         """x @ W.T (+ bias) on the dense weight decoded once into x's dtype and device."""
         return F.linear(x, self.weight(x.dtype, x.device), self.bias_as(x))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _finish(_backend.outputs([self], _rows(x, self.in_features))[0], x, self.out_features)
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) in ``dtype`` (default x's)."""
+        return _finish(_backend.outputs([self], _rows(x, self.in_features))[0], x, self.out_features, dtype)
 
     __call__ = forward
 
@@ -196,11 +216,14 @@ class DenseLinear:
         self.key, self.w, self.bias = key, weight, bias
         self.out_features, self.in_features = weight.shape
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        y = F.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return y if dtype is None else y.to(dtype)
 
     __call__ = forward
-    dense_forward = forward
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
 
     def stored_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.bias) if t is not None)
@@ -219,10 +242,11 @@ class FusedLinear:
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """One backend call for every part (one input conversion), concatenated into x's dtype in one op."""
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One backend call for every part (one input conversion), concatenated into ``dtype`` (default x's)
+        in one op."""
         outs = _backend.outputs(self.parts, _rows(x, self.in_features))
-        y = torch.empty((outs[0].shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        y = torch.empty((outs[0].shape[0], self.out_features), dtype=dtype or x.dtype, device=x.device)
         torch.cat(outs, dim=-1, out=y)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -244,9 +268,24 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return x.reshape(-1, width)
 
 
-def _finish(y: torch.Tensor, x: torch.Tensor, width: int) -> torch.Tensor:
-    """A backend output [rows, width] (any dtype, maybe strided) as x's dtype, shaped like x."""
-    return y.to(x.dtype).contiguous().view(*x.shape[:-1], width)
+def _finish(y: torch.Tensor, x: torch.Tensor, width: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A backend output [rows, width] (any dtype, maybe strided) as ``dtype`` (default x's), shaped like x."""
+    return y.to(dtype or x.dtype).contiguous().view(*x.shape[:-1], width)
+
+
+def _parts(w: Linear) -> list[Exl3Linear | DenseLinear] | None:
+    """The packed sources of a module (None: not a packed module)."""
+    if isinstance(w, FusedLinear):
+        return w.parts
+    return [w] if isinstance(w, Exl3Linear | DenseLinear) else None
+
+
+def _normed(x: torch.Tensor, norm_w: torch.Tensor, eps: float, consumer: Sequence[Exl3Linear | DenseLinear] | None):
+    """rms_norm(x) for ``consumer``: stored as fp16 where every part would convert it to that first
+    (``half_input``: exllamav3's kernels read fp16), in x's dtype otherwise; the same values either way."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    half = consumer is not None and x.dtype != torch.float16 and _backend.half_input(consumer, rows, x.dtype)
+    return ops.rms_norm(x, norm_w, eps, torch.float16 if half else None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,7 +312,8 @@ def norm_linear(
     """rms_norm(x) @ W.T (+ b) (``ops.norm_linear`` for a dense weight)."""
     if isinstance(w, torch.Tensor):
         return ops.norm_linear(x, norm_w, eps, w, b)
-    return linear(ops.rms_norm(x, norm_w, eps), w, b)
+    y = w.forward(_normed(x, norm_w, eps, _parts(w)), x.dtype) if _parts(w) else w.forward(ops.rms_norm(x, norm_w, eps))
+    return y if b is None else y + b
 
 
 def swiglu_add(
@@ -288,15 +328,20 @@ def swiglu_add(
     concatenation, one rounding."""
     if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
         return ops.swiglu_add(h, x, gate_up, down, norm)
+    dtype = x.dtype
     if norm is not None:
-        x = ops.rms_norm(x, norm[0], norm[1])
+        x = _normed(x, norm[0], norm[1], _parts(gate_up) if not isinstance(gate_up, torch.Tensor) else None)
     if (
         isinstance(gate_up, FusedLinear)
         and len(gate_up.parts) == 2
         and gate_up.parts[0].out_features * 2 == (gate_up.out_features)
     ):
         gate, up = gate_up.parts
-        act = _backend.swiglu(gate, up, _rows(x, gate_up.in_features), x.dtype).view(*x.shape[:-1], gate.out_features)
+        parts = _parts(down) if not isinstance(down, torch.Tensor) else None
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        store = torch.float16 if parts and dtype != torch.float16 and _backend.half_input(parts, rows, dtype) else None
+        act = _backend.swiglu(gate, up, _rows(x, gate_up.in_features), dtype, store)
+        act = act.view(*x.shape[:-1], gate.out_features)
     else:
-        act = ops.swiglu(linear(x, gate_up))
+        act = ops.swiglu(linear(x, gate_up) if x.dtype == dtype else gate_up.forward(x, dtype))
     return linear_add(h, act, down)

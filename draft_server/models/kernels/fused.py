@@ -45,19 +45,21 @@ def _rms_kernel(
     x = tl.load(X + i0 * sx0 + i1 * sx1 + i2 * sx2 + d, mask=mask, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
     w = tl.load(W + i0 * sw0 + i1 * sw1 + i2 * sw2 + d, mask=mask, other=0.0).to(tl.float32)
-    out = (y.to(Y.dtype.element_ty).to(tl.float32) * w).to(Y.dtype.element_ty)
-    tl.store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2 + d, out, mask=mask)
+    # rounded as x's dtype rounds (torch's op), then stored in y's: the same bits as converting after
+    out = (y.to(X.dtype.element_ty).to(tl.float32) * w).to(X.dtype.element_ty)
+    tl.store(Y + i0 * sy0 + i1 * sy1 + i2 * sy2 + d, out.to(Y.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm over the last dim of x [..., D] (at most 3 leading dims, any strides but the last);
-    w broadcasts to x ([D], or e.g. one row per layer)."""
+    w broadcasts to x ([D], or e.g. one row per layer). ``out_dtype``: the result, rounded as x's
+    dtype rounds, stored in that dtype (``rms_norm(x, w, eps).to(out_dtype)`` in one kernel)."""
     D = x.shape[-1]
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("the last dims must be contiguous")
     (m, h1, h2), (s0, s1, s2) = _lead3(x)
     _, (w0, w1, w2) = _lead3(w.expand(x.shape))
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     _, (t0, t1, t2) = _lead3(y)
     rows = m * h1 * h2
     if rows:
@@ -135,16 +137,19 @@ def rope(
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, BLOCK: tl.constexpr):
+def _silu_mul_kernel(G, U, Y, F, s_g, s_u, s_y, R: tl.constexpr, BLOCK: tl.constexpr):
     m = tl.program_id(0)
     f = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = f < F
-    # gate and up rounded to the output dtype first (a no-op when they already are): what the eager
-    # op computes on the rounded products
-    g = tl.load(G + m * s_g + f, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-    u = tl.load(U + m * s_u + f, mask=mask, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + m * s_y + f, (act * u).to(Y.dtype.element_ty), mask=mask)
+    # gate and up rounded to the op's dtype R first (a no-op when they already are): what the eager
+    # op computes on the rounded products; the result rounded to R, then stored in Y's dtype
+    g = tl.load(G + m * s_g + f, mask=mask, other=0.0).to(R).to(tl.float32)
+    u = tl.load(U + m * s_u + f, mask=mask, other=0.0).to(R).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(R).to(tl.float32)
+    tl.store(Y + m * s_y + f, (act * u).to(R).to(Y.dtype.element_ty), mask=mask)
+
+
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
@@ -153,19 +158,22 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return silu_mul_parts(gu[..., :F], gu[..., F:], gu.dtype)
 
 
-def silu_mul_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def silu_mul_parts(
+    g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, store: torch.dtype | None = None
+) -> torch.Tensor:
     """silu(gate) * up from separate gate and up [..., F] (any float dtype, rows may be strided: an EXL3
-    model's two float32 products) -> [..., F] in ``dtype``, gate and up rounded to it first."""
+    model's two float32 products) -> [..., F] in ``dtype``, gate and up rounded to it first; ``store``:
+    that result stored in this dtype instead (``silu_mul_parts(g, u, dtype).to(store)`` in one kernel)."""
     if g.shape != u.shape:
         raise ValueError(f"gate {list(g.shape)} and up {list(u.shape)} differ")
     F = g.shape[-1]
     g2, u2 = (t.reshape(-1, F) if t.dim() != 2 else t for t in (g, u))
     g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
-    y = torch.empty((g2.shape[0], F), dtype=dtype, device=g.device)
+    y = torch.empty((g2.shape[0], F), dtype=store or dtype, device=g.device)
     if g2.shape[0]:
         block = 1024
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(F, block))](
-            g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block
+            g2, u2, y, F, g2.stride(0), u2.stride(0), y.stride(0), R=_TL[dtype], BLOCK=block
         )
     return y.view(*g.shape[:-1], F)
 

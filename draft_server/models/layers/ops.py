@@ -27,14 +27,16 @@ def _fused(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and x.dim() <= 4
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``out_dtype``: the result (rounded as x's dtype rounds) converted to it, on a GPU in the same kernel."""
     if _fused(x) and x.stride(-1) == 1:
         from draft_server.models.kernels.fused import rms_norm as fused_rms_norm
 
-        return fused_rms_norm(x, w, eps)
+        return fused_rms_norm(x, w, eps, out_dtype)
     xf = x.to(acc_dtype(x.dtype))
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return xf.to(x.dtype) * w
+    y = xf.to(x.dtype) * w
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 def rms_rope(
@@ -63,13 +65,17 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def swiglu_parts(g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """silu(gate) * up in ``dtype`` from separate gate and up products (rounded to ``dtype`` first)."""
+def swiglu_parts(
+    g: torch.Tensor, u: torch.Tensor, dtype: torch.dtype, store: torch.dtype | None = None
+) -> torch.Tensor:
+    """silu(gate) * up in ``dtype`` from separate gate and up products (rounded to ``dtype`` first);
+    ``store``: converted to that dtype (on a GPU in the same kernel)."""
     if _fused(g):
         from draft_server.models.kernels.fused import silu_mul_parts
 
-        return silu_mul_parts(g, u, dtype)
-    return F.silu(g.to(dtype)) * u.to(dtype)
+        return silu_mul_parts(g, u, dtype, store)
+    y = F.silu(g.to(dtype)) * u.to(dtype)
+    return y if store is None else y.to(store)
 
 
 def swiglu_add(
