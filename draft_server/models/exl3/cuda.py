@@ -12,7 +12,8 @@ nor a GPU):
   "precompiled". ``EXL3_INT8_GEMV`` is forced to 0 before the first kernel call: the int8-activation
   GEMV (1.6.5's default for mul1 at K <= 6 on Hopper) is not fp16 parity and not capture-safe.
 - ``Exl3Backend``: the products of ``Exl3Linear`` parts that read one input (``outputs``: the input is
-  converted to fp16 and zero-padded to the 128-multiple once for all of them). Per call a path:
+  converted to fp16 and zero-padded to the 128-multiple once for all of them; ``half_input`` tells the
+  norm or SwiGLU that makes it to store fp16 itself where every part reads that copy). Per call a path:
   ``fused`` runs ``exl3_gemm`` (input Hadamard and suh, in-register trellis decode, mma, output
   Hadamard and svh, all in one kernel; fp32 out, trimmed, bias added; the caller rounds it once, where
   it adds the residual, concatenates or activates). On an H200 the fused kernel matches BF16 at 1-8
