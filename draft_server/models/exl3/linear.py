@@ -38,7 +38,7 @@ class Linear(Protocol):
     in_features: int
     out_features: int
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
     def stored_bytes(self) -> int: ...
 
@@ -312,7 +312,11 @@ def norm_linear(
     """rms_norm(x) @ W.T (+ b) (``ops.norm_linear`` for a dense weight)."""
     if isinstance(w, torch.Tensor):
         return ops.norm_linear(x, norm_w, eps, w, b)
-    y = w.forward(_normed(x, norm_w, eps, _parts(w)), x.dtype) if _parts(w) else w.forward(ops.rms_norm(x, norm_w, eps))
+    parts = _parts(w)
+    if parts is None:  # another kind of module: its own forward
+        y = w.forward(ops.rms_norm(x, norm_w, eps))
+    else:  # the norm may store fp16 for it (``_normed``); the product comes back in x's dtype
+        y = w.forward(_normed(x, norm_w, eps, parts), x.dtype)
     return y if b is None else y + b
 
 

@@ -169,6 +169,9 @@ def silu_mul_parts(
     F = g.shape[-1]
     g2, u2 = (t.reshape(-1, F) if t.dim() != 2 else t for t in (g, u))
     g2, u2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (g2, u2))
+    if dtype not in _TL:  # e.g. float64: the eager op
+        y = torch.nn.functional.silu(g.to(dtype)) * u.to(dtype)
+        return y if store is None else y.to(store)
     y = torch.empty((g2.shape[0], F), dtype=store or dtype, device=g.device)
     if g2.shape[0]:
         block = 1024
