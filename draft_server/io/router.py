@@ -735,7 +735,12 @@ class Router:
         64): what the idle engine reads itself is checked once its replies are out (``Deferred``, which
         a scrape flushes first), holding the rows (their arena slot, ring region) that much longer."""
         owner, taps, dtype, spans = check
-        bad = nonfinite_rows(taps, dtype)
+        try:
+            bad = nonfinite_rows(taps, dtype)
+        except Exception:  # only a metric's input: never a scrape's failure, nor the engine's
+            log.exception("the NaN/Inf sample of a Step's rows failed")
+            self.metrics.io_errors.inc()
+            return
         if not bad.any():  # the common case
             return
         n_bad = sum(int(bad[a:b].sum()) for a, b in spans)

@@ -512,6 +512,25 @@ def test_the_idle_engine_samples_rows_for_nan_after_its_reply(running, monkeypat
     assert srv.metrics.nonfinite_rows._value.get() == 3
 
 
+def test_a_failing_nan_sample_costs_a_metric_not_a_scrape(running, monkeypatch) -> None:
+    """The sample runs wherever the queued updates are flushed (the engine after its replies, a scrape):
+    should it fail, that is logged and counted, and neither a scrape nor the next Step notices."""
+    from draft_server.io import router as router_mod
+
+    def broken(taps, dtype):
+        raise RuntimeError("sample failed")
+
+    monkeypatch.setattr(router_mod, "nonfinite_rows", broken)
+    srv, peer = running()
+    assert wait_for(lambda: srv.router._engine_polling)
+    peer.send_multipart(_nan_step(1, "a", 2))
+    assert _got(peer) == [1]
+    srv.metrics.later.flush()  # as a scrape does: no exception
+    assert wait_for(lambda: srv.metrics.io_errors._value.get() == 1)
+    peer.send_multipart(_nan_step(2, "a", 0))
+    assert _got(peer) == [2]
+
+
 def test_nan_rows_are_counted_for_valid_entries_only() -> None:
     """A Step's NaN/Inf tap rows are counted (a metric and a log line per client) for the entries
     the server takes; the rows of an entry refused as malformed are not."""
