@@ -86,7 +86,9 @@ class ServerMetrics:
         self.replies_dropped = Counter(
             "draft_server_replies_dropped_total", "Replies that could not be sent (peer gone or full)", registry=r
         )
-        self.io_errors = Counter("draft_server_io_errors_total", "Unexpected errors in the I/O thread", registry=r)
+        self.io_errors = Counter(
+            "draft_server_io_errors_total", "Unexpected errors of the I/O path (its thread, the NaN sample)", registry=r
+        )
         self.engine_errors = Counter("draft_server_engine_errors_total", "Engine batches that raised", registry=r)
         self.watchdog_fired = Counter(
             "draft_server_watchdog_fired_total", "Engine iterations over the watchdog", registry=r
