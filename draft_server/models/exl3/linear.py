@@ -273,19 +273,26 @@ def _finish(y: torch.Tensor, x: torch.Tensor, width: int, dtype: torch.dtype | N
     return y.to(dtype or x.dtype).contiguous().view(*x.shape[:-1], width)
 
 
-def _parts(w: Linear) -> list[Exl3Linear | DenseLinear] | None:
-    """The packed sources of a module (None: not a packed module)."""
+def _parts(w: torch.Tensor | Linear) -> list[Exl3Linear | DenseLinear] | None:
+    """The packed sources of a module (None: a dense tensor or another kind of module)."""
     if isinstance(w, FusedLinear):
         return w.parts
     return [w] if isinstance(w, Exl3Linear | DenseLinear) else None
 
 
-def _normed(x: torch.Tensor, norm_w: torch.Tensor, eps: float, consumer: Sequence[Exl3Linear | DenseLinear] | None):
-    """rms_norm(x) for ``consumer``: stored as fp16 where every part would convert it to that first
-    (``half_input``: exllamav3's kernels read fp16), in x's dtype otherwise; the same values either way."""
+def _store_for(consumer: Sequence[Exl3Linear | DenseLinear] | None, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype to store x (values of x's dtype, shaped [..., in]) in for ``consumer``: fp16 where every
+    part would convert it to that first (``half_input``: exllamav3's kernels read fp16), else None (x's
+    own); the same values either way."""
+    if consumer is None or x.dtype == torch.float16:
+        return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    half = consumer is not None and x.dtype != torch.float16 and _backend.half_input(consumer, rows, x.dtype)
-    return ops.rms_norm(x, norm_w, eps, torch.float16 if half else None)
+    return torch.float16 if _backend.half_input(consumer, rows, x.dtype) else None
+
+
+def _normed(x: torch.Tensor, norm_w: torch.Tensor, eps: float, consumer: Sequence[Exl3Linear | DenseLinear] | None):
+    """rms_norm(x) for ``consumer``, stored as ``_store_for`` says."""
+    return ops.rms_norm(x, norm_w, eps, _store_for(consumer, x))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Linear, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -332,18 +339,16 @@ def swiglu_add(
     concatenation, one rounding."""
     if isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor):
         return ops.swiglu_add(h, x, gate_up, down, norm)
-    dtype = x.dtype
+    x0, dtype = x, x.dtype
     if norm is not None:
-        x = _normed(x, norm[0], norm[1], _parts(gate_up) if not isinstance(gate_up, torch.Tensor) else None)
+        x = _normed(x, norm[0], norm[1], _parts(gate_up))
     if (
         isinstance(gate_up, FusedLinear)
         and len(gate_up.parts) == 2
         and gate_up.parts[0].out_features * 2 == (gate_up.out_features)
     ):
         gate, up = gate_up.parts
-        parts = _parts(down) if not isinstance(down, torch.Tensor) else None
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        store = torch.float16 if parts and dtype != torch.float16 and _backend.half_input(parts, rows, dtype) else None
+        store = _store_for(_parts(down), x0)  # the activation has x0's rows and dtype
         act = _backend.swiglu(gate, up, _rows(x, gate_up.in_features), dtype, store)
         act = act.view(*x.shape[:-1], gate.out_features)
     else:
