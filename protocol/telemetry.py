@@ -4,6 +4,7 @@ the server's step latency bucket by bucket (seconds; the RPC hop lives below a m
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,14 +45,19 @@ class Deferred:
     atomic). Each side flushes where it waits anyway (the client's caller once its Step is out, the
     server's engine once its replies are), on a timer, when more than ``bound`` are queued, and at
     every scrape: registered on a registry before the metrics it feeds (``collect`` flushes and
-    yields nothing), so a scrape, or ``get_sample_value``, never sees an update still queued.
+    yields nothing), so a scrape, or ``get_sample_value``, never sees an update still queued or still
+    being applied by another flusher.
     No prometheus import: any object with ``collect``/``describe`` is a collector to a registry."""
 
-    __slots__ = ("_q", "bound")
+    __slots__ = ("_flushing", "_q", "bound")
 
     def __init__(self, bound: int = 4096) -> None:
         self._q: deque[tuple[Callable[[Any], Any], Any]] = deque()
         self.bound = bound
+        # flushes run one at a time: one that finds the queue empty has waited for the updates another
+        # flusher took out and is still applying (a long one: the server's NaN sample), so a scrape's
+        # flush returns only once every update queued before it is applied
+        self._flushing = threading.RLock()
 
     def later(self, fn: Callable[[Any], Any], value: Any) -> None:
         q = self._q
@@ -77,12 +83,10 @@ class Deferred:
 
     def flush(self) -> None:
         q = self._q
-        while q:
-            try:
-                fn, value = q.popleft()
-            except IndexError:  # another thread took the last one
-                return
-            fn(value)
+        with self._flushing:
+            while q:
+                fn, value = q.popleft()  # only flushers pop, one at a time
+                fn(value)
 
     def __len__(self) -> int:
         return len(self._q)

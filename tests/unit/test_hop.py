@@ -64,6 +64,26 @@ def test_deferred_updates_are_applied_exactly_once_by_concurrent_flushers() -> N
     assert reg.get_sample_value("hop_updates_total") == n * writers
 
 
+def test_a_flush_returns_only_once_an_update_another_flusher_is_applying_is_done() -> None:
+    """A scrape's flush that finds the queue empty while another thread applies a long update (the
+    server's NaN sample) waits for it: it never reads the metric before that update lands."""
+    d = Deferred()
+    started, done = threading.Event(), []
+
+    def slow(v) -> None:
+        started.set()
+        threading.Event().wait(0.2)
+        done.append(v)
+
+    d.later(slow, 1)
+    t = threading.Thread(target=d.flush)
+    t.start()
+    assert started.wait(5)
+    d.flush()  # the queue is empty now; the update is still being applied
+    assert done == [1]
+    t.join()
+
+
 def test_a_registry_applies_what_is_queued_before_it_reads() -> None:
     reg = CollectorRegistry()
     d = Deferred()
