@@ -9,6 +9,7 @@
 #   bench   draft_tools.bench.draft_step_gpu --presets k3 --skip prefill,server,exact -> $OUT/draft_step.json
 #   fused   draft_tools.bench.fused_step: the step with the fused kernels vs before them -> $OUT/fused_step.json
 #   timeline draft_tools.bench.step_timeline: a step's host phases and GPU gaps -> $OUT/step_timeline.json (+ traces)
+#   anatomy draft_tools.bench.step_anatomy --parts anatomy: a step's kernels by op and shape -> $OUT/step_anatomy.json
 #   all     test, then step
 #   pack SRC CUTLASS   (here, not on the device) .flashmla/flashmla_src.tgz from a deepseek-ai/FlashMLA
 #           checkout and a CUTLASS checkout at FlashMLA's submodule pin (only what the build reads)
@@ -65,15 +66,20 @@ run_fused() {
 run_timeline() {
     timeout "$(left)" python3 -m draft_tools.bench.step_timeline --out "$OUT/step_timeline.json" "$@" 2>&1 | grep -v Warn
 }
+run_anatomy() {
+    timeout "$(left)" python3 -m draft_tools.bench.step_anatomy --parts anatomy --out "$OUT/step_anatomy.json" "$@" \
+        2>&1 | grep -v Warn
+}
 case "$task" in
     test) run_test "$@" ;;
+    anatomy) run_anatomy "$@" ;;
     timeline) run_timeline "$@" ;;
     fused) run_fused "$@" ;;
     probe) run_probe "$@" ;;
     step) run_step "$@" ;;
     bench) run_bench "$@" ;;
     all) run_test && run_step "$@" ;;
-    *) echo "unknown task $task (test, probe, step, bench, fused, timeline, all, pack)"; exit 2 ;;
+    *) echo "unknown task $task (test, probe, step, bench, fused, timeline, anatomy, all, pack)"; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

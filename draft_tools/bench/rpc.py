@@ -12,6 +12,8 @@ same run, against one server process bound to tcp and ipc at once:
   caller writes each step's rows into a region of the ring it claims, untimed as a target's
   device-to-host copy, and the client sends them where they lie), reporting the client's wait,
   the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
+* with grpcio installed: a gRPC unary echo of the same bytes ("k3" only; ``peers``' echo server),
+  the design issue 12 measures us against, beside each product row as ``grpc_over_product``;
 * with CUDA: ``ipc+cuda_ipc`` too ("k3" only): the rows on the GPU, copied device to device through
   the client's CUDA IPC buffer (the checksum server declares the GPU; its digests then include a
   device-to-host copy, which is compute, not overhead), set beside its own floor: the same bytes
@@ -121,6 +123,14 @@ def spawn(mode: str, endpoint: str, *extra: str) -> subprocess.Popen:
     )
     assert p.stdout is not None and p.stdout.readline().startswith("READY")
     return p
+
+
+def grpc_available() -> bool:
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -275,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     echoes = [spawn("echo", ep) for ep in echo_eps.values()]
     if cuda:  # the CUDA IPC floor's importer (on the same GPU as the checksum server)
         echoes.append(cuda_floor_server(f"ipc://{tmp}/floor.sock"))
+    gport = 0
+    if grpc_available():
+        from draft_tools.bench.peers import grpc_echo_ms
+        from draft_tools.bench.peers import spawn as spawn_peers
+
+        gport = free_port()
+        echoes.append(spawn_peers(["--grpc-echo", str(gport)]))
     spin = ["--idle-spin-ms", str(args.idle_spin_ms)]
     srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}", *spin)
     ep_srv = runs[0][1]
@@ -296,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                     from draft_tools.bench.cuda_ipc import floor_rtt
 
                     floors["cuda_ipc"] = floor_rtt(f"ipc://{tmp}/floor.sock", 0, n, width, args.iters, 20)
+                grpc_ms = grpc_echo_ms(gport, n, width, args.iters) if gport and rows == 3 else None
                 mb = n * rows * width * 2 / 1e6
                 for name, ep, transport, floor_of, spin_ms in runs:
                     if transport in ("shm", "shm_in_place", "cuda_ipc") and not rows:
@@ -303,11 +321,15 @@ def main(argv: list[str] | None = None) -> int:
                     prod = bench_product(ep, n, rows, args.iters, transport, gap, spin_ms)
                     floor = floors[floor_of]
                     row = {"payload": payload, "sessions": n, "mb_per_step": round(mb, 3), "transport": name}
+                    if grpc_ms is not None:
+                        row |= {"grpc_echo_p50_ms": round(grpc_ms, 4)}
+                        row["grpc_over_product"] = round(grpc_ms / prod["wait_p50_ms"], 3)
                     results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
                     print(
                         f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:29s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
                         f" | client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | compute "
-                        f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms",
+                        f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms"
+                        + (f" | grpc echo {grpc_ms:7.3f} ms" if grpc_ms is not None else ""),
                         flush=True,
                     )
     finally:
@@ -333,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.endpoint
             else "tcp loopback, ipc, ipc+shm, ipc+shm in place" + (", ipc+cuda_ipc (GPU 0)" if cuda else "")
         ),
+        "grpc_echo": "grpcio unary echo, the same bytes (k3 payload)" if gport else "not measured: no grpcio",
         "results": results,
     }
     with open(args.out, "w") as f:
