@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from draft_server.drafters.checksum import expected_drafts
+from protocol import Status
 from target_client import ClientConfig, ContractMismatchError, DraftClient, DraftReply, StepRequest
 from tests.conftest import (
     CHECKSUM_CONTRACT,
@@ -66,14 +67,19 @@ class Context:
 def check_step(
     ctx: dict[str, Context], end: dict[str, int], reqs: list[StepRequest], taps: np.ndarray, out: list[DraftReply]
 ) -> tuple[int, list[str]]:
-    """Add each request's rows to its session's context; returns (answered replies, their drafts that
-    differ from ``expected_drafts``, described)."""
+    """Add each request's rows to its session's context; returns (replies drafted, their drafts that
+    differ from ``expected_drafts``, described). A reply other than OK (EXPIRED: the server saw the
+    budget would pass before drafting, e.g. its draft-time estimate just after a pause) must carry no
+    drafts; a missed step (no status) none either."""
     answered, wrong, off = 0, [], 0
     for r, o in zip(reqs, out, strict=True):
         ctx[r.session].add(r.pos, taps[off : off + r.rows])
         off += r.rows
         end[r.session] += r.rows
-        if o.status is not None:
+        if o.status is not Status.OK:
+            if o.tokens:
+                wrong.append(f"{r.session} at {r.pos}: drafts {o.tokens} with status {o.status}")
+        else:
             want = ctx[r.session].drafts(r.anchor, r.k)
             if o.tokens != want:
                 wrong.append(f"{r.session} at {r.pos}: {o.tokens} != {want}")
