@@ -36,35 +36,14 @@ from typing import Any
 import numpy as np
 import zmq
 
+from draft_tools.bench import grpc_echo
 from draft_tools.common import free_port
 
 SESSIONS = (1, 4, 16, 64)
 ROWS, K, CALLERS = 3, 7, 16
-REPLY = b"\0" * 64
-GRPC_METHOD = "/bench.Echo/Echo"
 
 
 # ------------------------------------------------------------------------------ servers
-
-
-def serve_grpc_echo(port: int) -> None:
-    from concurrent import futures
-
-    import grpc
-
-    handler = grpc.method_handlers_generic_handler(
-        "bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(lambda req, ctx: REPLY)}
-    )
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4),
-        options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
-    )
-    server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    print("READY", flush=True)
-    sys.stdin.read()
-    server.stop(0)
 
 
 def serve_reqrep(endpoint: str, model: str, device: str) -> None:
@@ -184,22 +163,6 @@ def zmq_echo_ms(endpoint: str, n: int, width: int, iters: int) -> float:
         return _median_ms(once, iters)
     finally:
         s.close()
-
-
-def grpc_echo_ms(port: int, n: int, width: int, iters: int) -> float:
-    import grpc
-
-    ch = grpc.insecure_channel(
-        f"127.0.0.1:{port}",
-        options=[("grpc.max_receive_message_length", 1 << 30), ("grpc.max_send_message_length", 1 << 30)],
-    )
-    call = ch.unary_unary(GRPC_METHOD)
-    # gRPC carries one bytes message: the same bytes, joined (serialisation is part of its cost)
-    frames = step_bytes(n, width)
-    try:
-        return _median_ms(lambda: call(b"".join(bytes(memoryview(f)) for f in frames)), iters)
-    finally:
-        ch.close()
 
 
 def ours_ms(endpoint: str, n: int, width: int, iters: int) -> dict[str, float]:
@@ -344,12 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the concurrency comparison's path: frames over tcp, or shm (ours over ipc with rows in place in "
         "the callers' rings, REQ/REP over ipc)",
     )
-    ap.add_argument("--grpc-echo", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--reqrep", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.grpc_echo:
-        serve_grpc_echo(args.grpc_echo)
-        return 0
     if args.reqrep:
         serve_reqrep(args.reqrep, args.model, args.device)
         return 0
@@ -373,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     procs = [spawn_rpc("echo", ep_echo), spawn_server(bind, args.model, args.device, args.server_args.split())]
     if not args.no_round_trip:  # the gRPC echo is one of the round trip's sides only
-        procs.append(spawn(["--grpc-echo", str(gport)]))
+        procs.append(grpc_echo.spawn(gport))
     try:
         from target_client import ClientConfig, DraftClient
 
@@ -386,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in () if args.no_round_trip else SESSIONS:
             row = {"sessions": n, "mb": n * ROWS * width * 2 / 1e6}
             row["zmq_echo_ms"] = zmq_echo_ms(ep_echo, n, width, args.iters)
-            row["grpc_echo_ms"] = grpc_echo_ms(gport, n, width, args.iters)
+            row["grpc_echo_ms"] = grpc_echo.echo_ms(gport, step_bytes(n, width), args.iters)
             row.update({f"ours_{k}": v for k, v in ours_ms(ep_srv, n, width, args.iters).items()})
             row["ours_over_zmq_echo"] = row["ours_wait_ms"] / row["zmq_echo_ms"]
             row["grpc_over_ours"] = row["grpc_echo_ms"] / row["ours_wait_ms"]

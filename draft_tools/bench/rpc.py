@@ -12,7 +12,7 @@ same run, against one server process bound to tcp and ipc at once:
   caller writes each step's rows into a region of the ring it claims, untimed as a target's
   device-to-host copy, and the client sends them where they lie), reporting the client's wait,
   the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
-* with grpcio installed: a gRPC unary echo of the same bytes ("k3" only; ``peers``' echo server),
+* with grpcio installed: a gRPC unary echo of the same bytes ("k3" only; ``grpc_echo``),
   the design issue 12 measures us against, beside each product row as ``grpc_over_product``;
 * with CUDA: ``ipc+cuda_ipc`` too ("k3" only): the rows on the GPU, copied device to device through
   the client's CUDA IPC buffer (the checksum server declares the GPU; its digests then include a
@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from draft_tools.bench import grpc_echo
 from draft_tools.common import free_port
 from protocol import DType, ModelContract
 
@@ -125,31 +126,28 @@ def spawn(mode: str, endpoint: str, *extra: str) -> subprocess.Popen:
     return p
 
 
-def grpc_available() -> bool:
-    try:
-        import grpc  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def pct(xs: list[float], q: float) -> float:
     return round(float(np.percentile(np.asarray(xs), q)), 4)
 
 
-def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.tap_width, gap_s: float = 0.0) -> dict:
+def step_frames(n: int, rows: int, width: int, call_id: int = 1) -> list:
+    """The frames of a Step of ``n`` sessions with ``rows`` rows each (header + rows), encoded by our codec."""
     from protocol import Step, StepEntry, encode, spec_for
 
+    taps = np.ones((n * rows, width), np.uint16) if rows else None
+    entries = tuple(StepEntry(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n))
+    spec = spec_for(taps, DType.BF16, 0) if taps is not None else None
+    return encode(Step(call_id, 1000.0, entries, spec), [taps] if taps is not None else [])
+
+
+def bench_floor(endpoint: str, n: int, rows: int, iters: int, width: int = K3.tap_width, gap_s: float = 0.0) -> dict:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.connect(endpoint)
-    taps = np.ones((n * rows, width), np.uint16) if rows else None
-    entries = tuple(StepEntry(f"s{i}", 0, rows, 1, K3.block_size) for i in range(n))
     waits = []
     for it in range(iters + 20):
-        msg = Step(it, 1000.0, entries, spec_for(taps, DType.BF16, 0) if taps is not None else None)
-        frames = encode(msg, [taps] if taps is not None else [])
+        frames = step_frames(n, rows, width, it)
         t = time.perf_counter()
         s.send_multipart(frames, copy=False)
         s.recv_multipart()
@@ -286,12 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:  # the CUDA IPC floor's importer (on the same GPU as the checksum server)
         echoes.append(cuda_floor_server(f"ipc://{tmp}/floor.sock"))
     gport = 0
-    if grpc_available():
-        from draft_tools.bench.peers import grpc_echo_ms
-        from draft_tools.bench.peers import spawn as spawn_peers
-
+    if grpc_echo.available():
         gport = free_port()
-        echoes.append(spawn_peers(["--grpc-echo", str(gport)]))
+        echoes.append(grpc_echo.spawn(gport))
     spin = ["--idle-spin-ms", str(args.idle_spin_ms)]
     srv = None if args.endpoint else spawn("serve", f"{runs[0][1]},{runs[1][1]}", *spin)
     ep_srv = runs[0][1]
@@ -313,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                     from draft_tools.bench.cuda_ipc import floor_rtt
 
                     floors["cuda_ipc"] = floor_rtt(f"ipc://{tmp}/floor.sock", 0, n, width, args.iters, 20)
-                grpc_ms = grpc_echo_ms(gport, n, width, args.iters) if gport and rows == 3 else None
+                grpc_ms = grpc_echo.echo_ms(gport, step_frames(n, rows, width), args.iters) if gport and rows else None
                 mb = n * rows * width * 2 / 1e6
                 for name, ep, transport, floor_of, spin_ms in runs:
                     if transport in ("shm", "shm_in_place", "cuda_ipc") and not rows:
