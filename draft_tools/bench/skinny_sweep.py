@@ -24,6 +24,7 @@ import itertools
 import json
 import platform
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -155,11 +156,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="bench/results/skinny_sweep_h200.json")
     ap.add_argument("--presets", default="k3,qwen3-8b")
+    ap.add_argument("--rows", default="", help="block rows to sweep instead of 7,14,28,56 (112: 16 sessions)")
+    ap.add_argument("--shapes", default="", help="only these GEMMs (names, e.g. o_proj,down); default all")
     args = ap.parse_args()
+    block_rows = tuple(int(r) for r in args.rows.split(",")) if args.rows else BLOCK_ROWS
+    only = set(args.shapes.split(",")) if args.shapes else None
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     res: dict[str, Any] = {
-        "command": "python3 -m draft_tools.bench.skinny_sweep " + f"--presets {args.presets}",
+        "command": "python3 -m draft_tools.bench.skinny_sweep " + " ".join(sys.argv[1:]),
         "machine": {
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -171,7 +176,9 @@ def main() -> None:
     }
     for preset in args.presets.split(","):
         for name, out, inp, r, rows_list in SHAPES[preset]:
-            for rows in rows_list:
+            if only is not None and name not in only:
+                continue
+            for rows in block_rows if rows_list is BLOCK_ROWS else rows_list:
                 t0 = time.perf_counter()
                 d = sweep_shape(out, inp, r, rows, CONFIGS)
                 res["shapes"][f"{preset}/{name}/{rows}"] = d

@@ -38,7 +38,7 @@ def _tol(dtype: torch.dtype) -> dict[str, float]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("split", [1, 2, 4])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("M", [1, 7, 16, 33])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 112])
 def test_skinny_gemm_computes_the_product_the_same_way_every_call(
     M: int, residual: bool, split: int, dtype: torch.dtype
 ) -> None:
@@ -62,8 +62,8 @@ def test_skinny_gemm_reads_row_strided_operands_in_place() -> None:
 
 def test_skinny_gemm_refuses_shapes_it_was_not_made_for() -> None:
     cfg = SkinnyConfig(block_n=32, block_k=64, split=2)
-    with pytest.raises(ValueError, match="at most 64 rows"):
-        SkinnyGemm(65, N, K, cfg, DEV)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        SkinnyGemm(129, N, K, cfg, DEV)
     with pytest.raises(ValueError, match="multiple of split x block_k"):
         SkinnyGemm(7, N, 192, cfg, DEV)
     assert not SkinnyGemm.fits(7, 192, cfg) and SkinnyGemm.fits(7, 256, cfg)

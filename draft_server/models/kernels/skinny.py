@@ -1,4 +1,4 @@
-"""Skinny weight GEMMs of the draft step (Triton): y = x @ w.T (+ h) for a few rows (M <= 64).
+"""Skinny weight GEMMs of the draft step (Triton): y = x @ w.T (+ h) for a few rows (M <= 128).
 
 At decode batch sizes (7-56 rows) a weight GEMM is a stream over the weight, and cuBLAS's
 kernels for such shapes leave HBM bandwidth unused on an H200 (K3's down projection at 7 rows:
@@ -89,7 +89,7 @@ class SkinnyGemm:
     """One GEMM shape (rows, out, in) with its launch shape and its own partials and counters
     (kept for the life of the CUDA graphs that replay it; calls on one stream may share it)."""
 
-    MAX_ROWS = 64
+    MAX_ROWS = 128  # one row tile (``block_m``); the tuner offers it up to ``gemm.SKINNY_ROWS``
 
     def __init__(self, rows: int, out: int, inp: int, cfg: SkinnyConfig, device: torch.device) -> None:
         if rows > self.MAX_ROWS:
