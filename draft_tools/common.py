@@ -1,5 +1,5 @@
 """Small helpers every tool shares: a free loopback port, a /metrics scrape, a served subprocess,
-a report written."""
+a served subprocess's READY, a median timing, a report written."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from typing import IO, Any
 
 _PORTS_HANDED: set[int] = set()
@@ -80,6 +82,31 @@ def label_values(metrics: dict[str, float], name: str, label: str) -> dict[str, 
         if k.startswith(prefix) and key in k:
             out[k.split(key, 1)[1].split('"', 1)[0]] = v
     return out
+
+
+def spawn_ready(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """``cmd`` in a child process (stdin a pipe unless ``popen`` says otherwise), returned once it printed
+    its READY line; what it prints after that is read and dropped. RuntimeError if it exits before."""
+    popen.setdefault("stdin", subprocess.PIPE)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **popen)
+    assert p.stdout is not None
+    for line in p.stdout:
+        if line.startswith("READY"):
+            threading.Thread(target=p.stdout.read, daemon=True).start()
+            return p
+    raise RuntimeError(f"{' '.join(cmd[2:4])} exited before READY")
+
+
+def median_ms(fn: Callable[[], Any], iters: int, warmup: int = 10) -> float:
+    """Median wall ms of ``fn()`` over ``iters`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1000)
+    return statistics.median(ts)
 
 
 def start_server(

@@ -8,13 +8,12 @@ message per call, a Step's frames joined (gRPC carries one message: the join is 
 
 from __future__ import annotations
 
-import statistics
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
+
+from draft_tools.common import median_ms, spawn_ready
 
 REPLY = b"\0" * 64
 METHOD = "/bench.Echo/Echo"
@@ -48,18 +47,7 @@ def serve(port: int) -> None:
 
 def spawn(port: int) -> subprocess.Popen:
     """The echo server in a child process, once it serves (kill it when done)."""
-    p = subprocess.Popen(
-        [sys.executable, "-m", "draft_tools.bench.grpc_echo", str(port)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("READY"):
-            threading.Thread(target=p.stdout.read, daemon=True).start()
-            return p
-    raise RuntimeError("the gRPC echo server exited before READY")
+    return spawn_ready([sys.executable, "-m", "draft_tools.bench.grpc_echo", str(port)])
 
 
 def echo_ms(port: int, frames: Sequence[Any], iters: int) -> float:
@@ -69,18 +57,8 @@ def echo_ms(port: int, frames: Sequence[Any], iters: int) -> float:
     ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS)
     call = ch.unary_unary(METHOD)
 
-    def once() -> None:
-        call(b"".join(bytes(memoryview(f)) for f in frames))
-
     try:
-        for _ in range(10):
-            once()
-        ts = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            once()
-            ts.append((time.perf_counter() - t) * 1000)
-        return statistics.median(ts)
+        return median_ms(lambda: call(b"".join(bytes(memoryview(f)) for f in frames)), iters)
     finally:
         ch.close()
 

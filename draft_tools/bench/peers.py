@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -37,7 +36,9 @@ import numpy as np
 import zmq
 
 from draft_tools.bench import grpc_echo
-from draft_tools.common import free_port
+from draft_tools.bench.rpc import spawn as spawn_rpc
+from draft_tools.bench.rpc import step_frames
+from draft_tools.common import free_port, median_ms, spawn_ready
 
 SESSIONS = (1, 4, 16, 64)
 ROWS, K, CALLERS = 3, 7, 16
@@ -88,18 +89,7 @@ def serve_reqrep(endpoint: str, model: str, device: str) -> None:
 
 
 def spawn(args: list[str]) -> subprocess.Popen:
-    p = subprocess.Popen(
-        [sys.executable, "-m", "draft_tools.bench.peers", *args],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("READY"):
-            threading.Thread(target=p.stdout.read, daemon=True).start()
-            return p
-    raise RuntimeError(f"{args[0]} exited before READY")
+    return spawn_ready([sys.executable, "-m", "draft_tools.bench.peers", *args])
 
 
 def spawn_server(endpoint: str, model: str, device: str, extra: list[str], tree: str | None = None) -> subprocess.Popen:
@@ -108,45 +98,21 @@ def spawn_server(endpoint: str, model: str, device: str, extra: list[str], tree:
     if model == "checksum":  # K3-size taps, the checksum drafter (draft-bench's server)
         if tree is not None:
             raise ValueError("--baseline-tree needs a --model the draft-server CLI serves (not checksum)")
-        from draft_tools.bench.rpc import spawn as spawn_rpc
-
         return spawn_rpc("serve", endpoint)
     port = free_port()
     cmd = [sys.executable, "-m", "draft_server", "serve", "--bind", endpoint, "--metrics-port", str(port)]
     cmd += ["--model", model, "--device", device, "--max-batch-sessions", "64", *extra]
-    p = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tree
-    )
-    assert p.stdout is not None
-    for line in p.stdout:
-        if line.startswith("READY"):
-            threading.Thread(target=p.stdout.read, daemon=True).start()
-            p.metrics_port = port  # type: ignore[attr-defined]
-            return p
-    raise RuntimeError("draft-server exited before READY")
+    p = spawn_ready(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=tree)
+    p.metrics_port = port  # type: ignore[attr-defined]
+    return p
 
 
 # ------------------------------------------------------------------------------ clients
 
 
-def _median_ms(fn: Any, iters: int) -> float:
-    for _ in range(10):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1000)
-    return statistics.median(ts)
-
-
 def step_bytes(n: int, width: int) -> list[Any]:
-    """The frames of a K3-size Step of n sessions (header + rows), encoded by our codec."""
-    from protocol import DType, Step, StepEntry, encode, spec_for
-
-    taps = np.ones((n * ROWS, width), np.uint16)
-    entries = tuple(StepEntry(f"s{i}", 0, ROWS, 1, K) for i in range(n))
-    return encode(Step(1, 1000.0, entries, spec_for(taps, DType.BF16, 0)), [taps])
+    """The frames of a K3-size Step of n sessions (header + ROWS rows each), encoded by our codec."""
+    return step_frames(n, ROWS, width)
 
 
 def zmq_echo_ms(endpoint: str, n: int, width: int, iters: int) -> float:
@@ -160,7 +126,7 @@ def zmq_echo_ms(endpoint: str, n: int, width: int, iters: int) -> float:
         s.recv_multipart()
 
     try:
-        return _median_ms(once, iters)
+        return median_ms(once, iters)
     finally:
         s.close()
 
@@ -180,7 +146,7 @@ def ours_ms(endpoint: str, n: int, width: int, iters: int) -> dict[str, float]:
             comp.append(client.last_timing.compute_ms)
 
     try:
-        wait = _median_ms(once, iters)
+        wait = median_ms(once, iters)
         return {"wait_ms": wait, "compute_ms": statistics.median(comp), "overhead_ms": wait - statistics.median(comp)}
     finally:
         client.free([r.session for r in reqs])
@@ -312,8 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.reqrep:
         serve_reqrep(args.reqrep, args.model, args.device)
         return 0
-    from draft_tools.bench.rpc import spawn as spawn_rpc
-
     ep_srv, ep_echo, ep_rr = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
     bind, ep_conc = ep_srv, ep_srv  # where the server listens; where the concurrent callers call it
     ipc_dir = ""
