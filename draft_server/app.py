@@ -148,7 +148,7 @@ class DraftServer:
         )
         self.endpoint = self.router.endpoint
         r = self.router
-        self.engine.attach_socket(r.fd, r.engine_take, r.engine_serve, r.engine_leave)
+        self.engine.attach_socket(r.engine_fds, r.engine_take, r.engine_serve, r.engine_leave)
         self._running = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="draft-watchdog", daemon=True)
         self._overrun = False

@@ -97,6 +97,9 @@ class ServerMetrics:
         self.shm_rings = Gauge(
             "draft_server_shm_rings", "Clients' shared-memory rings mapped now (transport shm)", registry=r
         )
+        self.direct_links = Gauge(
+            "draft_server_direct_links", "Clients' same-host direct links bound now (transport shm)", registry=r
+        )
         self.cuda_ipc_buffers = Gauge(
             "draft_server_cuda_ipc_buffers", "Clients' CUDA IPC buffers imported now (transport cuda_ipc)", registry=r
         )

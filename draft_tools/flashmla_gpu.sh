@@ -10,6 +10,7 @@
 #   fused   draft_tools.bench.fused_step: the step with the fused kernels vs before them -> $OUT/fused_step.json
 #   timeline draft_tools.bench.step_timeline: a step's host phases and GPU gaps -> $OUT/step_timeline.json (+ traces)
 #   anatomy draft_tools.bench.step_anatomy --parts anatomy: a step's kernels by op and shape -> $OUT/step_anatomy.json
+#   py MOD ARGS  python3 -m MOD ARGS with FlashMLA built (each MOD's --out under $OUT is the caller's to pass)
 #   all     test, then step
 #   pack SRC CUTLASS   (here, not on the device) .flashmla/flashmla_src.tgz from a deepseek-ai/FlashMLA
 #           checkout and a CUTLASS checkout at FlashMLA's submodule pin (only what the build reads)
@@ -70,7 +71,9 @@ run_anatomy() {
     timeout "$(left)" python3 -m draft_tools.bench.step_anatomy --parts anatomy --out "$OUT/step_anatomy.json" "$@" \
         2>&1 | grep -v Warn
 }
+run_py() { timeout "$(left)" python3 -m "$@" 2>&1 | grep -v Warn; }
 case "$task" in
+    py) run_py "$@" ;;
     test) run_test "$@" ;;
     anatomy) run_anatomy "$@" ;;
     timeline) run_timeline "$@" ;;
@@ -79,7 +82,7 @@ case "$task" in
     step) run_step "$@" ;;
     bench) run_bench "$@" ;;
     all) run_test && run_step "$@" ;;
-    *) echo "unknown task $task (test, probe, step, bench, fused, timeline, anatomy, all, pack)"; exit 2 ;;
+    *) echo "unknown task $task (test, probe, step, bench, fused, timeline, anatomy, py, all, pack)"; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"

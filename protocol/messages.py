@@ -302,6 +302,10 @@ class Welcome(_Message, tag="welcome"):
     ring: str = ""  # the name of the Hello's ring or CUDA IPC buffer, mapped ("" : none asked for)
     features: tuple[str, ...] = ()  # optional behaviours this server has, e.g. FEATURE_EARLY_TAPS
     weights: Weights = Weights()  # the drafter's weight format (older servers: unknown)
+    # transport "shm": a same-host direct link for header-only messages (``protocol.direct``): the
+    # listening socket's abstract name and the token that binds a connection to this client ("": none)
+    direct: str = ""
+    direct_token: bytes = b""
 
 
 class Step(_Message, tag="step"):

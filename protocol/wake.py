@@ -1,4 +1,5 @@
-"""``WakePipe``: the self-pipe both sides' threads ring to end another thread's ``select.poll``.
+"""``WakePipe``: the self-pipe both sides' threads ring to end another thread's ``select.poll``;
+``repoll``: a poll's descriptors changed to a new set.
 
 One byte written ends the poll that watches ``fd``; a full pipe means a wake-up is pending already,
 so a ring never blocks and never fails. ``close`` takes the same lock a ring writes under, so a late
@@ -9,7 +10,18 @@ and by the client's I/O loop (its thread, and a caller that watches the socket i
 from __future__ import annotations
 
 import os
+import select
 import threading
+
+
+def repoll(poller: select.poll, polled: set[int], want: set[int]) -> set[int]:
+    """Make ``poller`` watch exactly ``want`` (for input) where it watched ``polled``; returns ``want``."""
+    if want != polled:
+        for fd in polled - want:
+            poller.unregister(fd)
+        for fd in want - polled:
+            poller.register(fd, select.POLLIN)
+    return want
 
 
 class WakePipe:

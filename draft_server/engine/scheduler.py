@@ -84,7 +84,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +119,9 @@ class _Cadence:
     def due(self) -> float:
         """When its next drafting call is given up on (1.25 turnarounds + 50 us after the reply)."""
         return self.reply_t + 1.25 * self.turn_s + 5e-5
+
+
+_Watch = tuple[Callable[[], Sequence[int]], Callable[[], bool], Callable[[], None], Callable[[], None]]
 
 
 class Engine:
@@ -161,8 +164,8 @@ class Engine:
         self._idle = False  # the engine waits on the bell (or is about to)
         self._poll = select.poll()
         self._poll.register(self._bell.fd, select.POLLIN)
-        # the socket an idle engine watches itself: (its FD, take it, read it, leave it); None: the bell only
-        self._socket: tuple[int, Callable[[], bool], Callable[[], None], Callable[[], None]] | None = None
+        # the socket an idle engine watches itself: (its FDs, take it, read it, leave it); None: the bell only
+        self._socket: _Watch | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="draft-engine", daemon=True)
         self._draft_ewma_s = 0.0  # recent decode-batch time, to skip work that cannot meet its budget
@@ -206,15 +209,20 @@ class Engine:
             self._bell.ring()
 
     def attach_socket(
-        self, fd: int, take: Callable[[], bool], serve: Callable[[], None], leave: Callable[[], None]
+        self,
+        fds: Callable[[], Sequence[int]],
+        take: Callable[[], bool],
+        serve: Callable[[], None],
+        leave: Callable[[], None],
     ) -> None:
-        """Watch the socket while idle (before ``start``): ``fd`` its ZMQ_FD, ``take()`` makes the
+        """Watch the socket while idle (before ``start``): ``fds()`` what to poll (its ZMQ_FD and the
+        direct links' descriptors, read at each wait), ``take()`` makes the
         engine the one watching it (False: not now), ``serve()`` reads what waits, as the I/O
         thread would (the work it admits lands in this engine's inbox), ``leave()`` hands it back
         before a batch expected to be long (``LONG_BATCH_S``). Not with a batch window (the engine
         sleeps through it, so the socket would go unread)."""
         if not self.window_s:
-            self._socket = (fd, take, serve, leave)
+            self._socket = (fds, take, serve, leave)
 
     def reply_now(self, call: Call) -> None:
         """Used by the I/O thread for a call it answered completely itself (no entry left to draft)."""
@@ -248,10 +256,11 @@ class Engine:
         self._idle = True  # announced before the inbox is read: work queued after the read rings the bell
         sock = self._socket
         watch = sock is not None and sock[1]()
-        if watch:
-            self._poll.register(sock[0], select.POLLIN)  # type: ignore[index]
+        watched: Sequence[int] = sock[0]() if watch else ()  # type: ignore[index]
+        for fd in watched:
+            self._poll.register(fd, select.POLLIN)
         try:
-            fds = [self._bell.fd, sock[0]] if watch else [self._bell.fd]  # type: ignore[index]
+            fds = [self._bell.fd, *watched]
             ready: list[int] = []
             until = time.monotonic() + timeout_s
             if self.spin_s and max(fds) < 1024:  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
@@ -270,8 +279,9 @@ class Engine:
             if self._bell.fd in ready:
                 self._bell.drain()
         finally:
+            for fd in watched:
+                self._poll.unregister(fd)
             if watch:
-                self._poll.unregister(sock[0])  # type: ignore[index]
                 sock[2]()  # type: ignore[index]  # read what came (it lands in the inbox), or give the socket back
             self._idle = False
 

@@ -79,6 +79,7 @@ from draft_server.config import ServerConfig
 from draft_server.engine import Call, Engine, Work
 from draft_server.io.arena import Arena
 from draft_server.io.cuda_ipc import CudaBuffers
+from draft_server.io.direct import DirectLinks
 from draft_server.io.rings import Rings
 from draft_server.metrics import ServerMetrics
 from protocol import (
@@ -104,6 +105,7 @@ from protocol import (
     Welcome,
     WireOffer,
     decode_request,
+    direct,
     encode,
     validate_step,
 )
@@ -112,7 +114,7 @@ from protocol.cuda_ipc import PREFIX as CUDA_IPC_PREFIX
 from protocol.cuda_ipc import refusal as cuda_ipc_refusal
 from protocol.messages import Request
 from protocol.shm import refusal as transport_refusal
-from protocol.wake import WakePipe
+from protocol.wake import WakePipe, repoll
 from protocol.wire import BF16_ONLY, SCALE_BYTES, refusal, row_layout
 
 log = logging.getLogger("draft_server.io")
@@ -225,6 +227,12 @@ class Router:
             self.transports = (*self.transports, Transport.CUDA_IPC.value)
         self.endpoints: list[str] = []
         self._sock = self._make_socket()
+        self.direct: DirectLinks | None = None  # same-host direct links, offered with transport shm
+        if cfg.shm and direct.available():
+            try:
+                self.direct = DirectLinks(metrics.direct_links)
+            except OSError as e:  # clients stay on ZeroMQ alone
+                log.warning("no direct links: %s", e)
         self.endpoint = ",".join(self.endpoints)
         self.arena: Arena | None = None  # Step tap frames land here (made once bound: a failed bind pins nothing)
         if cfg.arena_mib > 0:
@@ -301,6 +309,8 @@ class Router:
         with self._lock:  # a reply the engine sends from now on is dropped, never sent on a closed socket
             self._closed = True
             self._sock.close(linger=0)
+            if self.direct is not None:
+                self.direct.close()
         self.rings.close()
         self.cuda_ipc.close()
         if self.arena is not None:
@@ -324,8 +334,8 @@ class Router:
             if self._closed:
                 return
             self._flush_outbox()  # an earlier reply that found the socket busy goes first
-            self._send(ident, msg, payloads or ())
-            waiting = self._sock.get(_EVENTS) & _POLLIN  # the send may have taken the FD's edge
+            # a ZeroMQ send may have taken the FD's edge (a direct link's send touches no ZeroMQ state)
+            waiting = not self._send(ident, msg, payloads or ()) and self._sock.get(_EVENTS) & _POLLIN
         finally:
             self._lock.release()
         if waiting:
@@ -335,6 +345,11 @@ class Router:
         self._wake_pipe.ring()
 
     # ------------------------------------------------------------------ the idle engine's watch
+
+    def engine_fds(self) -> tuple[int, ...]:
+        """What the idle engine polls: the socket's ZMQ_FD and the direct links' descriptors."""
+        d = self.direct
+        return (self.fd,) if d is None else (self.fd, *d.fds)
 
     def engine_take(self) -> bool:
         """The idle engine: watch the socket now (False: the router is closed). Waits for an I/O
@@ -378,19 +393,25 @@ class Router:
 
     def _loop(self) -> None:
         poller = select.poll()
-        poller.register(self._wake_pipe.fd, select.POLLIN)
         wake_r = self._wake_pipe.fd
-        watching = False  # the socket's FD is in the poll (not while the idle engine watches it)
+        polled: set[int] = set()
+        watching = False  # the socket's FD (and the direct links') in the poll: not while the idle engine watches
         timeout = 0  # a message may have arrived before the first read of ZMQ_EVENTS
         while self._running.is_set():
             try:
                 if watching == self._engine_owns:
                     watching = not watching
                     if watching:
-                        poller.register(self.fd, select.POLLIN)
                         timeout = 0  # its edge may have gone to the engine: look first
-                    else:
-                        poller.unregister(self.fd)
+                d = self.direct
+                want = {wake_r}
+                if d is not None:
+                    want.update(d.watch_fds())  # the listener, connections yet to present their token
+                if watching:
+                    want.add(self.fd)
+                    if d is not None:
+                        want.update(d.fds)
+                polled = repoll(poller, polled, want)
                 ready = poller.poll(timeout)
                 for fd, _ in ready:
                     if fd == wake_r:
@@ -416,6 +437,8 @@ class Router:
                         more = self._serve()
                     self.rings.sweep(now)  # under the lock: a reply's ack reads the rings and buffers
                     self.cuda_ipc.sweep(now)
+                    if self.direct is not None and self.direct.housekeep():
+                        self.engine.wake()  # a new link: the idle engine's next poll watches it too
                 timeout = 0 if more else (_RECLAIM_MS if self._engine_owns else _POLL_MS)
             except zmq.ContextTerminated:
                 return
@@ -441,6 +464,13 @@ class Router:
                 self._on_message(*self._recv())
             except zmq.Again:  # not expected after POLLIN (a message's parts arrive together)
                 break
+        d = self.direct
+        if d is not None:
+            for link in d.links:  # level-triggered: what a pass leaves keeps the link's descriptor ready
+                msgs = d.read(link)
+                recv_t = time.monotonic()
+                for header in msgs:
+                    self._dispatch(link.ident, link.owner, header, [], None, recv_t)
         self._flush_outbox()
         return bool(sock.get(_EVENTS) & _POLLIN)
 
@@ -449,13 +479,19 @@ class Router:
             ident, msg, payloads = self._outbox.popleft()
             self._send(ident, msg, payloads)
 
-    def _send(self, ident: bytes, msg: object, payloads: Sequence = ()) -> None:
+    def _send(self, ident: bytes, msg: object, payloads: Sequence = ()) -> bool:
+        """Send a reply: over the client's direct link when it has one and the reply is header-only
+        (returns True), else over the socket."""
         if isinstance(msg, StepResult) and (ack := self.rings.ack(ident) or self.cuda_ipc.ack(ident)) is not None:
             msg = msgspec.structs.replace(msg, ring=ack)
+        frames = encode(msg, payloads)  # type: ignore[arg-type]
+        if not payloads and self.direct is not None and self.direct.send(ident, frames[0]):  # type: ignore[arg-type]
+            return True
         try:
-            self._sock.send_multipart([ident, *encode(msg, payloads)], _NOBLOCK, copy=False)  # type: ignore[arg-type]
+            self._sock.send_multipart([ident, *frames], _NOBLOCK, copy=False)  # type: ignore[arg-type]
         except (zmq.Again, zmq.ZMQError):
             self.metrics.replies_dropped.inc()
+        return False
 
     def _recv(self) -> tuple[list, Request | ProtocolError | None, float]:
         """One message's frames (routing id, header, payloads) as ``recv_multipart`` gives them,
@@ -546,8 +582,18 @@ class Router:
         if self.cfg.curve_secret_key_file:  # bind sessions to the client's key, not only its routing id
             key = frames[1].get("User-Id")
             owner = (key.encode() if isinstance(key, str) else b"") + b"\0" + ident
-        header = frames[1].buffer
-        payloads = [self._payload(f) for f in frames[2:]]
+        self._dispatch(ident, owner, frames[1].buffer, [self._payload(f) for f in frames[2:]], decoded, recv_t)
+
+    def _dispatch(
+        self,
+        ident: bytes,
+        owner: bytes,
+        header: Buffer,
+        payloads: list,
+        decoded: Request | ProtocolError | None,
+        recv_t: float,
+    ) -> None:
+        """One message of client ``ident`` (owner ``owner``), from the socket or its direct link."""
         try:
             msg = decode_request(header) if decoded is None else decoded
             if isinstance(msg, ProtocolError):
@@ -630,8 +676,16 @@ class Router:
                 ring=ring,
                 features=(FEATURE_EARLY_TAPS,),
                 weights=self.weights,
+                **self._direct_offer(ident, owner, ring),
             ),
         )
+
+    def _direct_offer(self, ident: bytes, owner: bytes, ring: str) -> dict[str, object]:
+        """A Welcome's direct link fields: offered to a client whose rows this host maps (same host)."""
+        if not ring or self.direct is None:
+            return {}
+        name, token = self.direct.offer(ident, owner)
+        return {"direct": name, "direct_token": token}
 
     def _waited_unread_ms(self, ident: bytes, step: Step, recv_t: float) -> float:
         """How much longer than this connection's fastest delivery the Step took to be read (0 if unknown)."""

@@ -39,8 +39,8 @@ import numpy as np
 # the server's marks, in the order one Step meets them
 SERVER_MARKS = (
     ("engine_serve", "Router.engine_serve", "before"),
-    ("header_read", "Router._on_message", "before"),
-    ("admitted", "Router._on_message", "after"),
+    ("header_read", "Router._dispatch", "before"),
+    ("admitted", "Router._dispatch", "after"),
     ("served", "Router.engine_serve", "after"),
     ("drained", "Engine._drain_inbox", "before"),
     ("batch", "Engine._decode_batch", "before"),
@@ -112,19 +112,19 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
 
     pc = time.perf_counter
     step_marks: dict[str, float] = {}
-    send, recv = io_loop.IoLoop._try_send, io_loop.IoLoop._recv_all
+    send, recv = io_loop.IoLoop._try_send, io_loop.IoLoop._on_bufs
 
-    def marked_send(self: Any, frames: list) -> bool:
+    def marked_send(self: Any, frames: list, link_ok: bool = True) -> bool:
         step_marks["send"] = pc()
-        ok = send(self, frames)
+        ok = send(self, frames, link_ok)
         step_marks["sent"] = pc()
         return ok
 
-    def marked_recv(self: Any, now: float) -> int:
-        step_marks.setdefault("reply_read", pc())
-        return recv(self, now)
+    def marked_recv(self: Any, bufs: list, now: float) -> None:
+        step_marks.setdefault("reply_read", pc())  # the first reply read after the send (its header in hand)
+        recv(self, bufs, now)
 
-    io_loop.IoLoop._try_send, io_loop.IoLoop._recv_all = marked_send, marked_recv  # type: ignore[method-assign]
+    io_loop.IoLoop._try_send, io_loop.IoLoop._on_bufs = marked_send, marked_recv  # type: ignore[method-assign]
     cfg = ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="marks", transport=transport, shm_ring_mib=64)
     client = DraftClient(cfg)
     welcome = client.connect(wait=True)
@@ -152,7 +152,7 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
                 out[k].append(step_marks.get(k, float("nan")))
     finally:
         client.close()
-        io_loop.IoLoop._try_send, io_loop.IoLoop._recv_all = send, recv  # type: ignore[method-assign]
+        io_loop.IoLoop._try_send, io_loop.IoLoop._on_bufs = send, recv  # type: ignore[method-assign]
     return out
 
 

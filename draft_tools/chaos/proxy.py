@@ -13,6 +13,11 @@ and delivered stale. Besides, a fraction ``phase_drop_p`` of the Steps whose ent
 ``phases`` (``protocol.Phase`` names: "taps", "commit") is dropped: the faults between an early
 Taps and its Commit.
 
+Direct links (``protocol.direct``) go through the proxy too: a Welcome that offers one is rewritten
+to name the proxy's own listener (the token kept), and a client that connects there is relayed
+datagram by datagram to the server's link, with the same drops, delays and phase drops each way as
+its ZeroMQ messages (a request delayed on a link goes out on that link, in its turn).
+
 The soak runs its proxies in a process of their own (``draft_tools.soak.run.run_proxies``), so
 their work never competes with a client's GIL; SIGTERM stops them and their counters and event
 log are written as JSON.
@@ -28,9 +33,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
-from protocol import ProtocolError, Step, decode_request
+from protocol import ProtocolError, Step, Welcome, decode_reply, decode_request, direct, encode
 
 
 @dataclass
@@ -88,6 +94,13 @@ def _step_phase(header: bytes) -> str:
     return step.entries[0].phase.name.lower()
 
 
+@dataclass(eq=False)
+class _Pair:
+    client: Any  # the client's connection to the proxy
+    server: Any  # the proxy's connection to the server's link
+    ident: bytes
+
+
 class ChaosProxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
@@ -101,10 +114,21 @@ class ChaosProxy:
         self._backs: dict[bytes, zmq.Socket] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._front, zmq.POLLIN)
-        self._held: list[tuple[float, int, bytes, list[bytes]]] = []  # delayed requests (due, seq, ident, frames)
+        # delayed requests (due, seq, ident, frames, the link they came on or None)
+        self._held: list[tuple[float, int, bytes, list[bytes], _Pair | None]] = []
         self._seq = 0
         self._retry: list[tuple[float, bytes, list[bytes]]] = []  # (give up at, ident, frames)
         self._stop = threading.Event()
+        # direct links: the proxy's listener, tokens it relayed (-> the server's link name and the client),
+        # connections yet to present one, relayed pairs by descriptor (-> the pair, whether from the client)
+        self._listener: Any = None
+        self._name = ""
+        self._tokens: dict[bytes, tuple[str, bytes]] = {}
+        self._pending: dict[int, Any] = {}
+        self._pairs: dict[int, tuple[_Pair, bool]] = {}
+        if direct.available():
+            self._listener, self._name = direct.listen()
+            self._poller.register(self._listener.fileno(), zmq.POLLIN)
 
     def stop(self) -> None:
         self._stop.set()
@@ -129,7 +153,8 @@ class ChaosProxy:
     def _chaos_applies(self, header: bytes, reply: bool = False) -> bool:
         return not self.cfg.only_steps or (_is_result(header) if reply else _is_step(header))
 
-    def _on_request(self, frames: list[bytes]) -> None:
+    def _on_request(self, frames: list[bytes], pair: _Pair | None = None) -> None:
+        """A client's message (from a link: ``pair``, its header alone), dropped, delayed or forwarded."""
         if len(frames) < 2:
             return
         ident, body = frames[0], frames[1:]
@@ -147,9 +172,24 @@ class ChaosProxy:
                 self.stats.delayed_requests += 1
                 self._event("delay_request", ident)
                 self._seq += 1
-                heapq.heappush(self._held, (time.monotonic() + self.cfg.delay_ms / 1000.0, self._seq, ident, body))
+                due = time.monotonic() + self.cfg.delay_ms / 1000.0
+                heapq.heappush(self._held, (due, self._seq, ident, body, pair))
                 return
-        self._forward(ident, body)
+        if pair is not None:
+            self._link_send(pair, pair.server, body[0], reply=False)
+        else:
+            self._forward(ident, body)
+
+    def _link_send(self, pair: _Pair, to: Any, data: bytes, reply: bool) -> None:
+        if direct.send(to, data):
+            if reply:
+                self.stats.forwarded_replies += 1
+            else:
+                self.stats.forwarded_requests += 1
+        elif reply:
+            self.stats.reply_send_failures += 1
+        else:
+            self.stats.unroutable += 1
 
     def _forward(self, ident: bytes, body: list[bytes], give_up_at: float | None = None) -> None:
         if give_up_at is None and any(i == ident for _, i, _ in self._retry):
@@ -168,17 +208,76 @@ class ChaosProxy:
             else:
                 self.stats.unroutable += 1
 
-    def _on_reply(self, ident: bytes, body: list[bytes]) -> None:
+    def _on_reply(self, ident: bytes, body: list[bytes], pair: _Pair | None = None) -> None:
         if body and self._chaos_applies(body[0], reply=True):
             if self.cfg.drop_reply_p and self._rng.random() < self.cfg.drop_reply_p:
                 self.stats.dropped_replies += 1
                 self._event("drop_reply", ident)
                 return
+        if body and self._listener is not None and b"\xa7welcome" in body[0][:24]:
+            body = [self._relay_welcome(ident, body[0]), *body[1:]]
+        if pair is not None and len(body) == 1:
+            self._link_send(pair, pair.client, body[0], reply=True)
+            return
         try:
             self._front.send_multipart([ident, *body], zmq.NOBLOCK)
             self.stats.forwarded_replies += 1
         except zmq.ZMQError:
             self.stats.reply_send_failures += 1
+
+    def _relay_welcome(self, ident: bytes, header: bytes) -> bytes:
+        """A Welcome that offers a direct link, made to offer the proxy's listener (the token kept)."""
+        try:
+            w = decode_reply(header)
+        except ProtocolError:
+            return header
+        if not isinstance(w, Welcome) or not w.direct:
+            return header
+        self._tokens[w.direct_token] = (w.direct, ident)
+        return encode(msgspec.structs.replace(w, direct=self._name))[0]
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            self._pending[conn.fileno()] = conn
+            self._poller.register(conn.fileno(), zmq.POLLIN)
+
+    def _bind(self, fd: int) -> None:
+        """A client presented its token on the proxy's listener: connect on to the server's link."""
+        conn = self._pending.pop(fd)
+        self._poller.unregister(fd)
+        msgs, alive = direct.read(conn, 1)
+        if not alive or not msgs or msgs[0] not in self._tokens:
+            conn.close()
+            return
+        name, ident = self._tokens.pop(msgs[0])
+        try:
+            server = direct.connect(name, msgs[0])
+        except OSError:
+            conn.close()
+            return
+        pair = _Pair(conn, server, ident)
+        for sock, from_client in ((conn, True), (server, False)):
+            self._pairs[sock.fileno()] = (pair, from_client)
+            self._poller.register(sock.fileno(), zmq.POLLIN)
+
+    def _relay(self, fd: int) -> None:
+        pair, from_client = self._pairs[fd]
+        msgs, alive = direct.read(pair.client if from_client else pair.server, 256)
+        for m in msgs:
+            if from_client:
+                self._on_request([pair.ident, m], pair)
+            else:
+                self._on_reply(pair.ident, [m], pair)
+        if not alive:  # one side ended: end both, each side falls back to ZeroMQ
+            for sock in (pair.client, pair.server):
+                self._pairs.pop(sock.fileno(), None)
+                self._poller.unregister(sock.fileno())
+                sock.close()
 
     def run(self) -> None:
         parent = os.getppid()
@@ -188,6 +287,13 @@ class ChaosProxy:
                 if self._held:
                     timeout = max(0, min(timeout, int((self._held[0][0] - time.monotonic()) * 1000) + 1))
                 events = dict(self._poller.poll(timeout))
+                for fd in [e for e in events if isinstance(e, int)]:
+                    if self._listener is not None and fd == self._listener.fileno():
+                        self._accept()
+                    elif fd in self._pending:
+                        self._bind(fd)
+                    elif fd in self._pairs:
+                        self._relay(fd)
                 if self._front in events:
                     for _ in range(256):
                         try:
@@ -214,9 +320,17 @@ class ChaosProxy:
                         blocked.add(ident)  # still not routable: the rest of this client's queue waits
                 now = time.monotonic()
                 while self._held and self._held[0][0] <= now:
-                    _, _, ident, body = heapq.heappop(self._held)
-                    self._forward(ident, body)
+                    _, _, ident, body, pair = heapq.heappop(self._held)
+                    if pair is None:
+                        self._forward(ident, body)
+                    elif pair.server.fileno() >= 0:  # its link still up
+                        self._link_send(pair, pair.server, body[0], reply=False)
         finally:
+            for pair, _ in list(self._pairs.values()):
+                pair.client.close()
+                pair.server.close()
+            if self._listener is not None:
+                self._listener.close()
             for s in self._backs.values():
                 s.close(0)
             self._front.close(0)

@@ -367,6 +367,9 @@ class DraftClient:
             early_taps_declined=self._taps_declined,
             rows_in_place=hs.in_place_before + getattr(hs.ring, "in_place_steps", 0),
             spare_rings_used=hs.spares_used,
+            direct_link=io.link_up,
+            direct_sent=io.direct_sent,
+            direct_read=io.direct_read,
         )
         return d
 

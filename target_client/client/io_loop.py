@@ -52,6 +52,7 @@ in time again (the next step is a trial), or the server's epoch changes.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -82,9 +83,10 @@ from protocol import (
     StepResult,
     Timing,
     Welcome,
+    direct,
 )
 from protocol.codec import ProtocolError, decode_reply, encode, tensor
-from protocol.wake import WakePipe
+from protocol.wake import WakePipe, repoll
 from target_client.api import ClientConfig, DraftClientError, DraftReply, empty_replies
 from target_client.client.breaker import Breaker
 from target_client.client.calls import (
@@ -171,6 +173,8 @@ class IoLoop:
         self._spin_s = cfg.wait_spin_ms / 1000.0  # the owner's unslept polling before a reply is due
         self._last_wait_s = 0.0  # the owner's previous wait, entry to reply (what the next one is expected to take)
         self._shut = False  # the thread has shut the loop down (socket gone)
+        self._link: Any = None  # the same-host direct link the server's Welcome offered (``protocol.direct``)
+        self.direct_sent = self.direct_read = 0  # messages over it (stats(): ``direct_sent``, ``direct_read``)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
         # I/O thread (thread start is the full memory barrier ZeroMQ asks for when a socket moves).
@@ -324,7 +328,7 @@ class IoLoop:
                 self._close_commands()
             return True, True
         try:
-            got = self._pass(bool(self._sock.get(_EVENTS) & _POLLIN), due)
+            got = self._pass(self._link is not None or bool(self._sock.get(_EVENTS) & _POLLIN), due)
         except Exception:  # the I/O thread's own pass counts and logs it the same way
             self._c.add("io_errors")
             log.exception("draft client %s: a caller's pass of the I/O loop failed", self.cfg.name)
@@ -375,9 +379,9 @@ class IoLoop:
 
     def _run(self) -> None:
         poller = select.poll()
-        poller.register(self._wake_pipe.fd, select.POLLIN)
         rfd = self._wake_pipe.fd
-        watching = False  # the socket's FD is in the poll (not while a caller owns the socket)
+        polled: set[int] = set()
+        watching = False  # the socket's FD (and the direct link's) in the poll: not while a caller owns the socket
         timeout = 0  # the socket's state may have changed before the first read of ZMQ_EVENTS
         failures = 0  # consecutive passes that raised
         try:
@@ -387,10 +391,13 @@ class IoLoop:
                     if watching != (self._owner is None):
                         watching = not watching
                         if watching:
-                            poller.register(self._zfd, select.POLLIN)
                             timeout = 0  # its edge may have gone to the owner: look first
-                        else:
-                            poller.unregister(self._zfd)
+                    want = {rfd}
+                    if watching:
+                        want.add(self._zfd)
+                        if self._link is not None:
+                            want.add(self._link.fileno())
+                    polled = repoll(poller, polled, want)
                     for fd, _ in poller.poll(timeout):
                         if fd == rfd:
                             self._drain_wake()
@@ -503,7 +510,17 @@ class IoLoop:
 
     # ------------------------------------------------------------------ sending
 
-    def _try_send(self, frames: list[Any]) -> bool:
+    def _try_send(self, frames: list[Any], link_ok: bool = True) -> bool:
+        """Send without blocking: a header-only message over the direct link when there is one
+        (``link_ok``: not a Hello, which opens the link), else over the socket; False if neither took it."""
+        link = self._link
+        if link is not None and link_ok and len(frames) == 1 and len(frames[0]) <= direct.MAX_MESSAGE:
+            sent = direct.send(link, frames[0])
+            if sent:
+                self.direct_sent += 1
+                return True
+            if sent is None:  # broken (the server went): ZeroMQ from now on, until the next Welcome
+                self._close_link()
         try:
             self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
             return True
@@ -621,7 +638,7 @@ class IoLoop:
         hs = self.handshake
         if hs.hello_due:
             cid = next(self._ids)
-            deadline = hs.hello_sent(now, self._try_send(encode(hs.hello(cid))))
+            deadline = hs.hello_sent(now, self._try_send(encode(hs.hello(cid)), link_ok=False))
             if deadline is not None:
                 self.pending[cid] = Pending("hello", cid, deadline, now)
         if self._ping_queue:
@@ -677,6 +694,14 @@ class IoLoop:
     def _recv_all(self, now: float) -> int:
         sock = self._sock
         n = 0
+        if self._link is not None:
+            msgs, alive = direct.read(self._link)
+            if not alive:
+                self._close_link()
+            self.direct_read += len(msgs)
+            for header in msgs:
+                n += 1
+                self._on_bufs([header], now)
         for _ in range(1024):
             if not sock.get(_EVENTS) & _POLLIN:
                 break
@@ -685,15 +710,18 @@ class IoLoop:
             except zmq.Again:  # not expected after POLLIN (a message's parts arrive together)
                 break
             n += 1
-            try:
-                self._on_frames(frames, now)
-            except Exception:
-                log.exception("draft client %s: reply handling failed", self.cfg.name)
-                self._c.bad_reply()
+            self._on_bufs([f.buffer for f in frames], now)
         return n
 
-    def _on_frames(self, frames: list[zmq.Frame], now: float) -> None:
-        bufs = [f.buffer for f in frames]
+    def _on_bufs(self, bufs: list[Any], now: float) -> None:
+        """One reply's frames (a direct link's message: its header alone)."""
+        try:
+            self._on_reply(bufs, now)
+        except Exception:
+            log.exception("draft client %s: reply handling failed", self.cfg.name)
+            self._c.bad_reply()
+
+    def _on_reply(self, bufs: list[Any], now: float) -> None:
         if len(bufs) > 1 and len(bufs[0]) == 0:  # tolerate a REQ-style empty delimiter
             bufs = bufs[1:]
         try:
@@ -875,8 +903,36 @@ class IoLoop:
             return
         if hs.accept(w):  # a refusal lifted
             self.breaker.reset()
+        self._open_link(w)
         self._set_gate()
         hs.release_waiters()
+
+    def _open_link(self, w: Welcome) -> None:
+        """The direct link a Welcome offers (a client whose ring the server maps: same host), in place
+        of any earlier one; none when it offers none or the connection fails (ZeroMQ alone then)."""
+        self._close_link()
+        if not w.direct or self.handshake.ring is None:
+            return
+        try:
+            link = direct.connect(w.direct, w.direct_token)
+        except OSError as e:
+            log.info("draft client %s: no direct link (%s): ZeroMQ alone", self.cfg.name, e)
+            return
+        self._link = link
+        self._owner_poll.register(link.fileno(), select.POLLIN)
+        self._wake()  # the I/O thread's poll and an owner's in progress learn the link's descriptor
+        self._ring_owner()
+
+    @property
+    def link_up(self) -> bool:
+        return self._link is not None
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._owner_poll.unregister(link.fileno())
+            link.close()
 
     def _on_error(self, err: Error, now: float) -> None:
         if err.epoch:
@@ -984,6 +1040,7 @@ class IoLoop:
         if self._gauge_on:
             self._gauge_on = False
             self._m.breaker_open.dec()
+        self._close_link()
         self._ctx.destroy(linger=0)  # closes the socket (LINGER 0), then terminates the context
         self.handshake.drop_ring(closing=True)
         self.handshake.drop_spare()

@@ -145,3 +145,35 @@ def test_rogues_leave_the_server_serving_exactly(server_factory):
     met = srv.metrics()
     assert met["draft_server_io_errors_total"] == 0 and met["draft_server_engine_errors_total"] == 0
     peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_proxy_relays_direct_links_with_the_same_faults(server, proxy):
+    """A client on shm through the proxy gets its direct link through the proxy too: steps relayed
+    exactly, dropped and delayed on the link as over ZeroMQ, and drafting back once the faults stop."""
+    from protocol import direct
+    from target_client import ClientConfig, DraftClient
+    from tests.integration.test_transports import Sessions
+
+    if not direct.available():
+        pytest.skip("direct links need Linux's abstract Unix sockets")
+    c = DraftClient(ClientConfig(endpoint=proxy.cfg.frontend, budget_ms=300.0, transport="shm", shm_ring_mib=1))
+    try:
+        c.connect(wait=True)
+        assert c.welcome.direct == proxy._name and c.stats()["direct_link"]  # type: ignore[union-attr]
+        s = Sessions(c, "p", 2, 1)
+        for _ in range(5):
+            assert s.check(s.step()) == 2
+        relayed = proxy.stats.forwarded_requests
+        assert c.stats()["direct_sent"] >= 5 and relayed >= 5  # the link's steps went through the proxy
+        proxy.cfg.drop_request_p = 1.0
+        assert s.check(s.step()) == 0  # dropped on the link: no drafts within the budget
+        assert proxy.stats.events[-1][1] == "drop_request"
+        proxy.cfg.drop_request_p, proxy.cfg.delay_p, proxy.cfg.delay_ms = 0.0, 1.0, 100.0
+        t0 = time.monotonic()
+        assert s.check(s.step()) == 2 and time.monotonic() - t0 >= 0.09  # delayed on the link, then served
+        proxy.cfg.delay_p = 0.0
+        assert wait_for(lambda: s.check(s.step()) == 2)
+        assert c.stats()["direct_link"]
+    finally:
+        c.close()

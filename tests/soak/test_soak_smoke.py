@@ -175,7 +175,8 @@ def test_soak_smoke_shm_ring_rows_in_place(tmp_path):
     shared-memory ring as the vLLM proposer does (``DraftClient.claim_rows``), with early taps and
     predicted commits (``taps``), under server kills (each restart needs a new ring: the spare made
     while the server was down), pauses, dropped messages, NaN taps and stale-step storms. Every
-    invariant holds, every engine sent rows in place, and no ring name is left in /dev/shm."""
+    invariant holds, every engine sent rows in place and steps over its direct link (through the
+    chaos proxy, which drops on links too), and no ring name is left in /dev/shm."""
     out = tmp_path / "soak-shm"
     # the settings ``draft_tools.bench.restart_steps`` reruns (its first steps after each restart)
     cmd = [sys.executable, "-m", "draft_tools.soak", *SHM_SMOKE, "--seed", "5", "--out", str(out)]
@@ -186,5 +187,7 @@ def test_soak_smoke_shm_ring_rows_in_place(tmp_path):
     assert inv["shm_rows_in_place"]["ok"] and min(inv["shm_rows_in_place"]["steps_in_place_by_engine"]) > 100
     assert inv["resume_after_restart"]["restarts"] >= 2
     assert all(e["client"]["spare_rings_used"] >= 1 for e in report["engines"])  # a spare named after a restart
+    # steps over direct links (relayed by the chaos proxy, with its drops), and a new link after the restarts
+    assert all(e["client"]["direct_sent"] > 100 and e["client"]["direct_link"] for e in report["engines"])
     assert inv["untouched_equal_reference"]["untouched_entries_checked"] > 100
     assert report["chaos"]["counts"].get("taps", 0) + report["chaos"]["counts"].get("drop", 0) >= 1

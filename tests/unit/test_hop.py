@@ -348,15 +348,15 @@ def test_a_step_waits_for_a_short_pass_of_the_io_thread_and_goes_out_from_the_ca
 
 
 def _record_readers(c: DraftClient) -> list[int]:
-    """Threads that read replies (a pass's ``_on_frames``)."""
+    """Threads that read replies (a pass's ``_on_bufs``)."""
     readers: list[int] = []
-    on_frames = c._io._on_frames
+    on_bufs = c._io._on_bufs
 
-    def recording(frames, now) -> None:
+    def recording(bufs, now) -> None:
         readers.append(threading.get_ident())
-        on_frames(frames, now)
+        on_bufs(bufs, now)
 
-    c._io._on_frames = recording  # type: ignore[method-assign]
+    c._io._on_bufs = recording  # type: ignore[method-assign]
     return readers
 
 
