@@ -23,6 +23,7 @@ connection, is what binds a link to its client: a connection that presents anoth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -49,7 +50,57 @@ def listen(backlog: int = 64) -> tuple[socket.socket, str]:
     return s, name
 
 
-def connect(name: str, token: bytes, timeout_s: float = 0.2) -> socket.socket:
+class Link:
+    """One end of a link: the non-blocking socket and the buffer its messages are read into (a link is
+    read by one thread at a time: whoever holds its owner's lock)."""
+
+    __slots__ = ("_buf", "_view", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = bytearray(MAX_MESSAGE)
+        self._view = memoryview(self._buf)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read(self, limit: int = 1024) -> tuple[list[bytes], bool]:
+        """The messages waiting (at most ``limit``), and whether the link is still open (False: end
+        of file or an error; the caller closes it)."""
+        out: list[bytes] = []
+        recv_into, view = self.sock.recv_into, self._view
+        try:
+            for _ in range(limit):
+                n = recv_into(view)
+                if not n:  # the peer closed (a datagram is never empty: every message has a header)
+                    return out, False
+                out.append(view[:n].tobytes())
+        except (BlockingIOError, InterruptedError):
+            return out, True
+        except OSError:
+            return out, False
+        return out, True
+
+    def send(self, data: bytes) -> bool | None:
+        """One message: True sent, False not now (its buffer is full: send it the other way), None the
+        link is broken (the caller closes it and sends the other way)."""
+        try:
+            return self.sock.send(data) == len(data)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return None
+
+    def shutdown(self) -> None:
+        """Break the link (the peer reads end-of-file; this end's next read or send finds it broken)."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def connect(name: str, token: bytes, timeout_s: float = 0.2) -> Link:
     """The client's end: connected to ``name``, the token sent, non-blocking (OSError if it cannot)."""
     s = socket.socket(_FAMILY, _KIND | socket.SOCK_CLOEXEC)
     try:
@@ -60,32 +111,4 @@ def connect(name: str, token: bytes, timeout_s: float = 0.2) -> socket.socket:
     except BaseException:
         s.close()
         raise
-    return s
-
-
-def read(s: socket.socket, limit: int = 1024) -> tuple[list[bytes], bool]:
-    """The messages waiting on a non-blocking link (at most ``limit``), and whether it is still open
-    (False: end of file or an error; the caller closes it)."""
-    out: list[bytes] = []
-    try:
-        for _ in range(limit):
-            data = s.recv(MAX_MESSAGE)
-            if not data:  # the peer closed (a datagram is never empty: every message has a header)
-                return out, False
-            out.append(data)
-    except (BlockingIOError, InterruptedError):
-        return out, True
-    except OSError:
-        return out, False
-    return out, True
-
-
-def send(s: socket.socket, data: bytes) -> bool | None:
-    """One message on a non-blocking link: True sent, False not now (its buffer is full: send it the
-    other way), None the link is broken (the caller closes it and sends the other way)."""
-    try:
-        return s.send(data) == len(data)
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return None
+    return Link(s)

@@ -30,7 +30,7 @@ PENDING_MAX = 64  # connections waiting to present one
 
 @dataclass(eq=False)
 class Link:
-    sock: socket.socket
+    link: direct.Link
     ident: bytes  # the client's routing id: replies to it go here
     owner: bytes  # whose sessions its messages touch (the router's owner key)
 
@@ -95,7 +95,7 @@ class DirectLinks:
             old = self._by_ident.get(ident)
             if old is not None:
                 self.drop(old)
-            self._by_ident[ident] = Link(conn, ident, owner)
+            self._by_ident[ident] = Link(direct.Link(conn), ident, owner)
             bound = True
         if bound:
             self._changed()
@@ -103,7 +103,7 @@ class DirectLinks:
 
     def read(self, link: Link) -> list[bytes]:
         """The messages waiting on ``link``; a link that ended or failed is dropped."""
-        msgs, alive = direct.read(link.sock)
+        msgs, alive = link.link.read()
         if not alive:
             self.drop(link)
         return msgs
@@ -114,7 +114,7 @@ class DirectLinks:
         link = self._by_ident.get(ident)
         if link is None or len(data) > direct.MAX_MESSAGE:
             return False
-        sent = direct.send(link.sock, data)
+        sent = link.link.send(data)
         if sent is None:
             self.drop(link)
             return False
@@ -123,18 +123,18 @@ class DirectLinks:
     def drop(self, link: Link) -> None:
         if self._by_ident.get(link.ident) is link:
             del self._by_ident[link.ident]
-        link.sock.close()
+        link.link.close()
         self._changed()
 
     def _changed(self) -> None:
         self.links = tuple(self._by_ident.values())
-        self.fds = tuple(link.sock.fileno() for link in self.links)
+        self.fds = tuple(link.link.fileno() for link in self.links)
         if self._gauge is not None:
             self._gauge.set(len(self.links))
 
     def close(self) -> None:
         for link in self.links:
-            link.sock.close()
+            link.link.close()
         for conn, _ in self._pending.values():
             conn.close()
         self._by_ident.clear()

@@ -181,7 +181,7 @@ class ChaosProxy:
             self._forward(ident, body)
 
     def _link_send(self, pair: _Pair, to: Any, data: bytes, reply: bool) -> None:
-        if direct.send(to, data):
+        if to.send(data):
             if reply:
                 self.stats.forwarded_replies += 1
             else:
@@ -243,14 +243,14 @@ class ChaosProxy:
             except (BlockingIOError, InterruptedError):
                 return
             conn.setblocking(False)
-            self._pending[conn.fileno()] = conn
+            self._pending[conn.fileno()] = direct.Link(conn)
             self._poller.register(conn.fileno(), zmq.POLLIN)
 
     def _bind(self, fd: int) -> None:
         """A client presented its token on the proxy's listener: connect on to the server's link."""
         conn = self._pending.pop(fd)
         self._poller.unregister(fd)
-        msgs, alive = direct.read(conn, 1)
+        msgs, alive = conn.read(1)
         if not alive or not msgs or msgs[0] not in self._tokens:
             conn.close()
             return
@@ -267,7 +267,7 @@ class ChaosProxy:
 
     def _relay(self, fd: int) -> None:
         pair, from_client = self._pairs[fd]
-        msgs, alive = direct.read(pair.client if from_client else pair.server, 256)
+        msgs, alive = (pair.client if from_client else pair.server).read(256)
         for m in msgs:
             if from_client:
                 self._on_request([pair.ident, m], pair)
@@ -323,7 +323,7 @@ class ChaosProxy:
                     _, _, ident, body, pair = heapq.heappop(self._held)
                     if pair is None:
                         self._forward(ident, body)
-                    elif pair.server.fileno() >= 0:  # its link still up
+                    elif pair.server.sock.fileno() >= 0:  # its link still up
                         self._link_send(pair, pair.server, body[0], reply=False)
         finally:
             for pair, _ in list(self._pairs.values()):

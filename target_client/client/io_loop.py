@@ -173,7 +173,7 @@ class IoLoop:
         self._spin_s = cfg.wait_spin_ms / 1000.0  # the owner's unslept polling before a reply is due
         self._last_wait_s = 0.0  # the owner's previous wait, entry to reply (what the next one is expected to take)
         self._shut = False  # the thread has shut the loop down (socket gone)
-        self._link: Any = None  # the same-host direct link the server's Welcome offered (``protocol.direct``)
+        self._link: direct.Link | None = None  # the direct link the server's Welcome offered (``protocol.direct``)
         self.direct_sent = self.direct_read = 0  # messages over it (stats(): ``direct_sent``, ``direct_read``)
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
@@ -515,7 +515,7 @@ class IoLoop:
         (``link_ok``: not a Hello, which opens the link), else over the socket; False if neither took it."""
         link = self._link
         if link is not None and link_ok and len(frames) == 1 and len(frames[0]) <= direct.MAX_MESSAGE:
-            sent = direct.send(link, frames[0])
+            sent = link.send(frames[0])
             if sent:
                 self.direct_sent += 1
                 return True
@@ -695,7 +695,7 @@ class IoLoop:
         sock = self._sock
         n = 0
         if self._link is not None:
-            msgs, alive = direct.read(self._link)
+            msgs, alive = self._link.read()
             if not alive:
                 self._close_link()
             self.direct_read += len(msgs)

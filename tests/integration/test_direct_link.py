@@ -88,7 +88,7 @@ def test_a_broken_link_falls_back_to_zeromq_and_garbage_on_a_link_harms_nobody(t
             assert sb.check(sb.step()) == 3 and sa.check(sa.step()) == 3
         assert b.stats()["direct_link"]
         # a's link broken under it: its next send or read finds it so, and ZeroMQ carries on
-        a._io._link.shutdown(socket.SHUT_RDWR)
+        a._io._link.shutdown()
         sent = a.stats()["direct_sent"]
         for i in range(20):
             replies = sa.step()
@@ -144,11 +144,11 @@ def test_only_the_token_a_welcome_gave_binds_a_link_and_only_once() -> None:
         silent.connect("\0" + name)
         assert wait_for(lambda: (links.housekeep() or True) and len(links.links) == 1)
         assert links.links[0].ident == b"id-1" and links.links[0].owner == b"owner-1"
-        for s in (wrong, again):  # closed by the server: end of file
-            s.setblocking(True)
+        for s in (wrong.sock, again.sock):  # closed by the server: end of file
             s.settimeout(5)
             assert s.recv(16) == b""
-        assert links.send(b"id-1", b"hello") and right.recv(16) == b"hello"
+        right.sock.settimeout(5)
+        assert links.send(b"id-1", b"hello") and right.sock.recv(16) == b"hello"
         assert not links.send(b"id-2", b"hello")  # no link: ZeroMQ
         assert not links.send(b"id-1", b"x" * (direct.MAX_MESSAGE + 1))  # too large: ZeroMQ
         time.sleep(1.1)  # PENDING_S: a connection that never presents a token is closed
@@ -158,7 +158,7 @@ def test_only_the_token_a_welcome_gave_binds_a_link_and_only_once() -> None:
         right.close()
         assert links.read(links.links[0]) == [] and not links.links  # end of file: dropped
         for s in (wrong, again, silent):
-            s.close()
+            s.close()  # a Link or a socket
     finally:
         links.close()
 
