@@ -903,25 +903,34 @@ class IoLoop:
             return
         if hs.accept(w):  # a refusal lifted
             self.breaker.reset()
-        self._open_link(w)
+        left = self._open_link(w)
         self._set_gate()
         hs.release_waiters()
+        for header in left:  # replies the old link still held (read before it closed)
+            self._on_bufs([header], now)
 
-    def _open_link(self, w: Welcome) -> None:
+    def _open_link(self, w: Welcome) -> list[bytes]:
         """The direct link a Welcome offers (a client whose ring the server maps: same host), in place
-        of any earlier one; none when it offers none or the connection fails (ZeroMQ alone then)."""
+        of any earlier one; none when it offers none or the connection fails (ZeroMQ alone then).
+        Returns the messages the earlier link still held (replies sent on it before the server took
+        the new one: they are not lost with it)."""
+        left: list[bytes] = []
+        if self._link is not None:
+            left, _ = self._link.read()
+            self.direct_read += len(left)
         self._close_link()
         if not w.direct or self.handshake.ring is None:
-            return
+            return left
         try:
             link = direct.connect(w.direct, w.direct_token)
         except OSError as e:
             log.info("draft client %s: no direct link (%s): ZeroMQ alone", self.cfg.name, e)
-            return
+            return left
         self._link = link
         self._owner_poll.register(link.fileno(), select.POLLIN)
         self._wake()  # the I/O thread's poll and an owner's in progress learn the link's descriptor
         self._ring_owner()
+        return left
 
     @property
     def link_up(self) -> bool:
