@@ -175,6 +175,7 @@ class IoLoop:
         self._shut = False  # the thread has shut the loop down (socket gone)
         self._link: direct.Link | None = None  # the direct link the server's Welcome offered (``protocol.direct``)
         self.direct_sent = self.direct_read = 0  # messages over it (stats(): ``direct_sent``, ``direct_read``)
+        self._socket_steps: set[int] = set()  # Steps sent over the socket beside a link, not yet answered
 
         # The socket is made here so a bad endpoint fails in the constructor, then handed to the
         # I/O thread (thread start is the full memory barrier ZeroMQ asks for when a socket moves).
@@ -510,11 +511,21 @@ class IoLoop:
 
     # ------------------------------------------------------------------ sending
 
-    def _try_send(self, frames: list[Any], link_ok: bool = True) -> bool:
+    def _try_send(self, frames: list[Any], link_ok: bool = True, step_id: int = 0) -> bool:
         """Send without blocking: a header-only message over the direct link when there is one
-        (``link_ok``: not a Hello, which opens the link), else over the socket; False if neither took it."""
+        (``link_ok``: not a Hello, which opens the link), else over the socket; False if neither took it.
+        Steps keep their order: while a Step that went over the socket (``step_id``: its rows in a frame)
+        waits for its reply, the next ones go that way too."""
         link = self._link
-        if link is not None and link_ok and len(frames) == 1 and len(frames[0]) <= direct.MAX_MESSAGE:
+        if self._socket_steps:
+            self._socket_steps = {c for c in self._socket_steps if c in self.pending}
+        if (
+            link is not None
+            and link_ok
+            and len(frames) == 1
+            and len(frames[0]) <= direct.MAX_MESSAGE
+            and not (step_id and self._socket_steps)
+        ):
             sent = link.send(frames[0])
             if sent:
                 self.direct_sent += 1
@@ -523,6 +534,8 @@ class IoLoop:
                 self._close_link()
         try:
             self._sock.send_multipart(frames, flags=_NOBLOCK, copy=False)
+            if step_id and link is not None:
+                self._socket_steps.add(step_id)
             return True
         except zmq.ZMQError:  # EAGAIN: no live connection (IMMEDIATE) or the send queue is full
             self._c.add("send_failures")
@@ -576,7 +589,7 @@ class IoLoop:
                 m.later.later((m.cuda_ipc_steps if in_ring else m.cuda_ipc_fallbacks.labels("buffer_full")).inc, 1)
             else:
                 m.later.later((m.shm_steps if in_ring else m.shm_fallbacks.labels("ring_full")).inc, 1)
-        if not self._try_send(frames):
+        if not self._try_send(frames, step_id=cid):
             if ring is not None and ring.generation != gen:
                 ring.cancel(ring.generation)  # never sent: the region is free again
             for sess in merged.sessions:

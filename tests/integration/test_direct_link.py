@@ -174,6 +174,12 @@ def test_a_step_larger_than_a_link_message_goes_over_zeromq(tmp_path) -> None:
         assert len(out) == 300 and c.stats()["ok"] == 1
         assert c.stats()["direct_sent"] == sent  # not over the link
         assert c.step(reqs[:2], None) and c.stats()["direct_sent"] == sent + 1  # a small one is
+        # order kept: a small step sent while one over the socket waits for its reply goes that way too
+        big = c.submit_step(reqs[2:], None)
+        small = c.submit_step([StepRequest("other", 0, 0, 7, 2)], None)
+        assert len(big.collect()) == 298 and small.collect()[0].tokens
+        assert c.stats()["direct_sent"] == sent + 1
+        assert c.step(reqs[:2], None) and c.stats()["direct_sent"] == sent + 2  # both answered: the link again
     finally:
         c.close()
         srv.kill()
