@@ -274,9 +274,9 @@ def _record_senders(c: DraftClient) -> list[int]:
     senders: list[int] = []
     send = c._io._try_send
 
-    def recording(frames) -> bool:
+    def recording(frames, *a, **k) -> bool:
         senders.append(threading.get_ident())
-        return send(frames)
+        return send(frames, *a, **k)
 
     c._io._try_send = recording  # type: ignore[method-assign]
     return senders
