@@ -48,6 +48,13 @@ region of it, copied at once, device to device, into this server's memory, and t
 regions as for shm. No CUDA device here, ``--no-cuda-ipc``, another host or a buffer that cannot be
 opened is refused with one TRANSPORT line, counted the same way.
 
+Direct links (``direct``, ``protocol.direct``): a client whose ring or CUDA IPC buffer this host maps
+is offered a same-host SOCK_SEQPACKET link in its Welcome; its header-only messages then come over the
+link and replies to it go back that way (``_send``), the rest over the socket. Links are read in the
+same passes as the socket (``_serve``, under the lock: by the I/O thread, or by the idle engine, which
+polls their descriptors beside ZMQ_FD: ``engine_fds``); they are level-triggered, so none of the
+socket's edge rules apply to them. The I/O thread accepts connections and binds them by token.
+
 Stale steps: each Step may carry the sender's clock (``sent_ms``). The loop keeps, per
 connection, the smallest (receive - sent) seen; a Step that arrives later than that by more than
 its budget waited unread (a pause, an outage): nothing of it is drafted, and it is answered
