@@ -6,9 +6,10 @@ server listens on, the token a client presents, the largest message and the non-
 Why: a ZeroMQ message crosses two I/O threads (the sender's and the receiver's libzmq threads),
 so a round trip wakes four threads more than the two that do the work; on a 2-core VM a bare
 ZeroMQ echo of 600 bytes takes 138-155 us against 60 us over a SOCK_SEQPACKET pair
-(``draft_tools/bench/direct_echo.py``). A client on transport "shm" (same host: its rows are in a
-shared-memory ring the server mapped) is offered a link in its Welcome (``Welcome.direct``, the
-listening socket's name, and ``Welcome.direct_token``, 16 random bytes). It connects, sends the
+(``draft_tools/bench/direct_echo.py``). A client on transport "shm" or "cuda_ipc" (same host: its
+rows are in a shared-memory ring or a device buffer the server mapped) is offered a link in its
+Welcome (``Welcome.direct``, the listening socket's name, and ``Welcome.direct_token``, 16 random
+bytes). It connects, sends the
 token as its first message, and from then on sends every header-only message but Hello (Steps
 whose rows lie in the ring, Frees, Pings) over the link; the server answers a connection with a
 link over it. One datagram is one message's header (msgpack): no payload frames; a message with

@@ -4,7 +4,7 @@ to present a token, and the links bound to a client.
 Owns the link table. Touched only under the router's lock (its I/O thread, the idle engine's read,
 a reply's send), but ``fds``, the links' descriptors, which the idle engine polls without the lock:
 a tuple replaced whole on every change. A token is offered with each Welcome to a client on
-transport "shm" and taken once, by the first connection that presents it within ``TOKEN_TTL_S``;
+transport "shm" or "cuda_ipc" and taken once, by the first connection that presents it within ``TOKEN_TTL_S``;
 a connection that presents anything else, or nothing within ``PENDING_S``, is closed, and at most
 ``PENDING_MAX`` wait at once. A client's new link replaces its old one. Any error on a link closes
 it: the client reads end-of-file and falls back to ZeroMQ, as this side does for its replies.
