@@ -95,7 +95,7 @@ from draft_server.engine.sessions import Session, SessionTable
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
 from protocol import DType, EntryResult, Phase, Status, StepResult, Timing, spec_for
-from protocol.wake import WakePipe
+from protocol.wake import WakePipe, repoll
 
 log = logging.getLogger("draft_server.engine")
 
@@ -163,7 +163,7 @@ class Engine:
         self._bell = WakePipe()  # a byte ends the idle wait
         self._idle = False  # the engine waits on the bell (or is about to)
         self._poll = select.poll()
-        self._poll.register(self._bell.fd, select.POLLIN)
+        self._polled: set[int] = set()  # what ``_poll`` watches: the bell, and the socket's FDs while watched
         # the socket an idle engine watches itself: (its FDs, take it, read it, leave it); None: the bell only
         self._socket: _Watch | None = None
         self._stop = threading.Event()
@@ -257,8 +257,7 @@ class Engine:
         sock = self._socket
         watch = sock is not None and sock[1]()
         watched: Sequence[int] = sock[0]() if watch else ()  # type: ignore[index]
-        for fd in watched:
-            self._poll.register(fd, select.POLLIN)
+        self._polled = repoll(self._poll, self._polled, {self._bell.fd, *watched})
         try:
             fds = [self._bell.fd, *watched]
             ready: list[int] = []
@@ -279,8 +278,6 @@ class Engine:
             if self._bell.fd in ready:
                 self._bell.drain()
         finally:
-            for fd in watched:
-                self._poll.unregister(fd)
             if watch:
                 sock[2]()  # type: ignore[index]  # read what came (it lands in the inbox), or give the socket back
             self._idle = False

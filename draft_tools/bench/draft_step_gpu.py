@@ -220,6 +220,20 @@ class Sessions:
         drafts = [DraftItem(k, 0, self.end[k], 7 + i % 11, K, GREEDY) for i, k in enumerate(keys)]
         return [o.tokens for o in self.d.step(items, drafts)]  # one call, one wait: as the server steps
 
+    def register(self, target: Any) -> bool:
+        """Move the tap pool into one host buffer registered with ``target`` (a drafter or a FastStep:
+        its ``register_host``), as the server's receive arena and shm rings hold rows: no staging copy;
+        False (the pool left in ordinary memory) if it cannot be registered. The buffer is ``registered``
+        (undo with ``target.unregister_host(memoryview(S.registered))``)."""
+        buf = bytearray(len(self.pool) * NEW_ROWS * self.W * 2)
+        if not target.register_host(memoryview(buf)):
+            return False
+        slab = np.frombuffer(buf, dtype=np.uint16).reshape(len(self.pool), NEW_ROWS, self.W)
+        slab[:] = np.stack(self.pool)
+        self.pool = list(slab)
+        self.registered = buf
+        return True
+
     def rewind(self, keys: list[int], to: int) -> None:
         for k in keys:
             self.end[k] = to
@@ -234,15 +248,10 @@ def share_registered(fasts: list[Any], S: Sessions) -> bool:
     """The sessions' tap pool moved into one host buffer registered with the first FastStep and
     shared by the others (CUDA pins a range once), as the receive arena's rows are; False (the pool
     left in ordinary memory) if it cannot be registered. Undo with ``fasts[0].unregister_host``."""
-    buf = bytearray(len(S.pool) * NEW_ROWS * S.W * 2)
-    if not fasts[0].register_host(memoryview(buf)):
+    if not S.register(fasts[0]):
         return False
     for f in fasts[1:]:
         f._host_ranges = list(fasts[0]._host_ranges)
-    slab = np.frombuffer(buf, dtype=np.uint16).reshape(len(S.pool), NEW_ROWS, S.W)
-    slab[:] = np.stack(S.pool)
-    S.pool = list(slab)
-    S.registered = buf
     return True
 
 
@@ -502,11 +511,7 @@ def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: t
     S = Sessions(d, rng, 0)
     # The step's taps lie in registered host memory, as the server's receive arena (tcp/ipc frames)
     # and shm rings hold them: no staging copy (``registered_rows`` below sets the staged copy beside).
-    pool_buf = bytearray(len(S.pool) * NEW_ROWS * S.W * 2)
-    if d.register_host(memoryview(pool_buf)):
-        slab = np.frombuffer(pool_buf, dtype=np.uint16).reshape(len(S.pool), NEW_ROWS, S.W)
-        slab[:] = np.stack(S.pool)
-        S.pool = list(slab)
+    if S.register(d):
         res["taps_in"] = "registered host memory (as the server's receive arena holds frames)"
     else:
         res["taps_in"] = "ordinary host memory (staged copy)"
@@ -622,8 +627,8 @@ def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: t
     except Exception:
         res["mixed_error"] = traceback.format_exc()
         log(res["mixed_error"])
-    if res["taps_in"].startswith("registered"):
-        d.unregister_host(memoryview(pool_buf))
+    if S.registered is not None:
+        d.unregister_host(memoryview(S.registered))
     return res
 
 

@@ -708,11 +708,7 @@ class IoLoop:
         sock = self._sock
         n = 0
         if self._link is not None:
-            msgs, alive = self._link.read()
-            if not alive:
-                self._close_link()
-            self.direct_read += len(msgs)
-            for header in msgs:
+            for header in self._read_link():
                 n += 1
                 self._on_bufs([header], now)
         for _ in range(1024):
@@ -927,10 +923,7 @@ class IoLoop:
         of any earlier one; none when it offers none or the connection fails (ZeroMQ alone then).
         Returns the messages the earlier link still held (replies sent on it before the server took
         the new one: they are not lost with it)."""
-        left: list[bytes] = []
-        if self._link is not None:
-            left, _ = self._link.read()
-            self.direct_read += len(left)
+        left = self._read_link() if self._link is not None else []
         self._close_link()
         if not w.direct or self.handshake.ring is None:
             return left
@@ -944,6 +937,15 @@ class IoLoop:
         self._wake()  # the I/O thread's poll and an owner's in progress learn the link's descriptor
         self._ring_owner()
         return left
+
+    def _read_link(self) -> list[bytes]:
+        """The messages the link holds (counted in ``direct_read``); a link that ended is closed."""
+        assert self._link is not None
+        msgs, alive = self._link.read()
+        self.direct_read += len(msgs)
+        if not alive:
+            self._close_link()
+        return msgs
 
     @property
     def link_up(self) -> bool:
