@@ -105,6 +105,7 @@ HOLD_FORGET_S = 10.0  # a client silent this long is no longer tracked
 # they come a client's step-building later (0.1-0.5 ms); this bound only matters when one is lost
 COMMIT_WAIT_S = 0.002
 _OK = Status.OK
+_WHOLE = Phase.WHOLE
 
 
 @dataclass(slots=True)
@@ -296,34 +297,38 @@ class Engine:
                         self._release(s, "free")
 
     def _enqueue(self, w: Work) -> None:
-        s = self.sessions.open((w.call.owner, w.sid))
+        call, phase = w.call, w.phase
+        cid, owner = call.call_id, call.owner
+        s = self.sessions.open((owner, w.sid))
         if s is None:
             self._resolve(w, self.admission.overloaded("session capacity reached"), rows_done=True)
             return
-        if w.call.call_id < s.last_call and (w.phase != Phase.WHOLE or s.taps_call):  # overtaken (module docstring)
+        if cid < s.last_call and (phase != _WHOLE or s.taps_call):  # overtaken (module docstring)
             self.metrics.stale_steps.labels("reordered").inc()
             self._resolve(w, _missing(s, "overtaken by a newer step of its session: not applied"), rows_done=True)
             return
         if w.after and self._predecessor_lost(s, w):
             return
-        s.last_call = max(s.last_call, w.call.call_id)
-        if w.k and (c := self._cadence.get(w.call.owner)) is not None and c.awaiting:
-            turn = max(0.0, w.call.recv_t - c.reply_t)
+        if cid > s.last_call:
+            s.last_call = cid
+        if w.k and (c := self._cadence.get(owner)) is not None and c.awaiting:
+            turn = max(0.0, call.recv_t - c.reply_t)
             c.turn_s = turn if c.turn_s < 0 else 0.7 * c.turn_s + 0.3 * turn
             c.awaiting = False
         if w.taps is not None:
-            s.rows_call = w.call.call_id
+            s.rows_call = cid
         for old in s.pending:  # a newer step for this session: the older one's drafts are moot
             if old.k:
                 old.k = 0
                 self.metrics.stale_steps.labels("superseded").inc()
                 self._resolve(old, EntryResult(Status.EXPIRED, end=old.end, message="superseded by a newer step"))
-        if w.phase == Phase.TAPS:
-            s.taps_call = w.call.call_id
-        elif w.phase == Phase.COMMIT and w.call.call_id > self._commits_seen.get(w.call.owner, 0):
-            self._commits_seen[w.call.owner] = w.call.call_id
-        if w.phase == Phase.COMMIT and self._fold_commit(s, w):
-            return
+        if phase != _WHOLE:
+            if phase == Phase.TAPS:
+                s.taps_call = cid
+            elif cid > self._commits_seen.get(owner, 0):  # a commit
+                self._commits_seen[owner] = cid
+            if phase == Phase.COMMIT and self._fold_commit(s, w):
+                return
         s.pending.append(w)
         if not w.k:  # ingest only: acknowledged now that its session is admitted (EXPIRED: it was read late)
             start = s.start if s.known and s.start <= w.pos <= s.end and not w.restart else w.pos
@@ -664,8 +669,13 @@ class Engine:
             tokens = tuple(out.tokens)
             if out.confidence or out.probs is not None:
                 self._resolve(w, self._rich_result(s, w, out, tokens))
-            else:
-                self._resolve(w, EntryResult(_OK, tokens, w.end, start=s.start))
+                continue
+            call = w.call  # ``_resolve``'s common case, inline (its rows are in: nothing to retire)
+            if call.results[w.idx] is None:
+                call.results[w.idx] = EntryResult(_OK, tokens, w.end, start=s.start)
+                call.remaining -= 1
+                if call.remaining == 0:
+                    self._reply(call)
 
     @staticmethod
     def _rich_result(s: Session, w: Work, out: DraftOut, tokens: tuple[int, ...]) -> EntryResult:

@@ -35,9 +35,10 @@ from protocol import (
 )
 from protocol.validate import check_entry
 from protocol.wire import refusal, row_layout
-from target_client import ClientConfig
+from target_client import ClientConfig, StepRequest
 from target_client.client.counters import Counters
 from target_client.client.handshake import Handshake
+from target_client.client.step_builder import prepare
 from target_client.projection import Projection, ProjectionError
 from tests.conftest import CHECKSUM_CONTRACT as C
 
@@ -178,4 +179,19 @@ def test_check_entry_accepts_exactly_the_valid_entries() -> None:
         assert (err is None) == ok, (e, err)
         assert ok or (isinstance(err, str) and err)
         seen[ok] += 1
+        if rows >= 0:  # (a negative row count refuses the whole Step) the server's per-Step check, whose
+            # common case is inline, says the same, and names the session's second entry a duplicate
+            taps = np.zeros((2 * rows, C.tap_width), np.uint16)
+            step = Step(1, 100.0, (e, e), spec_for(taps, DType.BF16, 0) if rows else None)
+            _, errors = validate_step(step, [taps] if rows else [], C, limits)
+            assert errors[0] == err, (e, errors)
+            assert errors[1] == (err or f"session {sid!r} appears twice in one step"), (e, errors)
+            # and the client's own check of a caller's request (its common case inline too)
+            req = StepRequest(sid, pos, rows, anchor, k, sampling)
+            if ok and phase == Phase.WHOLE:
+                entries, _ = prepare([req], np.zeros((rows, C.tap_width), np.uint16), C, limits, None)
+                assert entries == (e,)
+            elif phase == Phase.WHOLE:
+                with pytest.raises(ValueError, match="requests\\[0\\]"):
+                    prepare([req], np.zeros((rows, C.tap_width), np.uint16), C, limits, None)
     assert seen[True] and seen[False]
