@@ -21,6 +21,9 @@
 #           the single message side by side (issue 17's must-show 2) -> $OUT/early_taps_sweep.json
 #   ab      predicted commits at 64 sessions, this tree against the tree in .abbase (``ab --export REV``,
 #           carried), alternating, AB_ROUNDS (2) runs a side -> $OUT/early_taps_ab.json
+#   rpcab   draft-bench (tcp / ipc / shm / shm in place / cuda_ipc, gRPC echo beside) at 1, 16, 64 sessions, this
+#           tree against the tree in out/abbase (``python -m draft_tools.bench.ab --base REV --export out/abbase``
+#           here, its bench/results and tests deleted, carried), AB_ROUNDS (2) runs a side -> $OUT/rpc_ab.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -49,6 +52,11 @@ ab() {
     timeout "$(left)" python3 -m draft_tools.bench.ab --base .abbase --rounds "${AB_ROUNDS:-2}" \
         --out "$OUT/early_taps_ab.json" -- draft_tools.bench.early_taps_gpu --transport shm --batches 64 --steps 200 \
         --modes predicted_commit "$@" 2>&1 | grep -v Warn | tee "$OUT/ab.log" | tail -6
+}
+rpcab() {
+    timeout "$(left)" python3 -m draft_tools.bench.ab --base out/abbase --rounds "${AB_ROUNDS:-2}" \
+        --out "$OUT/rpc_ab.json" -- draft_tools.bench.rpc --iters 200 --payloads k3 --sessions 1,16,64 "$@" 2>&1 \
+        | grep -v Warn | tee "$OUT/rpcab.log" | tail -6
 }
 proj() {
     timeout "$(left)" python3 -m draft_tools.bench.early_taps_gpu --transport shm --wire-format projected \
@@ -80,10 +88,11 @@ case "$task" in
     early) early "$@" ;;
     sweep) sweep "$@" ;;
     ab) ab "$@" ;;
+    rpcab) rpcab "$@" ;;
     proj) proj "$@" ;;
     prep) prep "$@" ;;
     all) run_test; early; proj; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|sweep|ab|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|sweep|ab|rpcab|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"
