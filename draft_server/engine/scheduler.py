@@ -669,13 +669,8 @@ class Engine:
             tokens = tuple(out.tokens)
             if out.confidence or out.probs is not None:
                 self._resolve(w, self._rich_result(s, w, out, tokens))
-                continue
-            call = w.call  # ``_resolve``'s common case, inline (its rows are in: nothing to retire)
-            if call.results[w.idx] is None:
-                call.results[w.idx] = EntryResult(_OK, tokens, w.end, start=s.start)
-                call.remaining -= 1
-                if call.remaining == 0:
-                    self._reply(call)
+            else:
+                self._resolve(w, EntryResult(_OK, tokens, w.end, start=s.start))
 
     @staticmethod
     def _rich_result(s: Session, w: Work, out: DraftOut, tokens: tuple[int, ...]) -> EntryResult:

@@ -13,7 +13,7 @@ process of the host), so each step's marks line up into one timeline:
 after the reply; each ``send()`` 40-45 us; the server 14 us to read the header, 44 to admit the Step,
 14 to form the batch, 9 from reply to send)
 
-and the table gives each segment's median (us). Each session's steps append their rows (``rpc.positions``;
+and the table gives each segment's median (us). Each session's steps append their rows (``rpc.appending``;
 runs before 2026-12-07 overwrote positions [0, 3) every step). The marks wrap methods of the shipped code (nothing in
 the product changes); each costs well under a microsecond. Only Steps the idle engine reads itself are
 aligned (one client, back to back: all of them, but for the rare one the I/O thread takes).
@@ -25,6 +25,7 @@ aligned (one client, back to back: all of them, but for the rare one the I/O thr
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -108,8 +109,8 @@ def serve(endpoint: str, out: str) -> None:
 
 def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool) -> dict[str, list[float]]:
     """``steps`` back-to-back Steps of n sessions, 3 K3-sized rows each; the client's marks per step."""
-    from draft_tools.bench.rpc import positions
-    from target_client import ClientConfig, DraftClient, StepRequest
+    from draft_tools.bench.rpc import appending
+    from target_client import ClientConfig, DraftClient
     from target_client.client import io_loop
 
     pc = time.perf_counter
@@ -132,16 +133,10 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
     welcome = client.connect(wait=True)
     assert welcome is not None
     taps = np.ones((n * 3, welcome.contract.tap_width), np.uint16)
-    gen, sids = 0, [f"s{i}.0" for i in range(n)]
-    block = welcome.contract.block_size
+    requests = appending(client, n, 3, welcome.contract.block_size)
     out: dict[str, list[float]] = {k: [] for k in ("enter", "send", "sent", "reply_read", "return")}
     try:
-        for it in range(steps):
-            g, pos = positions(it, 3)  # appended, as a target's committed rows are
-            if g != gen:  # new sessions (untimed)
-                client.free(sids)
-                gen, sids = g, [f"s{i}.{g}" for i in range(n)]
-            reqs = [StepRequest(sid, pos, 3, 1, block) for sid in sids]
+        for reqs in itertools.islice(requests, steps):
             rows: Any = taps
             if in_place:
                 buf = client.claim_rows(taps.nbytes)
@@ -159,6 +154,7 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
             for k in ("send", "sent", "reply_read"):
                 out[k].append(step_marks.get(k, float("nan")))
     finally:
+        requests.close()
         client.close()
         io_loop.IoLoop._try_send, io_loop.IoLoop._on_bufs = send, recv  # type: ignore[method-assign]
     return out

@@ -21,7 +21,7 @@ same run, against one server process bound to tcp and ipc at once:
   importer (``draft_tools.bench.cuda_ipc``; that script measures cuda_ipc against a real K3 drafter).
 
 Each session's steps append their rows as a target's committed tokens do (positions 0, 3, 6, ...;
-new sessions every ``POS_WINDOW`` positions: ``positions``); runs before 2026-12-07 overwrote
+new sessions every ``POS_WINDOW`` positions: ``appending``); runs before 2026-12-07 overwrote
 positions [0, 3) every step, the client's and the server's overwrite paths rather than the steady state.
 
 Writes JSON (machine, command, numbers) and prints a short table.
@@ -31,6 +31,7 @@ Usage: draft-bench [--iters 300] [--out bench/results/rpc_loopback.json]   (or p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -38,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -61,13 +63,24 @@ ROWS = {"empty": 0, "k3": 3}
 POS_WINDOW = 255  # positions a benchmark session appends over before it ends (``positions``)
 
 
-def positions(it: int, rows: int) -> tuple[int, int]:
-    """Step ``it``'s (generation, position) for benchmark sessions that append ``rows`` a step, as a
-    target's committed tokens do: a session ends at ``POS_WINDOW`` positions and the next generation
-    starts at 0 (requests come and go), so the context, and with it the checksum drafter's compute,
-    stays small."""
-    gen, j = divmod(it, max(1, POS_WINDOW // max(rows, 1)))
-    return gen, j * rows
+def appending(client: Any, n: int, rows: int, k: int) -> Iterator[list]:
+    """Each step's requests of ``n`` benchmark sessions that append ``rows`` a step, as a target's
+    committed tokens do: a session ends at ``POS_WINDOW`` positions and the next generation starts at
+    0 (requests come and go; the old ones freed between steps, untimed), so the context, and with it
+    the checksum drafter's compute, stays small. Closing the generator frees the last ones."""
+    from target_client import StepRequest
+
+    per_gen = max(1, POS_WINDOW // max(rows, 1))
+    gen, sids = 0, [f"s{i}.0" for i in range(n)]
+    try:
+        for it in itertools.count():
+            g, j = divmod(it, per_gen)
+            if g != gen:
+                client.free(sids)
+                gen, sids = g, [f"s{i}.{g}" for i in range(n)]
+            yield [StepRequest(sid, j * rows, rows, 1, k) for sid in sids]
+    finally:
+        client.free(sids)
 
 
 def cuda_available() -> bool:
@@ -179,7 +192,7 @@ def bench_product(
     """``transport`` "shm_in_place": shm, each step's rows written (untimed, as a target's
     device-to-host copy lands) into a region the client claims, which goes out where it lies.
     ``spin_ms``: the client's ``wait_spin_ms``."""
-    from target_client import ClientConfig, DraftClient, StepRequest
+    from target_client import ClientConfig, DraftClient
 
     in_place = transport == "shm_in_place"
     transport = "shm" if in_place else transport
@@ -194,7 +207,7 @@ def bench_product(
         import torch
 
         taps = torch.ones((n * rows, contract.tap_width), dtype=torch.bfloat16, device="cuda")
-    gen, sids = 0, [f"s{i}.0" for i in range(n)]
+    steps = appending(client, n, rows, contract.block_size)
     waits, server, compute = [], [], []
     claimed = 0
     for it in range(iters + 20):
@@ -206,11 +219,7 @@ def bench_product(
                 step_taps[:] = taps
                 claimed += 1
                 del buf
-        g, pos = positions(it, rows)
-        if g != gen:  # the sessions ended: new ones (untimed, as the target's own bookkeeping)
-            client.free(sids)
-            gen, sids = g, [f"s{i}.{g}" for i in range(n)]
-        reqs = [StepRequest(sid, pos, rows, 1, contract.block_size) for sid in sids]
+        reqs = next(steps)
         t = time.perf_counter()
         replies = client.step(reqs, step_taps)
         del step_taps
@@ -223,7 +232,7 @@ def bench_product(
             compute.append(timing.compute_ms)
         if gap_s:
             time.sleep(gap_s)
-    client.free(sids)
+    steps.close()
     client.close()
     over = [w - c for w, c in zip(waits, compute, strict=True)]
     return {
