@@ -34,7 +34,7 @@ import torch.nn.functional as F
 PAD = 128
 MIN_GAIN = 0.03  # a strategy other than plain must be this much faster
 STRATEGIES = ("plain", "pad", "split")  # shape-free ways (``_RUN``); ``skinny`` is made per shape
-SKINNY_ROWS = 64
+SKINNY_ROWS = 64  # 128 tied it at 8-32 sessions on an H100 (bench/results/skinny_rows_ab_h100.json)
 # launch shapes tried for ``skinny``: the winners of the H200 sweep (skinny_sweep_h200.json)
 SKINNY_SHAPES = [(bn, bk, s) for bn, bk in ((32, 128), (64, 256), (128, 128), (128, 256)) for s in (1, 2, 4)]
 FLUSH_BYTES = 256 << 20  # written before each timed replay: the L2 (50 MB on an H200) holds no weight
