@@ -1,13 +1,22 @@
 """Where a Step's round trip goes, segment by segment, on both sides of the hop (issue 12).
 
-A no-op drafter server (``draft-bench --serve --noop``: the hop's and the server's own host work only)
-runs in a child process with timestamps taken at fixed points of its code; a ``DraftClient`` in this
-process takes its own. Both read ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for every
-process of the host), so each step's marks line up into one timeline:
+A no-op drafter server (``draft-bench --serve --noop``: the hop's and the server's own host work only),
+or with ``--server-args`` a real one (``draft-server serve`` with those flags, e.g. ``--model random:k3
+--device cuda``: the hop beside a GPU step), runs in a child process with timestamps taken at fixed
+points of its code; a ``DraftClient`` in this process takes its own. Both read ``time.perf_counter``
+(CLOCK_MONOTONIC on Linux: one clock for every process of the host), so each step's marks line up
+into one timeline:
 
     client: enter step() | send() | sent || server: engine_serve | header read | Step admitted |
     engine_serve done | inbox drained | batch | drafter | reply | send() | sent || client: reply read |
     return
+
+A Step is read either by the idle engine (``engine_serve`` ... ``served``) or by the I/O thread, which
+hands its work to the engine (which must wake for it); each step's segments run between the marks it
+met, in time order (the server's ``send()`` may return after the client read the reply), so the table
+shows both paths, each with how many steps took it.
+``--gap-ms`` sleeps between steps (untimed), as a target's forward does: then both processes idle
+between Steps, as they do in service, and wake for each.
 
 (2-core VM, one K3 session, rows in place, at e61706b: the client's own work 43 us before its send and 58
 after the reply; each ``send()`` 40-45 us; the server 14 us to read the header, 44 to admit the Step,
@@ -15,11 +24,10 @@ after the reply; each ``send()`` 40-45 us; the server 14 us to read the header, 
 
 and the table gives each segment's median (us). Each session's steps append their rows (``rpc.appending``;
 runs before 2026-12-07 overwrote positions [0, 3) every step). The marks wrap methods of the shipped code (nothing in
-the product changes); each costs well under a microsecond. Only Steps the idle engine reads itself are
-aligned (one client, back to back: all of them, but for the rare one the I/O thread takes).
+the product changes); each costs well under a microsecond.
 
     python -m draft_tools.bench.hop_marks [--sessions 1,64] [--transport shm] [--in-place] [--steps 3000]
-        [--out FILE]
+        [--gap-ms 0] [--server-args "--model random:k3 --device cuda"] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,8 +35,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,8 +63,9 @@ SERVER_MARKS = (
 )
 
 
-def serve(endpoint: str, out: str) -> None:
-    """The no-op server with marks (child process): writes them to ``out`` (JSON) on SIGUSR1."""
+def serve(endpoint: str, out: str, server_args: str = "") -> None:
+    """The server with marks (child process): the no-op drafter's, or ``draft-server serve`` with
+    ``server_args`` bound to ``endpoint``; writes the marks to ``out`` (JSON) on SIGUSR1."""
     from draft_server.engine import scheduler
     from draft_server.io import router
     from draft_tools.bench import rpc
@@ -84,6 +95,33 @@ def serve(endpoint: str, out: str) -> None:
         if owner == "drafter":
             continue
         wrap(owners[owner], meth, whens.get("before"), whens.get("after"))
+
+    def dump(*_: Any) -> None:
+        with open(out, "w") as f:
+            json.dump(marks, f)
+        os._exit(0)
+
+    signal.signal(signal.SIGUSR1, dump)
+    if server_args:
+        from draft_server.app import serve as serve_model
+        from draft_server.cli import parse_serve_config, serve_parser
+
+        cfg = parse_serve_config(serve_parser().parse_args([*shlex.split(server_args), "--bind", endpoint]))
+        if cfg is None:
+            raise SystemExit(2)
+
+        def marked_step(drafter: Any) -> Any:
+            step = drafter.step
+
+            def marked(ingest: Any, drafts: Any) -> Any:
+                marks["drafter"].append(pc())
+                return step(ingest, drafts)
+
+            drafter.step = marked
+            return drafter
+
+        serve_model(cfg, wrap=marked_step)
+        return
     noop = rpc.noop_drafter
 
     def marked_noop() -> type:
@@ -97,18 +135,13 @@ def serve(endpoint: str, out: str) -> None:
         return Marked
 
     rpc.noop_drafter = marked_noop
-
-    def dump(*_: Any) -> None:
-        with open(out, "w") as f:
-            json.dump(marks, f)
-        os._exit(0)
-
-    signal.signal(signal.SIGUSR1, dump)
     rpc.serve_checksum(endpoint, noop=True)
 
 
-def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool) -> dict[str, list[float]]:
-    """``steps`` back-to-back Steps of n sessions, 3 K3-sized rows each; the client's marks per step."""
+def run_client(
+    endpoint: str, n: int, steps: int, transport: str, in_place: bool, gap_ms: float = 0.0
+) -> dict[str, list[float]]:
+    """``steps`` Steps of n sessions, 3 rows each, ``gap_ms`` apart (0: back to back); the client's marks per step."""
     from draft_tools.bench.rpc import appending
     from target_client import ClientConfig, DraftClient
     from target_client.client import io_loop
@@ -153,6 +186,8 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
             out["return"].append(t1)
             for k in ("send", "sent", "reply_read"):
                 out[k].append(step_marks.get(k, float("nan")))
+            if gap_ms:
+                time.sleep(gap_ms / 1000.0)
     finally:
         requests.close()
         client.close()
@@ -160,35 +195,51 @@ def run_client(endpoint: str, n: int, steps: int, transport: str, in_place: bool
     return out
 
 
-def align(client: dict[str, list[float]], server: dict[str, list[float]], skip: int) -> dict[str, float]:
-    """Median us of each segment over the steps whose server marks all fall between the client's send
-    and its reply read, in order (the idle engine's path)."""
-    names = ["client.enter", "client.send", "client.sent"] + [f"server.{name}" for name, _, _ in SERVER_MARKS]
-    names += ["client.reply_read", "client.return"]
+# marks a Step meets on one path only: the idle engine reads it (engine_serve .. served), or the I/O thread
+# does and hands its work over; drained: the engine's loop, whichever read it
+OPTIONAL = {"engine_serve", "served", "drained"}
+
+
+def align(client: dict[str, list[float]], server: dict[str, list[float]], skip: int) -> dict[str, Any]:
+    """Median us of each segment between consecutive marks a step met, in order, over the steps whose
+    required server marks all fall between the client's send and its reply read; by path (``engine``:
+    the idle engine read the Step; ``io``: the I/O thread did and handed it over)."""
     srv = {k: np.asarray(v) for k, v in server.items()}
-    rows = []
+    by_path: dict[str, dict[str, list[float]]] = {"engine": {}, "io": {}}
+    totals: dict[str, list[float]] = {"engine": [], "io": []}
     for i in range(skip, len(client["enter"])):
         a, b = client["sent"][i], client["reply_read"][i]
         if not (a == a and b == b):  # nan: a step that never went out
             continue
-        t = [client["enter"][i], client["send"][i], a]
-        prev = a
+        t = [("client.enter", client["enter"][i]), ("client.send", client["send"][i]), ("client.sent", a)]
+        prev, end = a, client["return"][i]
+        nxt = client["enter"][i + 1] if i + 1 < len(client["enter"]) else math.inf
         for name, _, _ in SERVER_MARKS:
             arr = srv[name]
             j = int(np.searchsorted(arr, prev))
-            if j >= len(arr) or arr[j] > b:
+            if name == "served" and not any(n == "server.engine_serve" for n, _ in t):
+                continue  # the I/O thread read it: the engine's next serve is not this Step's
+            # the server's send may return after the client has read the reply, even after its step
+            # returned (the send woke it, and on few cores it ran first): before the next step, then
+            if j < len(arr) and arr[j] <= (nxt if name == "sent" else b):
+                prev = float(arr[j])
+                t.append((f"server.{name}", prev))
+            elif name not in OPTIONAL:
                 break
-            prev = float(arr[j])
-            t.append(prev)
         else:
-            t += [b, client["return"][i]]
-            rows.append(np.diff(np.asarray(t)))
-    if not rows:
-        return {"aligned_steps": 0}
-    med = np.median(np.asarray(rows), axis=0) * 1e6
-    res = {f"{names[j]} -> {names[j + 1]}": round(float(v), 1) for j, v in enumerate(med)}
-    res["total"] = round(float(np.median([r.sum() for r in rows]) * 1e6), 1)
-    res["aligned_steps"] = len(rows)
+            t = sorted([*t, ("client.reply_read", b), ("client.return", end)], key=lambda m: m[1])
+            path = "engine" if any(n == "server.engine_serve" for n, _ in t) else "io"
+            segs = by_path[path]
+            for (n0, t0), (n1, t1) in itertools.pairwise(t):
+                segs.setdefault(f"{n0} -> {n1}", []).append(t1 - t0)
+            totals[path].append(t[-1][1] - t[0][1])
+    res: dict[str, Any] = {"aligned_steps": sum(len(v) for v in totals.values())}
+    for path, segs in by_path.items():
+        if totals[path]:
+            r: dict[str, Any] = {k: round(float(np.median(v)) * 1e6, 1) for k, v in segs.items()}
+            r["total"] = round(float(np.median(totals[path])) * 1e6, 1)
+            r["steps"] = len(totals[path])
+            res[path] = r
     return res
 
 
@@ -198,8 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="shm", choices=("frames", "shm"))
     ap.add_argument("--in-place", action="store_true", help="rows written into a region of the ring (shm)")
     ap.add_argument("--steps", type=int, default=3000, help="steps per session count (the first 10%% untimed)")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between steps (a target's forward), untimed")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="a real server: these draft-server serve flags (e.g. '--model random:k3 --device cuda'), not the no-op",
+    )
     ap.add_argument("--out", default="")
-    ap.add_argument("--serve", nargs=2, help=argparse.SUPPRESS)  # ENDPOINT OUT: the marked server
+    ap.add_argument("--serve", nargs=3, help=argparse.SUPPRESS)  # ENDPOINT OUT SERVER_ARGS: the marked server
     args = ap.parse_args(argv)
     if args.serve:
         serve(*args.serve)
@@ -211,18 +268,25 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m draft_tools.bench.hop_marks " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "rows": "3 K3-sized rows (5 x 7168 bf16) per session; no-op drafter",
+        "rows": "3 rows of the contract's taps per session, "
+        + (f"server: draft-server serve {args.server_args}" if args.server_args else "no-op drafter (K3's contract)"),
+        "gap_ms": args.gap_ms,
         "runs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(s) for s in args.sessions.split(",")]:
             endpoint, marks = f"ipc://{tmp}/s{n}.sock", os.path.join(tmp, f"marks{n}.json")
-            cmd = [sys.executable, "-m", "draft_tools.bench.hop_marks", "--serve", endpoint, marks]
+            cmd = [sys.executable, "-m", "draft_tools.bench.hop_marks", "--serve", endpoint, marks, args.server_args]
             srv = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             try:
-                assert srv.stdout is not None and srv.stdout.readline().startswith("READY")
+                assert srv.stdout is not None
+                for line in srv.stdout:  # a model server may print before it is ready
+                    if line.startswith("READY"):
+                        break
+                else:
+                    raise SystemExit(f"the server exited before it was ready (exit {srv.wait()})")
                 steps = max(20, args.steps if n == 1 else args.steps // 5)
-                client = run_client(endpoint, n, steps, args.transport, args.in_place)
+                client = run_client(endpoint, n, steps, args.transport, args.in_place, args.gap_ms)
                 srv.send_signal(signal.SIGUSR1)
                 srv.wait(timeout=30)
                 with open(marks) as f:
@@ -232,10 +296,13 @@ def main(argv: list[str] | None = None) -> int:
                     srv.kill()
             res = align(client, server, steps // 10)
             report["runs"][str(n)] = res
-            print(f"sessions {n}: {res.get('aligned_steps', 0)} steps aligned (us, median)")
-            for k, v in res.items():
-                if k != "aligned_steps":
-                    print(f"  {k:52s} {v:8.1f}")
+            print(f"sessions {n}: {res['aligned_steps']} steps aligned (us, median)")
+            for path in ("engine", "io"):
+                if path in res:
+                    print(f"  {res[path]['steps']} read by the {'idle engine' if path == 'engine' else 'I/O thread'}")
+                    for k, v in res[path].items():
+                        if k != "steps":
+                            print(f"    {k:52s} {v:8.1f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
