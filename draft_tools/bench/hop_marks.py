@@ -120,8 +120,8 @@ def serve(endpoint: str, out: str, server_args: str = "") -> None:
             drafter.step = marked
             return drafter
 
-        serve_model(cfg, wrap=marked_step)
-        return
+        serve_model(cfg, wrap=marked_step)  # until SIGTERM (a model server may not see SIGUSR1 in time)
+        dump()
     noop = rpc.noop_drafter
 
     def marked_noop() -> type:
@@ -288,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
                 steps = max(20, args.steps if n == 1 else args.steps // 5)
                 client = run_client(endpoint, n, steps, args.transport, args.in_place, args.gap_ms)
                 srv.send_signal(signal.SIGUSR1)
-                srv.wait(timeout=30)
+                try:
+                    srv.wait(timeout=10)
+                except subprocess.TimeoutExpired:  # a model server: it stops on SIGTERM, then writes its marks
+                    srv.terminate()
+                    srv.wait(timeout=60)
                 with open(marks) as f:
                     server = json.load(f)
             finally:
