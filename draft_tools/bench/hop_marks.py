@@ -27,7 +27,7 @@ runs before 2026-12-07 overwrote positions [0, 3) every step). The marks wrap me
 the product changes); each costs well under a microsecond.
 
     python -m draft_tools.bench.hop_marks [--sessions 1,64] [--transport shm] [--in-place] [--steps 3000]
-        [--gap-ms 0] [--server-args "--model random:k3 --device cuda"] [--out FILE]
+        [--gap-ms 0] [--client-spin-ms 0] [--server-args "--model random:k3 --device cuda"] [--out FILE]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def serve(endpoint: str, out: str, server_args: str = "") -> None:
 
 
 def run_client(
-    endpoint: str, n: int, steps: int, transport: str, in_place: bool, gap_ms: float = 0.0
+    endpoint: str, n: int, steps: int, transport: str, in_place: bool, gap_ms: float = 0.0, spin_ms: float = 0.0
 ) -> dict[str, list[float]]:
     """``steps`` Steps of n sessions, 3 rows each, ``gap_ms`` apart (0: back to back); the client's marks per step."""
     from draft_tools.bench.rpc import appending
@@ -161,7 +161,9 @@ def run_client(
         recv(self, bufs, now)
 
     io_loop.IoLoop._try_send, io_loop.IoLoop._on_bufs = marked_send, marked_recv  # type: ignore[method-assign]
-    cfg = ClientConfig(endpoint=endpoint, budget_ms=1000.0, name="marks", transport=transport, shm_ring_mib=64)
+    cfg = ClientConfig(
+        endpoint=endpoint, budget_ms=1000.0, name="marks", transport=transport, shm_ring_mib=64, wait_spin_ms=spin_ms
+    )
     client = DraftClient(cfg)
     welcome = client.connect(wait=True)
     assert welcome is not None
@@ -250,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-place", action="store_true", help="rows written into a region of the ring (shm)")
     ap.add_argument("--steps", type=int, default=3000, help="steps per session count (the first 10%% untimed)")
     ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between steps (a target's forward), untimed")
+    ap.add_argument("--client-spin-ms", type=float, default=0.0, help="the client's wait_spin_ms")
     ap.add_argument(
         "--server-args",
         default="",
@@ -271,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": "3 rows of the contract's taps per session, "
         + (f"server: draft-server serve {args.server_args}" if args.server_args else "no-op drafter (K3's contract)"),
         "gap_ms": args.gap_ms,
+        "client_spin_ms": args.client_spin_ms,
         "runs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     raise SystemExit(f"the server exited before it was ready (exit {srv.wait()})")
                 steps = max(20, args.steps if n == 1 else args.steps // 5)
-                client = run_client(endpoint, n, steps, args.transport, args.in_place, args.gap_ms)
+                client = run_client(endpoint, n, steps, args.transport, args.in_place, args.gap_ms, args.client_spin_ms)
                 srv.send_signal(signal.SIGUSR1)
                 try:
                     srv.wait(timeout=10)
