@@ -234,7 +234,7 @@ def align(client: dict[str, list[float]], server: dict[str, list[float]], skip: 
             segs = by_path[path]
             for (n0, t0), (n1, t1) in itertools.pairwise(t):
                 segs.setdefault(f"{n0} -> {n1}", []).append(t1 - t0)
-            totals[path].append(t[-1][1] - t[0][1])
+            totals[path].append(end - client["enter"][i])  # the client's round trip
     res: dict[str, Any] = {"aligned_steps": sum(len(v) for v in totals.values())}
     for path, segs in by_path.items():
         if totals[path]:
