@@ -113,9 +113,10 @@ class ServerConfig:
     batch_window_ms: float = _f(0.0, "a fixed wait before each decode batch (0: none, only for clients due back)")
     idle_spin_ms: float = _f(
         0.0,
-        "after each batch the idle engine polls for work without sleeping for this long (e.g. 20: a target's "
-        "forward), and through its short waits (holds, commits due), trading one CPU core for the time a "
-        "sleeping thread takes to wake; 0: it sleeps at once",
+        "the idle engine polls for work without sleeping from this long before the first client due back "
+        "(its learnt turnaround after its drafts) until this long after (with none due: for this long after "
+        "the last batch), and through its short waits (holds, commits due), trading CPU for the time a sleeping "
+        "thread takes to wake (e.g. 1); 0: it sleeps at once",
     )
     session_ttl_s: float = _f(300.0, "idle sessions are freed after this many seconds")
     watchdog_s: float = _f(10.0, "an engine iteration longer than this turns health red")

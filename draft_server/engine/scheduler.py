@@ -39,11 +39,14 @@ turnaround is a batch or longer (a target engine between its forwards) is never 
 one client nothing is ever held. Not with a fixed ``batch_window_ms``, which waits blindly instead.
 
 Idle. With nothing to do the engine waits on its bell (and the socket it watches) in a blocking
-poll; with ``idle_spin_ms`` it first polls without sleeping for that long after its last batch, so
-the next step of a target that is between its forwards finds it awake (a thread that slept, and the
-core under it, take time to wake: ``bench/results/rpc_idle_spin_cpu.json``), and it polls unslept
-through its short waits too (a hold, a wait for commits that follow their taps: 2 ms at most), so
-the commit a target sends before its sampling ends is read as it lands.
+poll; with ``idle_spin_ms`` it polls without sleeping from that long before the first client due
+back (its last drafts' reply plus its learnt turnaround, as for the hold) until that long after,
+sleeping through the rest (with no client due: for that long after its last batch), so the next
+step of a target that is between its forwards finds it awake (a thread that slept, and the core
+under it, take 0.15-0.2 ms to wake on an H100 host after a 10 ms gap:
+``bench/results/hop_marks_k3_gap10_h100.json``) while the core sleeps through most of the forward;
+and it polls unslept through its short waits too (a hold, a wait for commits that follow their taps:
+2 ms at most), so the commit a target sends before its sampling ends is read as it lands.
 
 Positions (DESIGN §4): pos == end appends, start <= pos < end overwrites, anything else
 restarts the session at pos (counted by cause). Every reply names the context [start, end) its
@@ -262,14 +265,15 @@ class Engine:
         try:
             fds = [self._bell.fd, *watched]
             ready: list[int] = []
-            until = time.monotonic() + timeout_s
+            now = time.monotonic()
+            until = now + timeout_s
             if self.spin_s and max(fds) < 1024:  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
-                # idle: until spin_s after the last batch; a hold or a wait for commits (short, bounded): all of it
-                spin_end = self._busy_t + self.spin_s if timeout_s >= 0.05 else until
-                while not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
+                # a hold or a wait for commits (short, bounded): all of it; idle: around the next client due
+                spin_from, spin_end = (now, until) if timeout_s < 0.05 else self._spin_window(now)
+                if now < spin_from < until:  # asleep until then (select's timeout has microseconds)
+                    ready = select.select(fds, [], [], spin_from - now)[0]
+                while not ready and not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
                     ready = select.select(fds, [], [], 0)[0]
-                    if ready:
-                        break
             if not ready and not self._inbox and not self._stop.is_set():
                 if timeout_s < 0.05 and max(fds) < 1024:
                     # select's timeout has microseconds (poll's is whole milliseconds): a hold is short
@@ -282,6 +286,18 @@ class Engine:
             if watch:
                 sock[2]()  # type: ignore[index]  # read what came (it lands in the inbox), or give the socket back
             self._idle = False
+
+    def _spin_window(self, now: float) -> tuple[float, float]:
+        """When the idle engine polls unslept: from ``spin_s`` before the first client due back (its
+        last drafts' reply plus its turnaround) to ``spin_s`` after; with none due, for ``spin_s``
+        after the last batch. So a target between its forwards finds the engine awake, and the core
+        sleeps through the rest of the forward."""
+        due = min(
+            (c.reply_t + c.turn_s for c in self._cadence.values() if c.awaiting and c.turn_s >= 0.0), default=None
+        )
+        if due is None or due + self.spin_s <= now:  # nobody due, or overdue: after the last batch, if still
+            return now, self._busy_t + self.spin_s
+        return due - self.spin_s, due + self.spin_s
 
     def _drain_inbox(self) -> None:
         while self._inbox:
