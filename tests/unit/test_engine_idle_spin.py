@@ -40,14 +40,14 @@ def test_spin_window_is_around_the_first_client_due_and_after_the_batch_when_non
     eng = _engine(ChecksumDrafter(), lambda *a: None, spin_ms=2.0)
     now = time.monotonic()
     eng._busy_t = now - 0.001
-    assert eng._spin_window(now) == (now, now + 0.001)  # nobody due: for spin_s after the last batch
+    assert eng._spin_window(now) == pytest.approx((now, now + 0.001), abs=1e-9)  # nobody due: after the batch
     eng._cadence[b"a"] = _Cadence(reply_t=now - 0.005, turn_s=0.010, awaiting=True, drafts=1)
     eng._cadence[b"b"] = _Cadence(reply_t=now - 0.001, turn_s=0.004, awaiting=True, drafts=1)
     eng._cadence[b"c"] = _Cadence(reply_t=now - 0.009, turn_s=0.001, awaiting=False, drafts=1)  # arrived
     lo, hi = eng._spin_window(now)
     assert abs(lo - (now + 0.001)) < 1e-9 and abs(hi - (now + 0.005)) < 1e-9  # b first: due at now + 3 ms
     eng._cadence[b"b"].reply_t = eng._cadence[b"a"].reply_t = now - 0.1  # both overdue past their window
-    assert eng._spin_window(now) == (now, now + 0.001)
+    assert eng._spin_window(now) == pytest.approx((now, now + 0.001), abs=1e-9)
 
 
 def test_the_idle_engine_is_awake_when_each_client_comes_back_and_asleep_between(
