@@ -270,10 +270,11 @@ class Engine:
             if self.spin_s and max(fds) < 1024:  # ``idle_spin_ms``: no sleep, so no wake-up to wait for
                 # a hold or a wait for commits (short, bounded): all of it; idle: around the next client due
                 spin_from, spin_end = (now, until) if timeout_s < 0.05 else self._spin_window(now)
-                if now < spin_from < until:  # asleep until then (select's timeout has microseconds)
-                    ready = select.select(fds, [], [], spin_from - now)[0]
-                while not ready and not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
-                    ready = select.select(fds, [], [], 0)[0]
+                if spin_from < until:  # else a later wait spins: this one sleeps its whole timeout
+                    if now < spin_from:  # asleep until then (select's timeout has microseconds)
+                        ready = select.select(fds, [], [], spin_from - now)[0]
+                    while not ready and not self._inbox and not self._stop.is_set() and time.monotonic() < spin_end:
+                        ready = select.select(fds, [], [], 0)[0]
             if not ready and not self._inbox and not self._stop.is_set():
                 if timeout_s < 0.05 and max(fds) < 1024:
                     # select's timeout has microseconds (poll's is whole milliseconds): a hold is short
