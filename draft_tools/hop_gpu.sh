@@ -24,6 +24,9 @@
 #   rpcab   draft-bench (tcp / ipc / shm / shm in place / cuda_ipc, gRPC echo beside) at 1, 16, 64 sessions, this
 #           tree against the tree in out/abbase (``python -m draft_tools.bench.ab --base REV --export out/abbase``
 #           here, its bench/results and tests deleted, carried), AB_ROUNDS (2) runs a side -> $OUT/rpc_ab.json
+#   service hop_marks beside the real K3 drafter (random:k3 on this GPU), 1 and 64 sessions, rows in place, 10 ms
+#           gaps between steps (a target's forward): the engine sleeping, its idle spin around the client due
+#           back (--idle-spin-ms 2), and that with the client spinning too (0.3 ms) -> $OUT/hop_service_*.json
 #   all     test, early, proj, then prep in the time left
 # Extra arguments after the task go to its Python module.
 #
@@ -81,8 +84,19 @@ gap() {
             --client-spin-ms 0.3 --sessions 1,16,64 --out "$OUT/rpc_gap$1_spin$2.json" 2>&1 | grep -E "^(empty|k3)"
     done
 }
+service() {
+    local k3="--model random:k3 --device cuda --kv-budget-mib 16384"
+    for run in "0 0" "2 0" "2 0.3"; do
+        set -- $run
+        echo "== idle-spin-ms $1, client-spin-ms $2"
+        timeout "$(left)" python3 -m draft_tools.bench.hop_marks --sessions 1,64 --in-place --steps 600 --gap-ms 10 \
+            --client-spin-ms $2 --server-args "$k3 --idle-spin-ms $1" --out "$OUT/hop_service_spin$1_client$2.json" \
+            2>&1 | grep -E "^sessions|read by|total"
+    done
+}
 case "$task" in
     test) run_test "$@" ;;
+    service) service ;;
     ring) ring "$@" ;;
     gap) gap "$@" ;;
     early) early "$@" ;;
@@ -92,7 +106,7 @@ case "$task" in
     proj) proj "$@" ;;
     prep) prep "$@" ;;
     all) run_test; early; proj; prep ;;
-    *) echo "usage: draft_tools/hop_gpu.sh test|early|sweep|ab|rpcab|proj|prep|ring|gap|all [args]" >&2; exit 2 ;;
+    *) echo "usage: draft_tools/hop_gpu.sh test|early|sweep|ab|rpcab|proj|prep|ring|gap|service|all [args]" >&2; exit 2 ;;
 esac
 rc=$?
 echo "$task rc=$rc at ${SECONDS}s"
