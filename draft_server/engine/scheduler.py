@@ -293,10 +293,10 @@ class Engine:
         last drafts' reply plus its turnaround) to ``spin_s`` after; with none due, for ``spin_s``
         after the last batch. So a target between its forwards finds the engine awake, and the core
         sleeps through the rest of the forward."""
-        due = min(
-            (c.reply_t + c.turn_s for c in self._cadence.values() if c.awaiting and c.turn_s >= 0.0), default=None
-        )
-        if due is None or due + self.spin_s <= now:  # nobody due, or overdue: after the last batch, if still
+        late = now - self.spin_s  # a client due before this, and not back, is not waited for (gone, or slow)
+        dues = (c.reply_t + c.turn_s for c in self._cadence.values() if c.awaiting and c.turn_s >= 0.0)
+        due = min((d for d in dues if d > late), default=None)
+        if due is None:  # nobody due: after the last batch, if still
             return now, self._busy_t + self.spin_s
         return due - self.spin_s, due + self.spin_s
 

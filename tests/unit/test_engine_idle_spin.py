@@ -47,7 +47,10 @@ def test_spin_window_is_around_the_first_client_due_and_after_the_batch_when_non
     eng._cadence[b"c"] = _Cadence(reply_t=now - 0.009, turn_s=0.001, awaiting=False, drafts=1)  # arrived
     lo, hi = eng._spin_window(now)
     assert abs(lo - (now + 0.001)) < 1e-9 and abs(hi - (now + 0.005)) < 1e-9  # b first: due at now + 3 ms
-    eng._cadence[b"b"].reply_t = eng._cadence[b"a"].reply_t = now - 0.1  # both overdue past their window
+    eng._cadence[b"b"].reply_t = now - 0.1  # b overdue past its window (gone, or slow): a's is next
+    lo, hi = eng._spin_window(now)
+    assert abs(lo - (now + 0.003)) < 1e-9 and abs(hi - (now + 0.007)) < 1e-9
+    eng._cadence[b"a"].reply_t = now - 0.1  # both overdue
     assert eng._spin_window(now) == pytest.approx((now, now + 0.001), abs=1e-9)
 
 
