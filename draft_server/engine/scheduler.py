@@ -120,6 +120,10 @@ class _Cadence:
     awaiting: bool = False  # answered, and its next drafting call has not arrived
     drafts: int = 0  # entries that drafted in that call (sessions a hold would take in)
 
+    def expected(self) -> float:
+        """When its next drafting call should come: the reply plus its turnaround."""
+        return self.reply_t + self.turn_s
+
     def due(self) -> float:
         """When its next drafting call is given up on (1.25 turnarounds + 50 us after the reply)."""
         return self.reply_t + 1.25 * self.turn_s + 5e-5
@@ -294,7 +298,7 @@ class Engine:
         after the last batch. So a target between its forwards finds the engine awake, and the core
         sleeps through the rest of the forward."""
         late = now - self.spin_s  # a client due before this, and not back, is not waited for (gone, or slow)
-        dues = (c.reply_t + c.turn_s for c in self._cadence.values() if c.awaiting and c.turn_s >= 0.0)
+        dues = (c.expected() for c in self._cadence.values() if c.awaiting and c.turn_s >= 0.0)
         due = min((d for d in dues if d > late), default=None)
         if due is None:  # nobody due: after the last batch, if still
             return now, self._busy_t + self.spin_s
@@ -482,11 +486,11 @@ class Engine:
                     if s.pending:
                         due.pop(s.owner, None)
             # the longest prefix, in order of expected arrival, whose last arrival is worth its wait
-            order = sorted(due.items(), key=lambda oc: oc[1].reply_t + oc[1].turn_s)
+            order = sorted(due.items(), key=lambda oc: oc[1].expected())
             take, e, p = 0, 0, len(drafting)
             for i, (_, c) in enumerate(order):
                 e += c.drafts
-                if c.reply_t + c.turn_s - now <= b * e / (e + p):
+                if c.expected() - now <= b * e / (e + p):
                     take = i + 1
             if not take:
                 return False

@@ -47,6 +47,7 @@ import time
 from typing import Any
 
 import numpy as np
+import psutil
 
 # the server's marks, in the order one Step meets them
 SERVER_MARKS = (
@@ -202,16 +203,6 @@ def run_client(
 OPTIONAL = {"engine_serve", "served", "drained"}
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds a process has used, all its threads (Linux /proc; 0 elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
 def align(client: dict[str, list[float]], server: dict[str, list[float]], skip: int) -> dict[str, Any]:
     """Median us of each segment between consecutive marks a step met, in order, over the steps whose
     required server marks all fall between the client's send and its reply read; by path (``engine``:
@@ -300,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     raise SystemExit(f"the server exited before it was ready (exit {srv.wait()})")
                 steps = max(20, args.steps if n == 1 else args.steps // 5)
-                cpu0, wall0 = cpu_s(srv.pid), time.monotonic()
+                proc = psutil.Process(srv.pid)
+                cpu0, wall0 = sum(proc.cpu_times()[:2]), time.monotonic()
                 client = run_client(endpoint, n, steps, args.transport, args.in_place, args.gap_ms, args.client_spin_ms)
-                cpu, wall = cpu_s(srv.pid) - cpu0, time.monotonic() - wall0
+                cpu, wall = sum(proc.cpu_times()[:2]) - cpu0, time.monotonic() - wall0
                 srv.send_signal(signal.SIGUSR1)
                 try:
                     srv.wait(timeout=10)
