@@ -1,7 +1,8 @@
-"""``--idle-spin-ms``: after each batch the idle engine polls for work without sleeping, for at most
-that long. Two clients stepping with staggered idle gaps (a target's forward) get exact drafts from
-a spinning server, and once the traffic stops the server goes back to sleep: its CPU time over the
-next half second is a small share of it, where a spin that never ended would take all of it."""
+"""``--idle-spin-ms``: the idle engine polls for work without sleeping around the next client due back
+(for that long after its last batch when none is due). Two clients stepping with staggered idle gaps (a
+target's forward) get exact drafts from a spinning server, and once the traffic stops the server goes
+back to sleep: its CPU time over the next half second is a small share of it, where a spin that never
+ended would take all of it."""
 
 from __future__ import annotations
 
