@@ -6,7 +6,8 @@ One run measures, in this order, and writes one JSON (machine, command, every nu
 2. per preset (``random:k3``, ``random:qwen3-8b``, bf16): start-up (weights, graph capture,
    self-test); the step (ingest 3 rows per session + 7 greedy drafts, 1,024 context rows) at
    B = 1, 2, 4, ..., 64, dense and fast, with its floor (weights + KV + taps bytes over the copy
-   bandwidth; FLOPs over the matmul rate); kernels and host syncs per step (torch.profiler) at
+   bandwidth; FLOPs over the matmul rate) and its serial floor (``step_floor``: each op's own floor,
+   summed); kernels and host syncs per step (torch.profiler) at
    B = 1 and 64; the mixed batch (one 32K-context session + 63 of 1K); 32K-row prefill in
    chunks against the GEMM roofline; allocation growth over the timed steps; the
    poisoned-neighbour check (one session's taps NaN/Inf, every other session's drafts unchanged);
@@ -40,11 +41,11 @@ from draft_server.models import step as step_mod
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.kernels import fused
 from draft_server.models.presets import PRESETS, random_drafter
+from draft_tools.bench.step_floor import K, floor_ms, step_cost
 from protocol import GREEDY
 
 CTX = 1024
 NEW_ROWS = 3
-K = 7
 
 
 def log(*a: object) -> None:
@@ -134,53 +135,6 @@ def markov_order(d: DSparkDrafter, dev: torch.device) -> dict[str, float]:
             out[f"B{n}_{name}_ms"] = event_s(g.replay, 25, warm=5, before=flush.zero_) * 1e3
             del g
     return out
-
-
-def step_cost(d: DSparkDrafter, n: int, contexts: list[int], rows_in: int) -> dict[str, float]:
-    """Bytes and FLOPs one step must move/do: weights once (W2 once per Markov step), KV, taps."""
-    m, cfg = d.model, d.cfg
-    B = cfg.block_size
-    blk = n * B
-    by = 0.0
-    fl = 0.0
-    for name, t in m.w.items():
-        if t.dim() != 2:
-            continue
-        size = t.numel() * t.element_size()
-        if name in ("embed_tokens.weight", "markov_head.markov_w1.weight"):
-            continue  # gathered rows only
-        if name == "markov_head.markov_w2.weight":
-            by += K * size
-            fl += 2 * n * K * t.numel()
-            continue
-        by += size
-        if name in ("context_proj.weight", "fc.weight"):
-            fl += 2 * rows_in * t.numel()
-        elif name == "lm_head.weight":
-            fl += 2 * n * K * t.numel()
-        elif name.startswith("layers."):
-            fl += 2 * blk * t.numel()
-        else:
-            fl += 2 * blk * t.numel()
-    kv_all = m.kv_a_all if m.layout.mla else m.kv_w  # every layer's context K/V (or latent) projection
-    by += kv_all.numel() * kv_all.element_size()
-    fl += 2 * rows_in * kv_all.numel()
-    tok_bytes = int(np.prod(m.token_shape)) * m.dtype.itemsize
-    kv_tokens = sum(c + B for c in contexts)
-    by += cfg.num_layers * kv_tokens * tok_bytes + rows_in * d.contract.tap_width * 2
-    H = cfg.num_heads
-    if m.layout.mla:
-        per_tok = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank
-    else:
-        per_tok = 2 * cfg.head_dim
-    fl += cfg.num_layers * sum(B * H * (c + B) * per_tok * 2 for c in contexts)
-    return {"bytes": by, "flops": fl}
-
-
-def floor_ms(cost: dict[str, float], floors: dict[str, float]) -> dict[str, float]:
-    mem = cost["bytes"] / floors["copy_bytes_per_s"] * 1e3
-    comp = cost["flops"] / floors["bf16_flops_per_s"] * 1e3
-    return {"memory_ms": mem, "compute_ms": comp, "floor_ms": max(mem, comp)}
 
 
 # ------------------------------------------------------------------------------------ sessions
@@ -536,12 +490,13 @@ def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: t
             row[f"{mode}_p90_ms"] = r["p90_ms"]
         d.fast = fast
         row["ratio_fast_to_floor"] = row["fast_ms"] / row["floor_ms"]
+        row["ratio_fast_to_serial_floor"] = row["fast_ms"] / row["serial_floor_ms"]
         row["ratio_dense_to_floor"] = row["dense_ms"] / row["floor_ms"]
         rows.append(row)
         log(
             f"{name:9s} B={n:3d} dense {row['dense_ms']:8.2f} ms  fast {row['fast_ms']:7.2f} ms  "
             f"floor {row['floor_ms']:6.2f} ms ({'mem' if row['memory_ms'] >= row['compute_ms'] else 'flop'})  "
-            f"fast/floor {row['ratio_fast_to_floor']:.2f}"
+            f"fast/floor {row['ratio_fast_to_floor']:.2f}  serial floor {row['serial_floor_ms']:6.2f} ms"
         )
     res["steps"] = rows
     res["alloc_growth_bytes_over_timed_steps"] = torch.cuda.memory_allocated(dev) - mem0
@@ -621,8 +576,9 @@ def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: t
             mixed[f"{mode}_ms"] = r["median_ms"]
         d.fast = fast
         mixed["ratio_fast_to_floor"] = mixed["fast_ms"] / mixed["floor_ms"]
+        mixed["ratio_fast_to_serial_floor"] = mixed["fast_ms"] / mixed["serial_floor_ms"]
         res["mixed_32k_plus_63x1k"] = mixed
-        log(f"{name} mixed: {json.dumps({k: round(v, 3) for k, v in mixed.items()})}")
+        log(f"{name} mixed: {json.dumps({k: round(v, 3) for k, v in mixed.items() if isinstance(v, float)})}")
         S.close(allk)
     except Exception:
         res["mixed_error"] = traceback.format_exc()
