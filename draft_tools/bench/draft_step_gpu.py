@@ -711,6 +711,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer timed iterations (of the slow paths)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: steps, prefill, server, exact")
     ap.add_argument("--no-skinny", action="store_true", help="the GEMM tuner without its skinny strategy (an A/B)")
+    ap.add_argument(
+        "--server-spin-ms",
+        default="0",
+        help="the server part once per value, each a server with that --idle-spin-ms (0: it sleeps when idle); "
+        "the first value's result is server_vs_inprocess, each later one server_vs_inprocess_spin<X>",
+    )
     args = ap.parse_args()
     if args.no_skinny:
         gemm.SKINNY_ROWS = 0
@@ -740,12 +746,16 @@ def main() -> int:
             log(report[f"{name}_error"])
         save()
     if "server" not in skip and "k3" in report and "inprocess_ctx256" in report["k3"]:
-        try:
-            report["server_vs_inprocess"] = server_vs_inprocess(report["k3"]["inprocess_ctx256"])
-        except Exception:
-            report["server_vs_inprocess_error"] = traceback.format_exc()
-            log(report["server_vs_inprocess_error"])
-        save()
+        inproc = report["k3"]["inprocess_ctx256"]
+        for i, spin in enumerate(args.server_spin_ms.split(",")):
+            key = "server_vs_inprocess" if i == 0 else f"server_vs_inprocess_spin{spin}"
+            spin_args = ("--idle-spin-ms", spin) if float(spin) else ()
+            try:
+                report[key] = server_vs_inprocess(inproc, server_args=(*K3_SERVER, *spin_args))
+            except Exception:
+                report[f"{key}_error"] = traceback.format_exc()
+                log(report[f"{key}_error"])
+            save()
     try:
         if "exact" not in skip:
             report["float32_exact"] = exact_float32(dev)
