@@ -715,7 +715,7 @@ def main() -> int:
         "--server-spin-ms",
         default="0",
         help="the server part once per value, each a server with that --idle-spin-ms (0: it sleeps when idle); "
-        "the first value's result is server_vs_inprocess, each later one server_vs_inprocess_spin<X>",
+        "the first value's result is server_vs_inprocess, the i-th after it server_vs_inprocess_<i>_spin<X>",
     )
     args = ap.parse_args()
     if args.no_skinny:
@@ -748,7 +748,7 @@ def main() -> int:
     if "server" not in skip and "k3" in report and "inprocess_ctx256" in report["k3"]:
         inproc = report["k3"]["inprocess_ctx256"]
         for i, spin in enumerate(args.server_spin_ms.split(",")):
-            key = "server_vs_inprocess" if i == 0 else f"server_vs_inprocess_spin{spin}"
+            key = "server_vs_inprocess" if i == 0 else f"server_vs_inprocess_{i}_spin{spin}"
             spin_args = ("--idle-spin-ms", spin) if float(spin) else ()
             try:
                 report[key] = server_vs_inprocess(inproc, server_args=(*K3_SERVER, *spin_args))
