@@ -1,4 +1,4 @@
-"""Plot a ``draft_step_gpu`` report: step time against batch size, dense vs fast vs the floor.
+"""Plot a ``draft_step_gpu`` report: step time against batch size, dense vs fast vs the floors.
 
 python -m draft_tools.bench.plot_draft_step bench/results/draft_step_h200_v2.json OUT.png
 """
@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         ax.plot(b, [r["fast_ms"] for r in rows], "o-", label="paged kernels + CUDA graphs")
         ax.plot(b, [r["floor_ms"] for r in rows], "k--", label="floor (same run)")
         ax.plot(b, [1.3 * r["floor_ms"] for r in rows], "k:", label="1.3 x floor")
+        if all("serial_floor_ms" in r for r in rows):  # runs since the serial floor (``step_floor``)
+            ax.plot(b, [r["serial_floor_ms"] for r in rows], "-", c="0.5", lw=1, label="serial floor (same run)")
         mixed = rep[name].get("mixed_32k_plus_63x1k")
         if mixed:
             ax.scatter([64], [mixed["fast_ms"]], marker="*", s=120, c="C1", label="1x32K + 63x1K, fast")
