@@ -60,3 +60,25 @@ def test_k3_mla_attention_counts_the_latent() -> None:
     tok = 576 * 2  # kv_lora_rank + rope dims, bf16
     assert ops["attention"][0] == 5 * (107 + 307) * tok
     assert ops["attention"][1] == 5 * sum(7 * 64 * (c + 7) * (576 + 512) * 2 for c in (100, 300))
+
+
+def test_cli_recomputes_both_floors_of_a_report(tmp_path, qwen3) -> None:
+    import json
+
+    from draft_tools.bench import step_floor
+
+    f64 = floor_ms(model_cost(qwen3, 20480, 64, [1024] * 64, 192), H100)
+    rep = {
+        "machine": {"gpu": "test"},
+        "floors": H100,
+        "qwen3-8b": {"steps": [{"sessions": 64, "fast_ms": 3.0, "floor_ms": f64["floor_ms"]}]},
+        "k3_error": "a preset that failed leaves no steps: skipped",
+    }
+    src, out = tmp_path / "rep.json", tmp_path / "out.json"
+    src.write_text(json.dumps(rep))
+    step_floor.main([str(src), "--out", str(out)])
+    rows = json.loads(out.read_text())[str(src)]["qwen3-8b"]
+    assert len(rows) == 1 and rows[0]["sessions"] == 64
+    assert math.isclose(rows[0]["serial_floor_ms"], f64["serial_floor_ms"])
+    assert math.isclose(rows[0]["fast_over_serial_floor"], 3.0 / f64["serial_floor_ms"])
+    assert math.isclose(rows[0]["goal_1_3x_floor_over_serial_floor"], 1.3 * f64["floor_ms"] / f64["serial_floor_ms"])
