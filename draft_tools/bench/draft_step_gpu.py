@@ -41,11 +41,8 @@ from draft_server.models import step as step_mod
 from draft_server.models.drafter import DSparkDrafter
 from draft_server.models.kernels import fused
 from draft_server.models.presets import PRESETS, random_drafter
-from draft_tools.bench.step_floor import K, floor_ms, step_cost
+from draft_tools.bench.step_floor import CTX, NEW_ROWS, K, floor_ms, step_cost
 from protocol import GREEDY
-
-CTX = 1024
-NEW_ROWS = 3
 
 
 def log(*a: object) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-K = 7  # drafts per session per step (the step benches' k)
+CTX, NEW_ROWS, K = 1024, 3, 7  # the step benches' context rows, new rows and drafts per session
 
 _LAYER = re.compile(r"^layers\.\d+\.")
 
@@ -118,8 +118,8 @@ def meta_model(preset: str) -> Any:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="draft_step_*.json files (their floors and step rows)")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--new-rows", type=int, default=3)
+    ap.add_argument("--context", type=int, default=CTX)
+    ap.add_argument("--new-rows", type=int, default=NEW_ROWS)
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args(argv)
     models: dict[str, Any] = {}
@@ -138,22 +138,20 @@ def main(argv: list[str] | None = None) -> None:
             for row in res["steps"]:
                 n = row["sessions"]
                 f = floor_ms(model_cost(m, tap_width, n, [args.context] * n, n * args.new_rows), floors)
-                mine.setdefault(preset, []).append(
-                    {
-                        "sessions": n,
-                        "fast_ms": row["fast_ms"],
-                        **f,
-                        "fast_over_floor": row["fast_ms"] / f["floor_ms"],
-                        "fast_over_serial_floor": row["fast_ms"] / f["serial_floor_ms"],
-                        "goal_1_3x_floor_over_serial_floor": 1.3 / f["serial_over_floor"],
-                    }
-                )
+                r = {
+                    "sessions": n,
+                    "fast_ms": row["fast_ms"],
+                    **f,
+                    "fast_over_floor": row["fast_ms"] / f["floor_ms"],
+                    "fast_over_serial_floor": row["fast_ms"] / f["serial_floor_ms"],
+                    "goal_1_3x_floor_over_serial_floor": 1.3 / f["serial_over_floor"],
+                }
+                mine.setdefault(preset, []).append(r)
                 print(
-                    f"  {preset:9s} B={n:3d} fast {row['fast_ms']:6.2f} ms  floor {f['floor_ms']:5.2f} "
-                    f"(file {row['floor_ms']:5.2f})  serial {f['serial_floor_ms']:5.2f}  "
-                    f"fast/floor {row['fast_ms'] / f['floor_ms']:.2f}  "
-                    f"fast/serial {row['fast_ms'] / f['serial_floor_ms']:.2f}  "
-                    f"1.3x floor / serial {1.3 / f['serial_over_floor']:.2f}"
+                    f"  {preset:9s} B={n:3d} fast {r['fast_ms']:6.2f} ms  floor {r['floor_ms']:5.2f} "
+                    f"(file {row['floor_ms']:5.2f})  serial {r['serial_floor_ms']:5.2f}  "
+                    f"fast/floor {r['fast_over_floor']:.2f}  fast/serial {r['fast_over_serial_floor']:.2f}  "
+                    f"1.3x floor / serial {r['goal_1_3x_floor_over_serial_floor']:.2f}"
                 )
     if args.out:
         with open(args.out, "w") as fh:
