@@ -179,3 +179,34 @@ def test_sampled_batches_go_through_the_flash_path_too(tmp_path, monkeypatch) ->
     for a, b in zip(got, want, strict=True):
         if a.probs is not None:
             np.testing.assert_allclose(a.probs, b.probs, rtol=1e-4, atol=1e-6)
+
+
+def test_a_prebuilt_extension_on_the_path_is_taken_and_anything_else_left_for_a_build(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """``_prebuilt``: a ``draft_flash_mla`` extension module on ``sys.path`` is imported instead of a build;
+    a plain Python module of that name is not one, and an extension that does not import (another torch's
+    build) is logged and left for a fresh build."""
+    import importlib
+    import shutil
+    import sys
+
+    assert fm._prebuilt() is None  # nothing of that name anywhere
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / f"{fm.EXT}.py").write_text("raise AssertionError('a .py must not be imported')\n")
+    importlib.invalidate_caches()
+    assert fm._prebuilt() is None
+    (tmp_path / f"{fm.EXT}.py").unlink()
+    # a real extension module under the wrong name: it has no PyInit_draft_flash_mla, so it does not import
+    import _json
+    from pathlib import Path
+
+    ext = getattr(_json, "__file__", None) or str(next(Path(np.__file__).parent.rglob("*.so")))
+    shutil.copy(ext, tmp_path / f"{fm.EXT}.so")
+    importlib.invalidate_caches()
+    with caplog.at_level("WARNING", logger=fm.__name__):
+        assert fm._prebuilt() is None
+    assert "does not import" in caplog.text and fm.EXT not in sys.modules
+    sentinel = object()
+    monkeypatch.setattr(fm.importlib, "import_module", lambda name: sentinel if name == fm.EXT else None)
+    assert fm._prebuilt() is sentinel  # an extension that imports is what load() returns

@@ -5,8 +5,10 @@ nothing) compiled at run time with torch's extension builder against a FlashMLA 
 (deepseek-ai/FlashMLA: ``csrc/``, with CUTLASS at ``csrc/cutlass`` or ``$DRAFT_FLASHMLA_CUTLASS``),
 found at ``$DRAFT_FLASHMLA_SRC``. Only the three translation units of dense decode are built (the
 split schedule, the SM90 split-KV kernel, the combine), for ``sm_90a``; the build is cached in
-``$TORCH_EXTENSIONS_DIR``. ``load()`` returns None (with the reason in ``why_not()``) wherever that
-cannot be: no CUDA, not a Hopper GPU, no source tree, a failed build; callers keep the Triton kernel.
+``$TORCH_EXTENSIONS_DIR``. A build made earlier for the same torch (a top-level ``draft_flash_mla``
+extension module on ``sys.path``, e.g. the device scripts' carried one) is imported instead, no
+source tree needed. ``load()`` returns None (with the reason in ``why_not()``) wherever neither can
+be: no CUDA, not a Hopper GPU, no source tree, a failed build; callers keep the Triton kernel.
 
 The kernel's contract (checked by the binding): bf16, one KV head, q ``[b, s_q, h_q, 576]``
 contiguous, the cache as ``[pages, 64, 1, 576]`` (64-token pages), ``block_table [b, max_pages]``
@@ -31,6 +33,9 @@ tests on the CPU.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -52,11 +57,25 @@ _SOURCES = (
     "sm90/decode/dense/instantiations/bf16.cu",
 )
 _why_not = "not loaded yet"
+EXT = "draft_flash_mla"  # the extension's module name, built or prebuilt
 
 
 def why_not() -> str:
     """Why ``load()`` returned None ("" once loaded)."""
     return _why_not
+
+
+def _prebuilt() -> ModuleType | None:
+    """A ``draft_flash_mla`` extension module already on ``sys.path`` (an earlier build, carried), or None;
+    one that does not import (built against another torch) is logged and left for a fresh build."""
+    spec = importlib.util.find_spec(EXT)
+    if spec is None or not (spec.origin or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
+        return None
+    try:
+        return importlib.import_module(EXT)
+    except ImportError as e:
+        log.warning("prebuilt %s at %s does not import (%s): building it", EXT, spec.origin, e)
+        return None
 
 
 def source_tree() -> Path | None:
@@ -79,6 +98,10 @@ def load() -> ModuleType | None:
         major, minor = torch.cuda.get_device_capability()
         _why_not = f"FlashMLA's dense decode kernel is sm_90a only (this GPU is sm_{major}{minor})"
         return None
+    mod = _prebuilt()
+    if mod is not None:
+        _why_not = ""
+        return mod
     csrc = source_tree()
     if csrc is None or not (csrc / _SOURCES[2]).is_file():
         _why_not = "no FlashMLA source tree (set DRAFT_FLASHMLA_SRC to a deepseek-ai/FlashMLA checkout)"
@@ -94,7 +117,7 @@ def load() -> ModuleType | None:
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma: sm_90a only (a plain sm_90 pass rejects it)
     try:
         mod = cpp_extension.load(
-            name="draft_flash_mla",
+            name=EXT,
             sources=[str(here), *(str(csrc / s) for s in _SOURCES)],
             extra_include_paths=[
                 str(csrc),
