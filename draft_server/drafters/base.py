@@ -31,18 +31,25 @@ class DeviceRows:
     """Rows already in the drafter's device memory (transport cuda_ipc): a torch tensor [rows, width]
     in wire storage (bf16 bit patterns as int16, fp8 rows as uint8, f32 as float32), written by a
     copy on the I/O thread's stream that ``ready`` marks done. Sliced like an array (the scheduler
-    cuts prefill chunks); ``tensor()`` hands them to the calling thread's stream."""
+    cuts each entry's rows and prefill chunks out of a Step's); a slice knows where it lies in the
+    rows it was cut from (``base``, ``lo``), so neighbouring slices go back together as one
+    (``device_runs``). ``tensor()`` hands them to the calling thread's stream."""
 
-    __slots__ = ("ready", "t")
+    __slots__ = ("base", "lo", "ready", "t")
 
-    def __init__(self, t: Any, ready: Any) -> None:
+    def __init__(self, t: Any, ready: Any, base: Any = None, lo: int = 0) -> None:
         self.t = t
         self.ready = ready  # a torch.cuda.Event recorded after the copy that wrote ``t``
+        self.base = t if base is None else base  # the rows ``t`` was sliced from: t == base[lo : lo + len(t)]
+        self.lo = lo
 
     def __len__(self) -> int:
         return int(self.t.shape[0])
 
     def __getitem__(self, key: Any) -> DeviceRows:
+        if isinstance(key, slice) and key.step in (None, 1):
+            start, stop, _ = key.indices(len(self))
+            return DeviceRows(self.t[start:stop], self.ready, self.base, self.lo + start)
         return DeviceRows(self.t[key], self.ready)
 
     @property
@@ -59,7 +66,10 @@ class DeviceRows:
 
     def tensor(self) -> Any:
         """The rows for the calling thread's current stream: it waits (on the GPU, no host sync) for
-        the copy that wrote them, and the allocator keeps their memory until that stream used them."""
+        the copy that wrote them, and the allocator keeps their memory until that stream used them.
+        Rows in host memory (tests on the CPU) are the tensor itself."""
+        if self.t.device.type != "cuda":
+            return self.t
         import torch
 
         s = torch.cuda.current_stream(self.t.device)
@@ -72,6 +82,21 @@ class DeviceRows:
         drafter's digests; a model never needs it)."""
         a = self.tensor().cpu().numpy()
         return a.view(np.uint16) if a.dtype == np.int16 else a
+
+
+def device_runs(parts: Sequence[DeviceRows]) -> list[DeviceRows]:
+    """``parts`` in order, each run of neighbours (slices of the same rows, each starting where the one
+    before it ends, written by the same copy) joined into one: a Step's entries cut from its rows go to
+    the device's staging buffer in one copy (and one stream wait), not one per entry."""
+    out: list[DeviceRows] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if last is not None and p.base is last.base and p.ready is last.ready and p.lo == last.lo + len(last):
+            hi = p.lo + len(p)
+            out[-1] = DeviceRows(last.base[last.lo : hi], last.ready, last.base, last.lo)
+        else:
+            out.append(p)
+    return out
 
 
 Rows = np.ndarray | DeviceRows  # what a session's rows are on their way to ``ingest``

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from draft_server.drafters.base import DeviceRows
+from draft_server.drafters.base import DeviceRows, device_runs
 from protocol import DType, WireFormat
 from protocol.wire import SCALE_BYTES, projection_id
 
@@ -35,6 +35,9 @@ STORAGE: dict[DType, torch.dtype] = {
 def rows_to_device(arrays: Sequence[np.ndarray | DeviceRows], device: torch.device) -> torch.Tensor:
     """Concatenate rows of one format (numpy, as received, or ``DeviceRows`` already on the device:
     transport cuda_ipc) on the device, in wire storage."""
+    if all(isinstance(a, DeviceRows) for a in arrays):
+        parts = [d.tensor() for d in device_runs(arrays)]  # type: ignore[arg-type]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
     if any(isinstance(a, DeviceRows) for a in arrays):
         parts = [a.tensor() if isinstance(a, DeviceRows) else rows_to_device([a], device) for a in arrays]
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem
+from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem, device_runs
 from draft_server.models import gemm
 from draft_server.models.attention import PagedBatch, PagedContext
 from draft_server.models.kernels import flash_mla as fm
@@ -515,8 +515,9 @@ class FastStep:
     @staticmethod
     def _device_parts(parts: Sequence, host: torch.Tensor, dev: torch.Tensor, r: int) -> None:
         """Rows of which some are ``DeviceRows`` (transport cuda_ipc): host rows staged at their
-        offsets and copied up as usual, then the device rows copied device to device into place
-        (each waits on the GPU for the I/O thread's copy that made it)."""
+        offsets and copied up as usual, then each run of neighbouring device rows (``device_runs``: a
+        Step's entries cut from its rows are one) copied device to device into place, each waiting on
+        the GPU for the I/O thread's copy that made it."""
         if not all(isinstance(p, DeviceRows) for p in parts):
             off = 0
             with warnings.catch_warnings():
@@ -527,10 +528,20 @@ class FastStep:
                     off += len(p)
             dev[:r].copy_(host[:r], non_blocking=True)
         off = 0
-        for p in parts:
+        run: list[DeviceRows] = []  # consecutive device parts, from ``at``
+        at = 0
+        for p in [*parts, None]:
             if isinstance(p, DeviceRows):
-                dev[off : off + len(p)].copy_(p.tensor(), non_blocking=True)
-            off += len(p)
+                if not run:
+                    at = off
+                run.append(p)
+            else:
+                for d in device_runs(run):
+                    dev[at : at + len(d)].copy_(d.tensor(), non_blocking=True)
+                    at += len(d)
+                run = []
+            if p is not None:
+                off += len(p)
 
     # ------------------------------------------------------------------ registered host memory
 

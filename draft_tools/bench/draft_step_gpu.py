@@ -529,6 +529,34 @@ def bench_steps(d: Any, name: str, floors: dict[str, float], quick: bool, dev: t
             res["registered_rows"][str(n)] = {"step_ms": reg, "staged_step_ms": stage}
         d.unregister_host(memoryview(ring))
         log(f"{name} registered rows: {json.dumps(res['registered_rows'])}")
+    # rows already on this GPU (transport cuda_ipc: a Step's rows copied device to device, then cut into
+    # its entries): no H2D in the step. Neighbouring entries joined into one staging copy (``device_runs``)
+    # against one copy per entry (the code before 2026-12-07), same run, alternating
+    try:
+        src = np.stack([S.pool[i % len(S.pool)] for i in range(64)]).reshape(64 * NEW_ROWS, -1)
+        ready = torch.cuda.Event()
+        whole = DeviceRows(torch.from_numpy(src.view(np.int16)).to(dev), ready)
+        ready.record()
+        cuts = [whole[i * NEW_ROWS : (i + 1) * NEW_ROWS] for i in range(64)]
+        joined = step_mod.device_runs
+        res["device_rows"] = {}
+        for i, n in enumerate(sizes):
+            got: dict[str, list[float]] = {"joined_ms": [], "per_entry_ms": []}
+            for _ in range(3):
+                for how, fn in (("joined_ms", joined), ("per_entry_ms", list)):
+                    step_mod.device_runs = fn
+                    try:
+                        S.rewind(keys[:n], CTX)
+                        got[how].append(timed(lambda n=n: S.step(keys[:n], cuts[:n]), 10)["median_ms"])
+                    finally:
+                        step_mod.device_runs = joined
+            row = {k: statistics.median(v) for k, v in got.items()}
+            row["ratio_joined_to_floor"] = row["joined_ms"] / rows[i]["floor_ms"]
+            res["device_rows"][str(n)] = row
+        log(f"{name} device rows: {json.dumps(res['device_rows'])}")
+    except Exception:  # a part of its own: its failure costs the rest of the preset nothing
+        res["device_rows_error"] = traceback.format_exc()
+        log(res["device_rows_error"])
     log(f"{name} host copy: {res['host_copy_B64']}")
     for line in res["host_profile_B64"]:
         log("  " + line[:150])

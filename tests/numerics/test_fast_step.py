@@ -144,6 +144,53 @@ def test_rows_in_registered_host_memory_go_straight_to_the_device(tmp_path) -> N
     assert fast._registered_runs([slab[:3]]) is None
 
 
+def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_copy(tmp_path, monkeypatch) -> None:
+    """Rows already on the drafter's device (transport cuda_ipc) arrive as one Step's rows cut into its
+    entries: neighbouring entries go to the ingest's staging buffer as one device copy (one stream wait),
+    not one per entry, on the fast path and the dense path alike; the drafts and the KV cache equal those
+    of the same rows from host frames. Two Steps' rows in one ingest are two runs. (On the CPU the
+    "device" rows are host tensors: the same code, without the stream.)"""
+    import torch
+
+    from draft_server.drafters.base import DeviceRows
+    from draft_server.models import step as step_mod
+
+    copies: list[int] = []
+    runs = step_mod.device_runs
+
+    def counted(parts):
+        out = runs(parts)
+        copies.extend(len(d) for d in out)
+        return out
+
+    monkeypatch.setattr(step_mod, "device_runs", counted)
+    dense, plain = _pair(tmp_path / "a", "k3")
+    _, dev = _pair(tmp_path / "b", "k3")
+    W, B = plain.contract.tap_width, plain.cfg.block_size
+    rng = np.random.default_rng(11)
+    lens = [3, 1, 4, 2, 3]
+    first, second = _bits(rng, sum(lens[:3]), W), _bits(rng, sum(lens[3:]), W)  # two Steps' rows
+    rows_a = DeviceRows(torch.from_numpy(first.view(np.int16)), None)
+    rows_b = DeviceRows(torch.from_numpy(second.view(np.int16)), None)
+    cuts, at = [], [0, 0]
+    for key, n in enumerate(lens):
+        src, i = (rows_a, 0) if key < 3 else (rows_b, 1)
+        cuts.append(src[at[i] : at[i] + n])
+        at[i] += n
+    host = [c.t.numpy().view(np.uint16) for c in cuts]
+    for d in (dense, plain, dev):
+        for key, n in enumerate(lens):
+            assert d.reserve(key, 0, n + B)
+    for d, parts in ((dense, cuts), (plain, host), (dev, cuts)):
+        d.ingest([IngestItem(key, 0, 0, p) for key, p in enumerate(parts)])
+    assert copies == [sum(lens[:3]), sum(lens[3:])]  # one copy per Step's rows, not one per entry
+    items = [DraftItem(key, 0, n, 5, B, GREEDY) for key, n in enumerate(lens)]
+    want = [o.tokens for o in plain.draft(items)]
+    assert [o.tokens for o in dev.draft(items)] == want
+    assert [o.tokens for o in dense.draft(items)] == want
+    assert torch.equal(dev.fast.cache.data, plain.fast.cache.data)
+
+
 def test_sampled_batches_take_the_paged_kernels_and_draw_what_the_dense_path_draws(tmp_path) -> None:
     """A batch with sampled sessions (seeded; one greedy among them) runs the block forward through
     the paged kernels, not the dense gather, and draws the same drafts and probabilities."""
