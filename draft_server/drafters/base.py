@@ -31,51 +31,67 @@ class DeviceRows:
     """Rows already in the drafter's device memory (transport cuda_ipc): a torch tensor [rows, width]
     in wire storage (bf16 bit patterns as int16, fp8 rows as uint8, f32 as float32), written by a
     copy on the I/O thread's stream that ``ready`` marks done. Sliced like an array (the scheduler
-    cuts each entry's rows and prefill chunks out of a Step's); a slice knows where it lies in the
-    rows it was cut from (``base``, ``lo``), so neighbouring slices go back together as one
-    (``device_runs``). ``tensor()`` hands them to the calling thread's stream."""
+    cuts each entry's rows and prefill chunks out of a Step's); a slice is where it lies in the rows
+    it was cut from (``base``, ``lo``, ``len``), its tensor made only when asked for, so cutting costs
+    no torch call and neighbouring slices go back together as one (``device_runs``). ``tensor()`` hands
+    them to the calling thread's stream."""
 
-    __slots__ = ("base", "lo", "ready", "t")
+    __slots__ = ("_n", "_t", "base", "lo", "ready")
 
-    def __init__(self, t: Any, ready: Any, base: Any = None, lo: int = 0) -> None:
-        self.t = t
+    def __init__(self, t: Any, ready: Any) -> None:
+        self._t = t
         self.ready = ready  # a torch.cuda.Event recorded after the copy that wrote ``t``
-        self.base = t if base is None else base  # the rows ``t`` was sliced from: t == base[lo : lo + len(t)]
-        self.lo = lo
+        self.base = t  # the rows this is a slice of: t == base[lo : lo + len]
+        self.lo = 0
+        self._n = -1  # rows; -1: those of ``t``
+
+    @classmethod
+    def cut(cls, base: Any, ready: Any, lo: int, n: int) -> DeviceRows:
+        """Rows [lo, lo + n) of ``base`` (no torch call until their tensor is asked for)."""
+        d = cls.__new__(cls)
+        d._t, d.ready, d.base, d.lo, d._n = None, ready, base, lo, n
+        return d
+
+    @property
+    def t(self) -> Any:
+        if self._t is None:
+            self._t = self.base[self.lo : self.lo + self._n]
+        return self._t
 
     def __len__(self) -> int:
-        return int(self.t.shape[0])
+        return self._n if self._n >= 0 else int(self._t.shape[0])
 
     def __getitem__(self, key: Any) -> DeviceRows:
         if isinstance(key, slice) and key.step in (None, 1):
             start, stop, _ = key.indices(len(self))
-            return DeviceRows(self.t[start:stop], self.ready, self.base, self.lo + start)
+            return DeviceRows.cut(self.base, self.ready, self.lo + start, max(0, stop - start))
         return DeviceRows(self.t[key], self.ready)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.t.shape)
+        return (len(self), *self.base.shape[1:])
 
     @property
     def ndim(self) -> int:
-        return int(self.t.dim())
+        return int(self.base.dim())
 
     @property
     def nbytes(self) -> int:
-        return int(self.t.nbytes)
+        return len(self) * int(self.base[:1].nbytes)
 
     def tensor(self) -> Any:
         """The rows for the calling thread's current stream: it waits (on the GPU, no host sync) for
         the copy that wrote them, and the allocator keeps their memory until that stream used them.
         Rows in host memory (tests on the CPU) are the tensor itself."""
-        if self.t.device.type != "cuda":
-            return self.t
+        t = self.t
+        if t.device.type != "cuda":
+            return t
         import torch
 
-        s = torch.cuda.current_stream(self.t.device)
+        s = torch.cuda.current_stream(t.device)
         s.wait_event(self.ready)
-        self.t.record_stream(s)
-        return self.t
+        t.record_stream(s)
+        return t
 
     def host(self) -> np.ndarray:
         """The rows on the host in wire storage (bf16 as uint16): a device-to-host copy (the checksum
@@ -92,8 +108,7 @@ def device_runs(parts: Sequence[DeviceRows]) -> list[DeviceRows]:
     for p in parts:
         last = out[-1] if out else None
         if last is not None and p.base is last.base and p.ready is last.ready and p.lo == last.lo + len(last):
-            hi = p.lo + len(p)
-            out[-1] = DeviceRows(last.base[last.lo : hi], last.ready, last.base, last.lo)
+            out[-1] = DeviceRows.cut(last.base, last.ready, last.lo, len(last) + len(p))
         else:
             out.append(p)
     return out

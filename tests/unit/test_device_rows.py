@@ -30,7 +30,7 @@ def test_gaps_other_rows_other_copies_and_other_orders_stay_apart() -> None:
     assert [len(x) for x in device_runs([r[0:2], r[3:5]])] == [2, 2]  # a gap
     assert [len(x) for x in device_runs([r[3:5], r[0:3]])] == [2, 3]  # out of order
     assert [len(x) for x in device_runs([r[0:2], other[2:4]])] == [2, 2]  # another Step's rows
-    a, b = DeviceRows(r.t, object(), r.t, 0), DeviceRows(r.t, object(), r.t, 0)
+    a, b = DeviceRows(r.t, object()), DeviceRows(r.t, object())
     assert len(device_runs([a[0:2], b[2:4]])) == 2  # the same memory, written by two copies
     assert len(device_runs([r[[0, 1]], r[2:4]])) == 2  # an index list is a copy of its own, not a slice
     assert device_runs([]) == []
