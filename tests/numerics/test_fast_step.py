@@ -148,7 +148,8 @@ def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_cop
     """Rows already on the drafter's device (transport cuda_ipc) arrive as one Step's rows cut into its
     entries: neighbouring entries go to the ingest's staging buffer as one device copy (one stream wait),
     not one per entry, on the fast path and the dense path alike; the drafts and the KV cache equal those
-    of the same rows from host frames. Two Steps' rows in one ingest are two runs. (On the CPU the
+    of the same rows from host frames. Two Steps' rows in one ingest are two runs; between another
+    client's host rows in the same batch, each run of neighbours is one copy. (On the CPU the
     "device" rows are host tensors: the same code, without the stream.)"""
     import torch
 
@@ -166,6 +167,7 @@ def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_cop
     monkeypatch.setattr(step_mod, "device_runs", counted)
     dense, plain = _pair(tmp_path / "a", "k3")
     _, dev = _pair(tmp_path / "b", "k3")
+    _, mix = _pair(tmp_path / "c", "k3")  # another client's host rows between them in the same batch
     W, B = plain.contract.tap_width, plain.cfg.block_size
     rng = np.random.default_rng(11)
     lens = [3, 1, 4, 2, 3]
@@ -178,17 +180,20 @@ def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_cop
         cuts.append(src[at[i] : at[i] + n])
         at[i] += n
     host = [c.t.numpy().view(np.uint16) for c in cuts]
-    for d in (dense, plain, dev):
+    for d in (dense, plain, dev, mix):
         for key, n in enumerate(lens):
             assert d.reserve(key, 0, n + B)
-    for d, parts in ((dense, cuts), (plain, host), (dev, cuts)):
+    mixed = [host[0], cuts[1], cuts[2], host[3], cuts[4]]
+    for d, parts in ((dense, cuts), (plain, host), (dev, cuts), (mix, mixed)):
         d.ingest([IngestItem(key, 0, 0, p) for key, p in enumerate(parts)])
-    assert copies == [sum(lens[:3]), sum(lens[3:])]  # one copy per Step's rows, not one per entry
+    # one copy per Step's rows, not one per entry; beside host rows, each run of neighbours is one
+    assert copies == [sum(lens[:3]), sum(lens[3:]), lens[1] + lens[2], lens[4]]
     items = [DraftItem(key, 0, n, 5, B, GREEDY) for key, n in enumerate(lens)]
     want = [o.tokens for o in plain.draft(items)]
-    assert [o.tokens for o in dev.draft(items)] == want
-    assert [o.tokens for o in dense.draft(items)] == want
-    assert torch.equal(dev.fast.cache.data, plain.fast.cache.data)
+    for d in (dev, mix, dense):
+        assert [o.tokens for o in d.draft(items)] == want
+    for d in (dev, mix):
+        assert torch.equal(d.fast.cache.data, plain.fast.cache.data)
 
 
 def test_sampled_batches_take_the_paged_kernels_and_draw_what_the_dense_path_draws(tmp_path) -> None:
