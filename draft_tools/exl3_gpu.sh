@@ -39,10 +39,8 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 export EXLLAMAV3_TUNE_CACHE=${EXLLAMAV3_TUNE_CACHE:-$TORCH_EXTENSIONS_DIR/exl3_autotune.bin}
 export PYTHONUNBUFFERED=1
 mkdir -p "$TORCH_EXTENSIONS_DIR"
-unz() { python3 -c "import gzip,lzma,sys; d=sys.stdin.buffer.read(); sys.stdout.buffer.write(lzma.decompress(d) if d[:1]==b'\xfd' else gzip.decompress(d))"; }
-if compgen -G ".exl3_prebuilt/exl3_ext.so.z.part*" >/dev/null; then  # a previous call's build
-    mkdir -p /tmp/exl3_prebuilt && cat .exl3_prebuilt/exl3_ext.so.z.part* | unz > /tmp/exl3_prebuilt/exllamav3_ext.so \
-        && export PYTHONPATH=/tmp/exl3_prebuilt:$PYTHONPATH && echo "prebuilt exllamav3_ext from .exl3_prebuilt"
+if take_prebuilt .exl3_prebuilt/exl3_ext.so.z.part /tmp/exl3_prebuilt/exllamav3_ext.so; then  # a previous call's build
+    export PYTHONPATH=/tmp/exl3_prebuilt:$PYTHONPATH && echo "prebuilt exllamav3_ext from .exl3_prebuilt"
 fi
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
   python3 -c "import torch, exllamav3.version as v; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'exllamav3', v.__version__)"
@@ -51,8 +49,7 @@ python3 -c "from draft_server.models.exl3.cuda import load_ext; load_ext()" 2>&1
 echo "build done at ${SECONDS}s"
 so=$(ls "$TORCH_EXTENSIONS_DIR"/exllamav3_ext/exllamav3_ext*.so 2>/dev/null | head -1)
 if [ -n "$so" ] && [ ! -e /tmp/exl3_prebuilt/exllamav3_ext.so ]; then  # ship the build back for the next call
-    if command -v xz >/dev/null; then xz -T0 -6 -c "$so"; else gzip -6 -c "$so"; fi \
-        | split -b 15M - "$OUT/exl3_ext.so.z.part" && ls -l "$so" "$OUT"/exl3_ext.so.z.part*
+    ship_back "$so" "$OUT/exl3_ext.so.z.part"
     echo "packed at ${SECONDS}s"
 fi
 

@@ -60,10 +60,8 @@ for f in ('draft_server/models/kernels/flash_mla.cu', '.flashmla/flashmla_src.tg
     h.update(open(f, 'rb').read() if os.path.isfile(f) else f.encode())
 h.update(f'{torch.__version__} {torch.version.cuda}'.encode())
 print(h.hexdigest()[:12])") || exit 1
-unz() { python3 -c "import gzip,lzma,sys; d=sys.stdin.buffer.read(); sys.stdout.buffer.write(lzma.decompress(d) if d[:1]==b'\xfd' else gzip.decompress(d))"; }
-if compgen -G ".flashmla/flash_mla-$key.so.z.part*" >/dev/null; then
-    mkdir -p /tmp/flashmla_prebuilt && cat .flashmla/flash_mla-"$key".so.z.part* | unz > /tmp/flashmla_prebuilt/draft_flash_mla.so \
-        && export PYTHONPATH=/tmp/flashmla_prebuilt:$PYTHONPATH && echo "prebuilt FlashMLA $key from .flashmla"
+if take_prebuilt ".flashmla/flash_mla-$key.so.z.part" /tmp/flashmla_prebuilt/draft_flash_mla.so; then
+    export PYTHONPATH=/tmp/flashmla_prebuilt:$PYTHONPATH && echo "prebuilt FlashMLA $key from .flashmla"
 fi
 python3 -c "
 from draft_server.models.kernels import flash_mla as fm
@@ -71,8 +69,7 @@ assert fm.load() is not None, fm.why_not()" 2>&1 | tee "$OUT/build.log" || exit 
 echo "build done at ${SECONDS}s"
 so="$TORCH_EXTENSIONS_DIR/draft_flash_mla/draft_flash_mla.so"
 if [ -e "$so" ] && [ ! -e /tmp/flashmla_prebuilt/draft_flash_mla.so ]; then  # ship the build back for the next call
-    if command -v xz >/dev/null; then xz -T0 -6 -c "$so"; else gzip -6 -c "$so"; fi \
-        | split -b 15M - "$OUT/flash_mla-$key.so.z.part" && ls -l "$so" "$OUT"/flash_mla-"$key".so.z.part*
+    ship_back "$so" "$OUT/flash_mla-$key.so.z.part"
 fi
 
 run_test() { timeout "$(left)" python3 -m pytest -q -x tests/gpu "$@" 2>&1 | tail -20 | tee "$OUT/test.log"; }

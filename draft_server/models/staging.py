@@ -10,6 +10,7 @@ projection; only a cast to the model's dtype is left).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,11 +36,13 @@ STORAGE: dict[DType, torch.dtype] = {
 def rows_to_device(arrays: Sequence[np.ndarray | DeviceRows], device: torch.device) -> torch.Tensor:
     """Concatenate rows of one format (numpy, as received, or ``DeviceRows`` already on the device:
     transport cuda_ipc) on the device, in wire storage."""
-    if all(isinstance(a, DeviceRows) for a in arrays):
-        parts = [d.tensor() for d in device_runs(arrays)]  # type: ignore[arg-type]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
     if any(isinstance(a, DeviceRows) for a in arrays):
-        parts = [a.tensor() if isinstance(a, DeviceRows) else rows_to_device([a], device) for a in arrays]
+        parts: list[torch.Tensor] = []  # each run of neighbouring device rows one tensor, host rows copied up
+        for on_device, group in itertools.groupby(arrays, key=lambda a: isinstance(a, DeviceRows)):
+            if on_device:
+                parts += [d.tensor() for d in device_runs(list(group))]  # type: ignore[arg-type]
+            else:
+                parts.append(rows_to_device(list(group), device))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
     host = arrays[0] if len(arrays) == 1 and arrays[0].flags.writeable else np.concatenate(arrays)
     if host.dtype == np.uint16:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import threading
 import time
 import warnings
@@ -528,20 +529,11 @@ class FastStep:
                     off += len(p)
             dev[:r].copy_(host[:r], non_blocking=True)
         off = 0
-        run: list[DeviceRows] = []  # consecutive device parts, from ``at``
-        at = 0
-        for p in [*parts, None]:
-            if isinstance(p, DeviceRows):
-                if not run:
-                    at = off
-                run.append(p)
-            else:
-                for d in device_runs(run):
-                    dev[at : at + len(d)].copy_(d.tensor(), non_blocking=True)
-                    at += len(d)
-                run = []
-            if p is not None:
-                off += len(p)
+        for on_device, group in itertools.groupby(parts, key=lambda p: isinstance(p, DeviceRows)):
+            for d in device_runs(list(group)) if on_device else group:
+                if on_device:
+                    dev[off : off + len(d)].copy_(d.tensor(), non_blocking=True)
+                off += len(d)
 
     # ------------------------------------------------------------------ registered host memory
 

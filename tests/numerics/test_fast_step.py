@@ -168,6 +168,7 @@ def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_cop
     dense, plain = _pair(tmp_path / "a", "k3")
     _, dev = _pair(tmp_path / "b", "k3")
     _, mix = _pair(tmp_path / "c", "k3")  # another client's host rows between them in the same batch
+    dense_mix, _ = _pair(tmp_path / "d", "k3")
     W, B = plain.contract.tap_width, plain.cfg.block_size
     rng = np.random.default_rng(11)
     lens = [3, 1, 4, 2, 3]
@@ -180,17 +181,17 @@ def test_device_rows_cut_from_one_steps_rows_go_to_the_staging_buffer_in_one_cop
         cuts.append(src[at[i] : at[i] + n])
         at[i] += n
     host = [c.t.numpy().view(np.uint16) for c in cuts]
-    for d in (dense, plain, dev, mix):
+    for d in (dense, plain, dev, mix, dense_mix):
         for key, n in enumerate(lens):
             assert d.reserve(key, 0, n + B)
     mixed = [host[0], cuts[1], cuts[2], host[3], cuts[4]]
-    for d, parts in ((dense, cuts), (plain, host), (dev, cuts), (mix, mixed)):
+    for d, parts in ((dense, cuts), (plain, host), (dev, cuts), (mix, mixed), (dense_mix, mixed)):
         d.ingest([IngestItem(key, 0, 0, p) for key, p in enumerate(parts)])
     # one copy per Step's rows, not one per entry; beside host rows, each run of neighbours is one
     assert copies == [sum(lens[:3]), sum(lens[3:]), lens[1] + lens[2], lens[4]]
     items = [DraftItem(key, 0, n, 5, B, GREEDY) for key, n in enumerate(lens)]
     want = [o.tokens for o in plain.draft(items)]
-    for d in (dev, mix, dense):
+    for d in (dev, mix, dense, dense_mix):
         assert [o.tokens for o in d.draft(items)] == want
     for d in (dev, mix):
         assert torch.equal(d.fast.cache.data, plain.fast.cache.data)

@@ -208,5 +208,5 @@ def test_a_prebuilt_extension_on_the_path_is_taken_and_anything_else_left_for_a_
         assert fm._prebuilt() is None
     assert "does not import" in caplog.text and fm.EXT not in sys.modules
     sentinel = object()
-    monkeypatch.setattr(fm.importlib, "import_module", lambda name: sentinel if name == fm.EXT else None)
+    monkeypatch.setattr(importlib, "import_module", lambda name: sentinel if name == fm.EXT else None)
     assert fm._prebuilt() is sentinel  # an extension that imports is what load() returns

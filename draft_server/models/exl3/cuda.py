@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from draft_server.models import gemm
 from draft_server.models.exl3.linear import DenseLinear, Exl3Linear, add_rounded, pad128
 from draft_server.models.kernels.exl3_gemm import LANE_BITS, exl3_decode, exl3_matmul, hadamard_128, hadamard_swiglu
+from draft_server.models.kernels.prebuilt import find_extension
 from draft_server.models.layers import ops
 
 EXT = "exllamav3_ext"
@@ -115,17 +116,10 @@ def build_args(root: str) -> dict[str, Any]:
     }
 
 
-def _prebuilt() -> ModuleType | None:
-    spec = importlib.util.find_spec(EXT)
-    if spec and spec.origin and spec.origin.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
-        return importlib.import_module(EXT)
-    return None
-
-
 def load_ext(log: Any = print) -> ModuleType:
     """``exllamav3_ext``, prebuilt or JIT-built (minutes the first time; cached in TORCH_EXTENSIONS_DIR)."""
     os.environ["EXL3_INT8_GEMV"] = "0"  # read by the extension at its first GEMM
-    mod = sys.modules.get(EXT) or _prebuilt()
+    mod = sys.modules.get(EXT) or find_extension(EXT)
     if mod is None:
         if not torch.cuda.is_available() or torch.version.cuda is None:
             raise Exl3Unavailable("exllamav3's kernels need a CUDA build of torch and a visible GPU")

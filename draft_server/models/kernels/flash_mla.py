@@ -33,9 +33,6 @@ tests on the CPU.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -45,6 +42,8 @@ from types import ModuleType
 import torch
 import triton
 import triton.language as tl
+
+from draft_server.models.kernels.prebuilt import find_extension
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +67,10 @@ def why_not() -> str:
 def _prebuilt() -> ModuleType | None:
     """A ``draft_flash_mla`` extension module already on ``sys.path`` (an earlier build, carried), or None;
     one that does not import (built against another torch) is logged and left for a fresh build."""
-    spec = importlib.util.find_spec(EXT)
-    if spec is None or not (spec.origin or "").endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)):
-        return None
     try:
-        return importlib.import_module(EXT)
+        return find_extension(EXT)
     except ImportError as e:
-        log.warning("prebuilt %s at %s does not import (%s): building it", EXT, spec.origin, e)
+        log.warning("prebuilt %s does not import (%s): building it", EXT, e)
         return None
 
 
