@@ -50,9 +50,7 @@ fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)} PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_extensions}
 mkdir -p "$TORCH_EXTENSIONS_DIR"
-# A build of these sources for this torch comes back as $OUT/flash_mla-KEY.so.z.part* (KEY: the binding,
-# the source tarball, torch and CUDA versions); put them in .flashmla/ (carried) and the next call imports
-# it instead of building (about 100 s).
+# KEY (the header's flash_mla-KEY): the binding, the source tarball, torch and CUDA versions
 key=$(python3 -c "
 import hashlib, os, torch
 h = hashlib.sha256()

@@ -17,6 +17,7 @@ All calls come from the engine thread only.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ class DeviceRows:
 
     @property
     def nbytes(self) -> int:
-        return len(self) * int(self.base[:1].nbytes)
+        return len(self) * math.prod(self.base.shape[1:]) * self.base.element_size()
 
     def tensor(self) -> Any:
         """The rows for the calling thread's current stream: it waits (on the GPU, no host sync) for
