@@ -101,13 +101,24 @@ def test_markov_argmax_equals_eager_argmax_of_the_float32_sum(dtype: torch.dtype
         assert torch.equal(fused.markov_argmax(base[:, j], None), base[:, j].float().argmax(-1))
 
 
+MARKOV_LAUNCHES = [
+    None,  # the shape markov_launch picks for N
+    fused.MarkovLaunch(block_n=16, block_v=32, iters=3, stages=2),  # 14 tiles: 5 parts, the last one short
+    fused.MarkovLaunch(block_n=16, block_v=64, iters=2),
+]
+
+
+@pytest.mark.parametrize("launch", MARKOV_LAUNCHES, ids=["default", "32x3", "64x2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N", [1, 5, 20])
-def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: torch.dtype, N: int) -> None:
+def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(
+    dtype: torch.dtype, N: int, launch: fused.MarkovLaunch | None
+) -> None:
     """The low-rank bias formed inside the kernel (e = W1[prev] gathered there, e @ W2^T rounded to
     the model dtype as F.linear writes it) gives the argmax of base + F.linear(e, W2), and with d2t
-    the target id: strided base rows, several vocab blocks and session blocks, a rank that is not a
-    power of two, a tie across blocks, NaN in one row."""
+    the target id: strided base rows, several vocab tiles, parts of several tiles (a short last part)
+    and session blocks, a rank that is not a power of two, ties across tiles, within a part and across
+    parts, in either walking order, NaN in one row."""
     g = torch.Generator().manual_seed(11)
     k, V, R = 3, 3 * fused.MARKOV_BLOCK_V + 37, 24
     base = torch.randn(N, k, V, generator=g).to(dtype).to(DEV)
@@ -116,6 +127,8 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: to
     bias = F.linear(e, w2)
     base[0, 1, 3] = base[0, 1, V - 2] = 90 - bias[0, 3].float()  # equal sums (tie) in two vocab blocks
     base[0, 1, V - 2] = 90 - bias[0, V - 2].float()
+    base[0, 2, 40] = 90 - bias[0, 40].float()  # a tie two 32-row tiles apart, in one part of 3
+    base[0, 2, 100] = 90 - bias[0, 100].float()
     if N > 2:
         base[2, 0, 11] = float("nan")
     w1 = torch.cat([torch.randn(7, R, generator=g).to(dtype).to(DEV), e])  # the embedding table, e its last rows
@@ -124,9 +137,9 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(dtype: to
     for j in range(k):
         want = fused.markov_argmax(base[:, j], bias)
         for reverse in (False, True):  # the chain alternates the launch order of the vocab blocks
-            got = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse)
+            got = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse, launch=launch)
             assert torch.equal(got, want), (j, reverse, got, want)
-            mapped = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse, d2t=d2t)
+            mapped = fused.markov_argmax_lowrank(base[:, j], prev, w1, w2, reverse=reverse, d2t=d2t, launch=launch)
             assert torch.equal(mapped, want + d2t[want])  # target ids: id + d2t[id]
         assert torch.equal(got, (base[:, j].float() + bias.float()).argmax(-1)) or N > 2
 

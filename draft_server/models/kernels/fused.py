@@ -15,6 +15,7 @@ interpreter against the eager ops.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -496,43 +497,71 @@ MARKOV_BLOCK_V = 128
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the bias as F.linear writes it: as is, bf16, fp16
 
 
+@dataclass(frozen=True)
+class MarkovLaunch:
+    """How ``markov_argmax_lowrank`` tiles its pass: sessions per program (``block_n``), vocab rows per
+    tile (``block_v``), tiles per program (``iters``: one Markov row gather per program, the tiles'
+    W2 loads pipelined over ``stages``), and warps."""
+
+    block_n: int
+    block_v: int = MARKOV_BLOCK_V
+    iters: int = 1
+    warps: int = 4
+    stages: int = 1
+
+
+def markov_launch(N: int) -> MarkovLaunch:
+    """The launch shape for N sessions (``draft_tools.bench.markov_sweep`` measures the candidates)."""
+    return MarkovLaunch(block_n=16 if N <= 16 else 64)
+
+
 @triton.jit
 def _markov_partial_kernel(
-    BASE, PREV, W1, W2, PMAX, PIDX, N, V, s_base, s_prev, s_e, s_w, n_blocks, ROUND: tl.constexpr, R: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, UPCAST: tl.constexpr,
-    REVERSE: tl.constexpr,
+    BASE, PREV, W1, W2, PMAX, PIDX, N, V, s_base, s_prev, s_e, s_w, n_parts, ROUND: tl.constexpr,
+    R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, ITERS: tl.constexpr,
+    STAGES: tl.constexpr, UPCAST: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
-    """Vocab block b, sessions n0..n0+BLOCK_N: e = W1[PREV[n]] (the Markov embedding of the session's
-    previous token), bias = e @ W2[block]^T (rounded to the model dtype, as ``F.linear`` writes it),
-    x = base + bias in float32, and each row's max and its first index.
-    REVERSE: program i takes block n_blocks - 1 - i (the blocks, and what each stores, are the same)."""
-    b = n_blocks - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
+    """Part p, sessions n0..n0+BLOCK_N: e = W1[PREV[n]] (the Markov embedding of the session's previous
+    token) once, then for each of the part's ITERS vocab tiles bias = e @ W2[tile]^T (rounded to the
+    model dtype, as ``F.linear`` writes it), x = base + bias in float32; each row's max over the part's
+    tiles and its first index. REVERSE: program i takes part n_parts - 1 - i and walks its tiles from
+    the last (the parts, and what each stores, are the same)."""
+    p = n_parts - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    v = b * BLOCK_V + tl.arange(0, BLOCK_V)
     r = tl.arange(0, BLOCK_R)
-    nmask, vmask, rmask = n < N, v < V, r < R
+    nmask, rmask = n < N, r < R
     prev = tl.load(PREV + n * s_prev, mask=nmask, other=0).to(tl.int64)
     e = tl.load(W1 + prev[:, None] * s_e + r[None, :], mask=nmask[:, None] & rmask[None, :], other=0.0)
-    w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
     if UPCAST:  # Triton's interpreter multiplies half-precision dots wrongly: float32 operands there
         e = e.to(tl.float32)
-        w = w.to(tl.float32)
-    bias = tl.dot(e, tl.trans(w), input_precision="ieee")  # exact float32 products; half inputs ignore it
-    if ROUND == 1:  # to bfloat16, nearest-even, by hand: the interpreter's cast truncates
-        bits = bias.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        bias = tl.where(bias != bias, bias, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
-    elif ROUND == 2:
-        bias = bias.to(tl.float16).to(tl.float32)
-    mask = nmask[:, None] & vmask[None, :]
-    x = tl.load(BASE + n[:, None].to(tl.int64) * s_base + v[None, :], mask=mask, other=float("-inf"))
-    x = x.to(tl.float32) + bias
-    x = tl.where(x != x, float("inf"), x)  # NaN ranks highest, as in torch.argmax
-    x = tl.where(mask, x, float("-inf"))
-    m = tl.max(x, 1)
-    i = tl.min(tl.where(x == m[:, None], v[None, :], V), 1)  # the first index holding the max
-    tl.store(PMAX + n * n_blocks + b, m, mask=nmask)
-    tl.store(PIDX + n * n_blocks + b, i, mask=nmask)
+    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_N], 2147483647, tl.int32)
+    for t in tl.range(0, ITERS, num_stages=STAGES):
+        b = p * ITERS + (ITERS - 1 - t if REVERSE else t)
+        v = b * BLOCK_V + tl.arange(0, BLOCK_V)
+        vmask = v < V  # a tile past the last (a short last part) lies past V: all masked
+        w = tl.load(W2 + v[:, None].to(tl.int64) * s_w + r[None, :], mask=vmask[:, None] & rmask[None, :], other=0.0)
+        if UPCAST:
+            w = w.to(tl.float32)
+        bias = tl.dot(e, tl.trans(w), input_precision="ieee")  # exact float32 products; half inputs ignore it
+        if ROUND == 1:  # to bfloat16, nearest-even, by hand: the interpreter's cast truncates
+            bits = bias.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            bias = tl.where(bias != bias, bias, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+        elif ROUND == 2:
+            bias = bias.to(tl.float16).to(tl.float32)
+        mask = nmask[:, None] & vmask[None, :]
+        x = tl.load(BASE + n[:, None].to(tl.int64) * s_base + v[None, :], mask=mask, other=float("-inf"))
+        x = x.to(tl.float32) + bias
+        x = tl.where(x != x, float("inf"), x)  # NaN ranks highest, as in torch.argmax
+        x = tl.where(mask, x, float("-inf"))
+        m = tl.max(x, 1)
+        i = tl.min(tl.where(x == m[:, None], v[None, :], 2147483647), 1)  # the tile's first index of its max
+        take = (m > best) | ((m == best) & (i < best_i))  # ties: the lower index, whichever way the tiles go
+        best = tl.where(take, m, best)
+        best_i = tl.where(take, i, best_i)
+    tl.store(PMAX + n * n_parts + p, best, mask=nmask)
+    tl.store(PIDX + n * n_parts + p, best_i, mask=nmask)
 
 
 def markov_argmax_lowrank(
@@ -542,6 +571,7 @@ def markov_argmax_lowrank(
     w2: torch.Tensor,
     reverse: bool = False,
     d2t: torch.Tensor | None = None,
+    launch: MarkovLaunch | None = None,
 ) -> torch.Tensor:
     """One greedy Markov step: the target id of ``markov_argmax(base, F.linear(W1[prev], w2))`` (prev
     [N], any stride: a column of the block's ids), without
@@ -560,15 +590,16 @@ def markov_argmax_lowrank(
         raise ValueError("base [N, V], prev [N], w1 [vocab, R] and w2 [V, R] need contiguous last dims")
     if w1.dtype != w2.dtype:
         raise ValueError("w1 and w2 must share a dtype")
-    n_blocks = triton.cdiv(V, MARKOV_BLOCK_V)
-    pmax, pidx, out = _argmax_buffers(N, n_blocks, base.device)
+    cfg = launch or markov_launch(N)
+    n_tiles = triton.cdiv(V, cfg.block_v)
+    n_parts = triton.cdiv(n_tiles, cfg.iters)
+    pmax, pidx, out = _argmax_buffers(N, n_parts, base.device)
     if N == 0:
         return out
-    block_n = 16 if N <= 16 else 64
-    _markov_partial_kernel[(n_blocks, triton.cdiv(N, block_n))](
-        base, prev, w1, w2, pmax, pidx, N, V, base.stride(0), prev.stride(0), w1.stride(0), w2.stride(0), n_blocks,
-        ROUND=_ROUND[w1.dtype], R=R, BLOCK_N=block_n, BLOCK_V=MARKOV_BLOCK_V,
-        BLOCK_R=max(16, triton.next_power_of_2(R)), UPCAST=os.environ.get("TRITON_INTERPRET") == "1",
-        REVERSE=reverse, num_warps=4,
+    _markov_partial_kernel[(n_parts, triton.cdiv(N, cfg.block_n))](
+        base, prev, w1, w2, pmax, pidx, N, V, base.stride(0), prev.stride(0), w1.stride(0), w2.stride(0), n_parts,
+        ROUND=_ROUND[w1.dtype], R=R, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), ITERS=cfg.iters, STAGES=cfg.stages,
+        UPCAST=os.environ.get("TRITON_INTERPRET") == "1", REVERSE=reverse, num_warps=cfg.warps,
     )  # fmt: skip
     return _argmax_finish(pmax, pidx, out, d2t)
