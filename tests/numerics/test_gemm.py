@@ -49,3 +49,46 @@ def test_an_untuned_shape_is_plain_and_a_tuned_one_is_looked_up() -> None:
         assert gemm.TUNER.summary()["split"] >= 1
     finally:
         del gemm.TUNER.choice[key]
+
+
+def test_the_markov_chain_takes_the_launch_shape_timed_fastest_only_while_tuning(monkeypatch) -> None:
+    """``TUNER.markov_launch``: off while tuning is off or a stream captures (the default, the first
+    candidate, nothing timed or kept); on, every candidate's chain is timed once, one that cannot launch
+    is left out, the fastest is kept only if it beats the default by MIN_GAIN, and a kept shape is
+    looked up without timing again."""
+    from triton.runtime.errors import OutOfResources
+
+    from draft_server.models.kernels import fused
+
+    cands = fused.markov_candidates(64)
+    assert cands[0] == fused.markov_launch(64) and len(set(cands)) == len(cands) > 2
+    cost = {str(cands[0]): 1.0, str(cands[1]): 0.5, str(cands[2]): 0.1}  # the third cannot launch
+    timed: list[str] = []
+    ran: list[fused.MarkovLaunch] = []
+
+    def fake_graph_ms(fn) -> float:
+        fn()
+        name = str(ran[-1])
+        timed.append(name)
+        if name == str(cands[2]):
+            raise OutOfResources(1 << 20, 1 << 17, "shared memory")
+        return cost.get(name, 0.99)
+
+    capturing = [False]
+    monkeypatch.setattr(gemm, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    tuner = gemm.GemmTuner()
+    key = (64, 1000, 256, torch.bfloat16)
+    assert tuner.markov_launch(key, ran.append, cands) == cands[0] and not timed and not tuner.markov
+    tuner.tuning = True
+    capturing[0] = True
+    assert tuner.markov_launch(key, ran.append, cands) == cands[0] and not timed and not tuner.markov
+    capturing[0] = False
+    assert tuner.markov_launch(key, ran.append, cands) == cands[1]
+    assert timed == [str(c) for c in cands] and str(cands[2]) not in tuner.markov_timings[key]
+    assert tuner.markov_launch(key, ran.append, cands) == cands[1] and len(timed) == len(cands)  # kept
+    assert tuner.markov_summary() == {repr(key): str(cands[1])}
+    other = (32, 1000, 256, torch.bfloat16)
+    cost[str(cands[1])] = 0.98  # 2% faster than the default: not enough
+    assert tuner.markov_launch(other, ran.append, cands) == cands[0]

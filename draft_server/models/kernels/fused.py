@@ -509,10 +509,29 @@ class MarkovLaunch:
     warps: int = 4
     stages: int = 1
 
+    def __str__(self) -> str:
+        return f"n{self.block_n}_v{self.block_v}_i{self.iters}_w{self.warps}_s{self.stages}"
+
 
 def markov_launch(N: int) -> MarkovLaunch:
-    """The launch shape for N sessions (``draft_tools.bench.markov_sweep`` measures the candidates)."""
+    """The default launch shape for N sessions: one vocab tile per program."""
     return MarkovLaunch(block_n=16 if N <= 16 else 64)
+
+
+def markov_candidates(N: int) -> list[MarkovLaunch]:
+    """The launch shapes ``gemm.TUNER`` times for a chain of N sessions, the default first
+    (``draft_tools.bench.markov_sweep`` times a wider grid)."""
+    if N <= 16:
+        more = [MarkovLaunch(16, 128, 4, 4, 2), MarkovLaunch(16, 64, 8, 4, 3), MarkovLaunch(16, 128, 8, 8, 3)]
+    else:
+        more = [
+            MarkovLaunch(32, 128),
+            MarkovLaunch(64, 128, 4, 8, 2),
+            MarkovLaunch(64, 64, 4, 4, 2),
+            MarkovLaunch(32, 64, 8, 4, 3),
+            MarkovLaunch(64, 64, 8, 8, 3),
+        ]
+    return [markov_launch(N), *more]
 
 
 @triton.jit
