@@ -180,6 +180,7 @@ class GemmTuner:
             return got
         if not self.tuning or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
             return candidates[0]
+        from triton.compiler.errors import CompilationError
         from triton.runtime.errors import OutOfResources
 
         times: dict[str, float] = {}
@@ -188,7 +189,9 @@ class GemmTuner:
             name = str(c)
             try:
                 times[name] = graph_ms(lambda c=c: chain(c))
-            except OutOfResources as e:
+            except (OutOfResources, CompilationError) as e:  # a shape this GPU cannot launch is no candidate
+                if c == candidates[0]:
+                    raise
                 log.warning("Markov chain %s: %s skipped (%s)", key, name, e)
                 continue
             by_name[name] = c

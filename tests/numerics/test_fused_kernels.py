@@ -144,6 +144,27 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(
         assert torch.equal(got, (base[:, j].float() + bias.float()).argmax(-1)) or N > 2
 
 
+@pytest.mark.parametrize(
+    "launch", [*fused.markov_candidates(1), *fused.markov_candidates(64)[1:]], ids=str
+)  # fmt: skip
+def test_every_launch_shape_the_tuner_may_pick_gives_the_same_tokens(launch: fused.MarkovLaunch) -> None:
+    """Each shape ``gemm.TUNER`` times for the Markov chain (one session or many) drafts the tokens of the
+    default one: several parts, a short last one, both walking orders, a tie across tiles."""
+    g = torch.Generator().manual_seed(12)
+    N, V, R = 20, 9 * 128 + 5, 40
+    base = torch.randn(N, V, generator=g).to(torch.bfloat16).to(DEV)
+    w1 = torch.randn(50, R, generator=g).to(torch.bfloat16).to(DEV)
+    w2 = (torch.randn(V, R, generator=g) / R**0.5).to(torch.bfloat16).to(DEV)
+    prev = torch.randint(0, 50, (N,), generator=g).to(DEV)
+    w2[7] = w2[V - 3] = 0  # no Markov bias there: the same sum at two ends of the vocabulary
+    base[1, 7] = base[1, V - 3] = 99
+    bias = F.linear(w1[prev], w2)
+    want = fused.markov_argmax(base, bias)
+    assert int(want[1]) == 7
+    for reverse in (False, True):
+        assert torch.equal(fused.markov_argmax_lowrank(base, prev, w1, w2, reverse=reverse, launch=launch), want)
+
+
 def _k3_rope(interleaved: bool = True) -> ops.Rope:
     from draft_server.models.config import RopeSpec
 
