@@ -14,9 +14,7 @@ on the smaller weights (``bench/results/skinny_sweep_h200.json``: K3's down proj
 - ``skinny`` (bf16 / fp16, at most 64 rows): ``kernels/skinny.py``, with the launch shape that
   timed fastest for this shape (its own partials and counters, kept by the tuner).
 
-All compute the same product; only the kernel (so the summation order) differs. The tuner also picks
-the launch shape of the greedy Markov chain's argmax passes (``markov``: the chain timed with each of
-``fused.markov_candidates``; the shapes differ in speed only, every one gives the same tokens). ``GemmTuner``
+All compute the same product; only the kernel (so the summation order) differs. ``GemmTuner``
 times them once per shape (out, in, rows, dtype, with or without the residual) on CUDA while
 tuning is on (``FastStep.capture`` turns it on for its warm-up runs, before any graph is captured;
 never while a stream captures), each as replays of its own CUDA graph after the L2 is flushed (as
@@ -28,8 +26,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +40,6 @@ SKINNY_SHAPES = [(bn, bk, s) for bn, bk in ((32, 128), (64, 256), (128, 128), (1
 FLUSH_BYTES = 256 << 20  # written before each timed replay: the L2 (50 MB on an H200) holds no weight
 
 Key = tuple[int, int, int, torch.dtype, bool]  # (out, in, rows, dtype, residual)
-MarkovKey = tuple[int, int, int, torch.dtype]  # (sessions, draft vocab, Markov rank, dtype)
 log = logging.getLogger(__name__)
 
 
@@ -110,8 +106,6 @@ class GemmTuner:
         self.choice: dict[Key, str] = {}
         self.timings: dict[Key, dict[str, float]] = {}
         self.skinny: dict[tuple[Key, torch.device], Callable[..., torch.Tensor]] = {}  # chosen kernels
-        self.markov: dict[MarkovKey, Any] = {}  # the chosen fused.MarkovLaunch per chain shape
-        self.markov_timings: dict[MarkovKey, dict[str, float]] = {}
         self.tuning = False
 
     def strategy(self, key: Key, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> str:
@@ -171,50 +165,12 @@ class GemmTuner:
                 out[f"skinny {bn}x{bk}/{split}"] = SkinnyGemm(M, w.shape[0], K, cfg, x.device)
         return out
 
-    def markov_launch(self, key: MarkovKey, chain: Callable[[Any], object], candidates: Sequence[Any]) -> Any:
-        """The launch shape of the Markov chain ``key``: the one chosen, else (tuning on, on CUDA, not
-        capturing) the fastest of ``candidates`` (the first, the default, unless another beats it by
-        MIN_GAIN), each timed as ``chain(candidate)`` in a CUDA graph after an L2 flush; else the first."""
-        got = self.markov.get(key)
-        if got is not None:
-            return got
-        if not self.tuning or not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
-            return candidates[0]
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
-        times: dict[str, float] = {}
-        by_name = {}
-        for c in candidates:
-            name = str(c)
-            try:
-                times[name] = graph_ms(lambda c=c: chain(c))
-            except (OutOfResources, CompilationError) as e:  # a shape this GPU cannot launch is no candidate
-                if c == candidates[0]:
-                    raise
-                log.warning("Markov chain %s: %s skipped (%s)", key, name, e)
-                continue
-            by_name[name] = c
-        self.markov_timings[key] = times
-        if not times:
-            return candidates[0]
-        default = str(candidates[0])
-        best = min(times, key=lambda n: times[n])
-        if default in times and times[best] >= (1.0 - MIN_GAIN) * times[default]:
-            best = default
-        self.markov[key] = by_name[best]
-        return self.markov[key]
-
     def summary(self) -> dict[str, int]:
         """How many tuned shapes took each strategy."""
         out = dict.fromkeys((*STRATEGIES, "skinny"), 0)
         for s in self.choice.values():
             out[s] += 1
         return out
-
-    def markov_summary(self) -> dict[str, str]:
-        """The chosen Markov launch shape per chain shape, by name."""
-        return {repr(k): str(v) for k, v in self.markov.items()}
 
 
 TUNER = GemmTuner()

@@ -729,31 +729,18 @@ def greedy_chain(
     kernel) tile by tile (``fused.markov_argmax_lowrank``): the same float32 sums the eager sampler
     compares (the bias rounded to the model dtype first, as ``F.linear`` writes it), never written
     out, in vocab order on even steps and reversed on odd ones so each step begins where the L2 still
-    holds W2; its final pass maps the draft id to the target id; on CUDA in the launch shape
-    ``gemm.TUNER`` timed fastest for the chain's shape (all give the same tokens). The confidence of all k steps is
+    holds W2; its final pass maps the draft id to the target id. The confidence of all k steps is
     one GEMV after the chain (its features, [z_j; e_j], are known by then). A
     ``logit_scale`` other than 1 takes the eager ops (a fused multiply-add would round differently)."""
     fused_argmax = m.cfg.logit_scale == 1.0 and m.dtype in (torch.bfloat16, torch.float16, torch.float32)
     base = gemm.linear(z[:, :k], m.lm_head) if fused_argmax else m.logits(z[:, :k])
     w2 = m.markov_w2
     lowrank = w2 is not None and w2.dim() == 2 and m.markov_w1 is not None and m.markov_w1.dtype == w2.dtype
-    launch = None
-    if fused_argmax and lowrank and base.is_cuda:  # the launch shape timed fastest for this chain (gemm.TUNER)
-        N, V, R = base.shape[0], w2.shape[0], w2.shape[1]
-
-        def chain(c: fused.MarkovLaunch) -> None:
-            p = anchors
-            for j in range(k):
-                p = fused.markov_argmax_lowrank(base[:, j], p, m.markov_w1, w2, reverse=j % 2 == 1, d2t=m.d2t, launch=c)
-
-        launch = gemm.TUNER.markov_launch((N, V, R, w2.dtype), chain, fused.markov_candidates(N))
     prev = anchors
     toks = []
     for j in range(k):
         if fused_argmax and lowrank:  # embedding, bias, argmax and d2t in two launches
-            prev = fused.markov_argmax_lowrank(
-                base[:, j], prev, m.markov_w1, w2, reverse=j % 2 == 1, d2t=m.d2t, launch=launch
-            )
+            prev = fused.markov_argmax_lowrank(base[:, j], prev, m.markov_w1, w2, reverse=j % 2 == 1, d2t=m.d2t)
         else:
             e = m.markov_embed(prev)
             if fused_argmax:

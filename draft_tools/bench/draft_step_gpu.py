@@ -357,14 +357,6 @@ def bench_preset(name: str, floors: dict[str, float], dev: torch.device, quick: 
     mine = [k for k in gemm.TUNER.choice if k not in tuned_before]  # this preset's shapes only
     res["gemm_tuning_ms"] = {repr(k): gemm.TUNER.timings[k] for k in mine if k in gemm.TUNER.timings}
     res["gemm_choices"] = {repr(k): gemm.TUNER.choice[k] for k in mine}
-    V = PRESETS[name].get("draft_vocab_size") or PRESETS[name]["vocab_size"]
-    chains = [k for k in gemm.TUNER.markov if k[1] == V]  # this preset's Markov chains (by its vocab)
-    res["markov_tuning_ms"] = {repr(k): gemm.TUNER.markov_timings.get(k) for k in chains}
-    res["markov_choices"] = {repr(k): str(gemm.TUNER.markov[k]) for k in chains}
-    for k in chains:
-        t = gemm.TUNER.markov_timings.get(k) or {}
-        log(f"{name} Markov chain {k[0]} sessions: {gemm.TUNER.markov[k]!s} "
-            f"({' '.join(f'{c} {ms:.3f}' for c, ms in t.items())})")  # fmt: skip
     res["markov_order"] = markov_order(d, dev)
     log(f"{name} markov order: {json.dumps({k: round(v, 4) for k, v in res['markov_order'].items()})}")
     if "steps" not in skip:

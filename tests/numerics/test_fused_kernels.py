@@ -145,11 +145,15 @@ def test_markov_argmax_lowrank_equals_the_argmax_over_the_written_bias(
 
 
 @pytest.mark.parametrize(
-    "launch", [*fused.markov_candidates(1), *fused.markov_candidates(64)[1:]], ids=str
-)  # fmt: skip
-def test_every_launch_shape_the_tuner_may_pick_gives_the_same_tokens(launch: fused.MarkovLaunch) -> None:
-    """Each shape ``gemm.TUNER`` times for the Markov chain (one session or many) drafts the tokens of the
-    default one: several parts, a short last one, both walking orders, a tie across tiles."""
+    "launch",
+    [fused.markov_launch(n) for n in (1, 20, 64)]
+    + [fused.MarkovLaunch(32, 64, 4, 4, 2), fused.MarkovLaunch(64, 64, 4, 8, 2), fused.MarkovLaunch(16, 64, 8, 4, 3)],
+    ids=str,
+)
+def test_every_launch_shape_gives_the_same_tokens(launch: fused.MarkovLaunch) -> None:
+    """The shapes ``markov_launch`` picks (16, 32 and 64 session rows) and the multi-tile ones the sweep
+    times draft the tokens of ``markov_argmax`` over the written bias: several parts, a short last one,
+    both walking orders, a tie across tiles."""
     g = torch.Generator().manual_seed(12)
     N, V, R = 20, 9 * 128 + 5, 40
     base = torch.randn(N, V, generator=g).to(torch.bfloat16).to(DEV)

@@ -514,24 +514,12 @@ class MarkovLaunch:
 
 
 def markov_launch(N: int) -> MarkovLaunch:
-    """The default launch shape for N sessions: one vocab tile per program."""
-    return MarkovLaunch(block_n=16 if N <= 16 else 64)
-
-
-def markov_candidates(N: int) -> list[MarkovLaunch]:
-    """The launch shapes ``gemm.TUNER`` times for a chain of N sessions, the default first
-    (``draft_tools.bench.markov_sweep`` times a wider grid)."""
-    if N <= 16:
-        more = [MarkovLaunch(16, 128, 4, 4, 2), MarkovLaunch(16, 64, 8, 4, 3), MarkovLaunch(16, 128, 8, 8, 3)]
-    else:
-        more = [
-            MarkovLaunch(32, 128),
-            MarkovLaunch(64, 128, 4, 8, 2),
-            MarkovLaunch(64, 64, 4, 4, 2),
-            MarkovLaunch(32, 64, 8, 4, 3),
-            MarkovLaunch(64, 64, 8, 8, 3),
-        ]
-    return [markov_launch(N), *more]
+    """The launch shape for N sessions: one vocab tile per program, the sessions' rows rounded up to a
+    power of two from 16 to 64. A program's work grows with its session rows, used or not: on an H200,
+    32 sessions run the 7-pass chain in 0.24 ms with 32 rows against 0.30 with 64 (K3;
+    ``bench/results/markov_sweep_h200.json``, from ``draft_tools.bench.markov_sweep``), and at 64
+    sessions no other shape of its grid is more than 2% faster than 64 rows, one tile."""
+    return MarkovLaunch(block_n=min(64, max(16, triton.next_power_of_2(N))))
 
 
 @triton.jit
@@ -596,13 +584,15 @@ def markov_argmax_lowrank(
     [N], any stride: a column of the block's ids), without
     the embedding, the bias or the draft id ever in memory. The low-rank Markov bias (e = W1[prev]
     [N, R] times W2 [V, R]) is formed tile by tile beside the base logits [N, V], rounded to W1's dtype
-    as ``F.linear`` would write it, and only each block's max and index are stored; the final pass
-    maps the draft id through ``d2t`` (target id = id + d2t[id]). One read of W2 and of base per step,
-    two launches, instead of an embedding, a GEMM, its split-K reduction, an argmax and a gather.
+    as ``F.linear`` would write it, and only each part's max and index are stored (a part: ``launch``'s
+    ``iters`` vocab tiles; ``markov_launch(N)`` unless given); the final pass maps the draft id through
+    ``d2t`` (target id = id + d2t[id]). One read of W2 and of base per step, two launches, instead of an
+    embedding, a GEMM, its split-K reduction, an argmax and a gather.
 
-    ``reverse``: launch the vocab blocks last first. The chain alternates, so each step starts on
-    the part of W2 (84 MB at K3 size, past the L2) that the step before read last and the L2 still
-    holds. The result is the same either way: every block stores its own max and first index."""
+    ``reverse``: launch the vocab parts last first (and walk each part's tiles last first). The chain
+    alternates, so each step starts on the part of W2 (84 MB at K3 size, past the L2) that the step
+    before read last and the L2 still holds. The result is the same either way: every part stores its
+    own max and first index."""
     N, V = base.shape
     R = w1.shape[1]
     if base.stride(1) != 1 or w1.stride(1) != 1 or w2.stride(1) != 1 or w2.shape != (V, R) or prev.shape != (N,):
