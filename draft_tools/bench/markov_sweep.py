@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from draft_server.models import gemm
 from draft_server.models.kernels import fused
-from draft_tools.bench.draft_step_gpu import event_s, gpu_machine, measure_floors
+from draft_tools.bench.draft_step_gpu import gpu_machine, measure_floors
 
 K = 7
 SHAPES = {"k3": (163840, 256), "qwen3-8b": (151936, 256)}  # (draft vocab, Markov rank)
@@ -43,8 +44,9 @@ def candidates(n: int) -> list[fused.MarkovLaunch]:
 
 
 def chain_ms(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-             launch: fused.MarkovLaunch, flush: torch.Tensor) -> tuple[float, torch.Tensor]:  # fmt: skip
-    """Median ms of the 7-pass chain in a CUDA graph (after an L2 flush each replay), and its tokens."""
+             launch: fused.MarkovLaunch) -> tuple[float, torch.Tensor]:  # fmt: skip
+    """Median ms of the 7-pass chain as ``gemm.graph_ms`` times it (a CUDA graph, an L2 flush before each
+    replay), and its tokens."""
     out = torch.empty(base.shape[0], K, dtype=torch.int64, device=base.device)
 
     def chain() -> None:
@@ -53,14 +55,7 @@ def chain_ms(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: torch
             p = fused.markov_argmax_lowrank(base[:, j], p, w1, w2, reverse=j % 2 == 1, launch=launch)
             out[:, j] = p
 
-    chain()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain()
-    ms = event_s(g.replay, 15, warm=3, before=flush.zero_) * 1e3
-    del g
-    return ms, out.clone()
+    return gemm.graph_ms(chain, runs=15), out.clone()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     floors = measure_floors(dev)
     bw = floors["copy_bytes_per_s"]
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     report: dict[str, Any] = {"command": " ".join(sys.argv), "machine": gpu_machine(dev), "floors": floors}
     g = torch.Generator(device=dev).manual_seed(0)
     print(f"copy {bw / 1e12:.2f} TB/s")
@@ -92,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in candidates(n):
                 name = f"n{c.block_n}_v{c.block_v}_i{c.iters}_w{c.warps}_s{c.stages}"
                 try:
-                    times[name], toks = chain_ms(base, prev, w1, w2, c, flush)
+                    times[name], toks = chain_ms(base, prev, w1, w2, c)
                 except Exception as e:  # a shape this GPU cannot hold (shared memory, registers)
                     print(f"  {preset} N={n} {name}: {type(e).__name__}", file=sys.stderr)
                     continue
