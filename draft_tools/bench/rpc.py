@@ -14,6 +14,9 @@ same run, against one server process bound to tcp and ipc at once:
   the server's own receive-to-reply time and the drafter's compute time; overhead = wait - compute.
 * with grpcio installed: a gRPC unary echo of the same bytes ("k3" only; ``grpc_echo``),
   the design issue 12 measures us against, beside each product row as ``grpc_over_product``;
+* with ``--ray-python`` (an interpreter with ``ray[serve]``): a Ray Serve deployment handle echo of
+  the same bytes ("k3" only; ``ray_echo``, in a child under that interpreter, before the rest), beside
+  each product row as ``ray_over_product`` (issue 12: >= 20x at one session);
 * with CUDA: ``ipc+cuda_ipc`` too ("k3" only): the rows on the GPU, copied device to device through
   the client's CUDA IPC buffer (the checksum server declares the GPU; its digests then include a
   device-to-host copy, which is compute, not overhead), set beside its own floor: the same bytes
@@ -45,7 +48,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from draft_tools.bench import grpc_echo
+from draft_tools.bench import grpc_echo, ray_echo
 from draft_tools.common import free_port
 from protocol import DType, ModelContract
 
@@ -281,6 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also run 'ipc+shm in place' with the client's wait_spin_ms at this (its caller polls, unslept, "
         "from this long before the reply is due), beside the same run without",
     )
+    ap.add_argument(
+        "--ray-python",
+        default="",
+        help="a Python interpreter with ray[serve] installed (may be another virtualenv): also time a Ray Serve "
+        "deployment handle echo of the k3 payloads",
+    )
     ap.add_argument("--echo", help=argparse.SUPPRESS)
     ap.add_argument("--metrics-port", type=int, default=-1, help=argparse.SUPPRESS)  # with --serve: its metrics
     ap.add_argument("--noop", action="store_true", help=argparse.SUPPRESS)  # with --serve: no drafter work
@@ -291,6 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.echo:
         serve_echo(args.echo)
         return 0
+    ray_ms: dict[int, float] = {}
+    ray_info: dict[str, Any] = {}
+    if args.ray_python and "k3" in args.payloads.split(","):
+        if not ray_echo.available(args.ray_python):
+            ap.error(f"--ray-python {args.ray_python}: cannot import ray.serve")
+        ns = [int(x) for x in args.sessions.split(",")]
+        # the k3 payloads of each session count, as gRPC's echo sends them (one message)
+        joined = [b"".join(bytes(memoryview(f)) for f in step_frames(n, ROWS["k3"], K3.tap_width)) for n in ns]
+        ray_info = ray_echo.echo_ms(joined, args.iters, args.ray_python)
+        ray_ms = dict(zip(ns, ray_info["ms"], strict=True))
+        print(f"ray serve handle echo (ray {ray_info['ray']}, up in {ray_info['startup_s']} s): {ray_ms}", flush=True)
     tmp = tempfile.mkdtemp(prefix="draft-bench-")
     echo_eps = {"tcp": f"tcp://127.0.0.1:{free_port()}", "ipc": f"ipc://{tmp}/echo.sock"}
     # (name, endpoint, client transport, the floor it is set beside, the client's wait_spin_ms)
@@ -346,12 +366,16 @@ def main(argv: list[str] | None = None) -> int:
                     if grpc_ms is not None:
                         row |= {"grpc_echo_p50_ms": round(grpc_ms, 4)}
                         row["grpc_over_product"] = round(grpc_ms / prod["wait_p50_ms"], 3)
+                    if rows and n in ray_ms:
+                        row["ray_echo_p50_ms"] = ray_ms[n]
+                        row["ray_over_product"] = round(ray_ms[n] / prod["wait_p50_ms"], 3)
                     results.append(row | {"floor": floor | {"over": floor_of}, "product": prod})
                     print(
                         f"{payload:5s} B={n:3d} {mb:6.2f} MB {name:29s} floor({floor_of}) p50 {floor['p50_ms']:7.3f} ms"
                         f" | client p50 {prod['wait_p50_ms']:7.3f} p99 {prod['wait_p99_ms']:7.3f} | compute "
                         f"{prod['compute_p50_ms']:6.3f} | overhead p50 {prod['overhead_p50_ms']:7.3f} ms"
-                        + (f" | grpc echo {grpc_ms:7.3f} ms" if grpc_ms is not None else ""),
+                        + (f" | grpc echo {grpc_ms:7.3f} ms" if grpc_ms is not None else "")
+                        + (f" | ray echo {ray_ms[n]:7.3f} ms" if rows and n in ray_ms else ""),
                         flush=True,
                     )
     finally:
@@ -378,6 +402,12 @@ def main(argv: list[str] | None = None) -> int:
             else "tcp loopback, ipc, ipc+shm, ipc+shm in place" + (", ipc+cuda_ipc (GPU 0)" if cuda else "")
         ),
         "grpc_echo": "grpcio unary echo, the same bytes (k3 payload)" if gport else "not measured: no grpcio",
+        "ray_serve_echo": (
+            f"Ray Serve {ray_info['ray']} deployment handle echo, the same bytes (k3 payload), one replica, "
+            f"timed from the driver before the rest of the run ({args.ray_python})"
+            if ray_info
+            else "not measured: no --ray-python"
+        ),
         "results": results,
     }
     with open(args.out, "w") as f:
