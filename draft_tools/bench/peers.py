@@ -5,8 +5,9 @@ Two comparisons, each side by side in one run on one machine:
 1. **Round trip at B = 1..64** (the bytes of a K3 Step: 3 rows x 5 x 7168 bf16 per session):
    our ``DraftClient.step`` against a ``draft-server`` (the drafter ``--model`` names), a bare
    ZeroMQ DEALER/ROUTER echo of the same bytes, and a gRPC (grpcio) unary echo of the same
-   bytes. Echoes answer with a 64-byte reply, as small as ours. Ray Serve is not measured: it is
-   not installable on the machines this runs on (say so in the JSON).
+   bytes. Echoes answer with a 64-byte reply, as small as ours. Ray Serve is not measured here: it is
+   not installable on the GPU hosts this runs on (the JSON says so); ``draft-bench --ray-python``
+   measures its handle echo where Ray is.
 2. **Drafts per second with 16 concurrent callers** (16 processes, one session each, 3 rows + k
    drafts per call): our server, which batches the callers' entries into one drafter call, against a
    REQ/REP server that runs the same drafter on one request per call, one call at a time. With
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m draft_tools.bench.peers " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "model": args.model,
-        "ray_serve": "not measured: ray is not installable on these machines (no network on the GPU host)",
+        "ray_serve": "not measured here: no ray on the GPU hosts (no network); see draft-bench --ray-python",
         "round_trip": [],
     }
     procs = [spawn_rpc("echo", ep_echo), spawn_server(bind, args.model, args.device, args.server_args.split())]

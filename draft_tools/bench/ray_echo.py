@@ -70,7 +70,7 @@ def _measure(files: Sequence[str], iters: int) -> dict[str, Any]:
 
     @serve.deployment(num_replicas=1, max_ongoing_requests=16)
     class Echo:
-        def __call__(self, data: bytes) -> bytes:
+        async def __call__(self, data: bytes) -> bytes:  # async: Ray Serve runs it on the replica's event loop
             return REPLY
 
     handle = serve.run(Echo.bind(), name="echo", route_prefix=None)

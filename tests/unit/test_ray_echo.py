@@ -23,7 +23,7 @@ def shutdown():
 """
 
 FAKE_SERVE = """
-import json, os
+import asyncio, json, os
 LOG = os.environ["FAKE_RAY_LOG"]
 def start(http_options=None):
     assert http_options == {"location": "NoServer"}
@@ -46,7 +46,8 @@ class _Handle:
     def remote(self, data):
         with open(LOG, "a") as f:
             f.write(json.dumps([len(data), data[:8].hex()]) + "\\n")
-        return _Resp(self.obj(data))
+        out = self.obj(data)
+        return _Resp(asyncio.run(out) if asyncio.iscoroutine(out) else out)
 def run(app, name, route_prefix):
     assert route_prefix is None
     return _Handle(app)
