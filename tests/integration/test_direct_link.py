@@ -8,7 +8,6 @@ on a link, and a server killed and restarted.
 
 from __future__ import annotations
 
-import signal
 import socket
 import threading
 import time
@@ -177,14 +176,14 @@ def test_a_step_larger_than_a_link_message_goes_over_zeromq(tmp_path) -> None:
         assert c.step(reqs[:2], None) and c.stats()["direct_sent"] == sent + 1  # a small one is
         # order kept: a small step sent while one over the socket waits for its reply goes that way too
         # (the server is stopped until both are sent, so the big one's reply cannot come first)
-        srv.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        srv.pause()
         try:
             big = c.submit_step(reqs[2:], None)
             small = c.submit_step([StepRequest("other", 0, 0, 7, 2)], None)
             io = c._io
             assert wait_for(lambda: not io._cmds and sum(p.kind == "step" for p in list(io.pending.values())) == 2)
         finally:
-            srv.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+            srv.resume()
         assert len(big.collect()) == 298 and small.collect()[0].tokens
         assert c.stats()["direct_sent"] == sent + 1
         assert c.step(reqs[:2], None) and c.stats()["direct_sent"] == sent + 2  # both answered: the link again

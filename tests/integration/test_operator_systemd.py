@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 from draft_server import app
 from draft_server.config import ServerConfig
 from protocol import StepEntry
-from tests.conftest import ROOT, RawPeer, ServerProc, random_taps
+from tests.conftest import ROOT, RawPeer, ServerProc, random_taps, wait_for
 
 
 class NotifySocket:
@@ -76,18 +77,31 @@ def test_ready_and_watchdog_pings_arrive(tmp_path: Path) -> None:
         ns.close()
 
 
+def _healthz_code(srv: ServerProc) -> int:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/healthz", timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_no_watchdog_pings_while_the_engine_overruns(tmp_path: Path) -> None:
-    srv, ns = start_notified(tmp_path, "--checksum-delay-ms", "1500", "--watchdog-s", "0.3")
+    batch_s = 3.0
+    srv, ns = start_notified(tmp_path, "--checksum-delay-ms", str(int(batch_s * 1000)), "--watchdog-s", "0.3")
     peer = RawPeer(srv.endpoint)
     try:
         ns.drain(0.5)
         t0 = time.monotonic()
         peer.step([StepEntry("w", 0, 1, 1, 1)], random_taps(np.random.default_rng(1), 1), timeout_ms=1)
-        ns.drain(1.4)  # the 1.5 s batch: overrun from 0.3 s on
-        silent = [t for t, m in ns.got if m == "WATCHDOG=1" and t0 + 0.5 < t < t0 + 1.4]
+        assert wait_for(lambda: _healthz_code(srv) == 503, 10)  # the watchdog saw the overrun (0.3 s in)
+        ns.drain(0.1)  # pings sent before it, read (and stamped) now
+        quiet_from = time.monotonic()
+        quiet_to = min(quiet_from + 1.0, t0 + batch_s - 0.05)  # the batch ends no earlier than t0 + batch_s
+        assert quiet_to - quiet_from > 0.5, "the overrun was seen too late to test the silence"
+        ns.drain(quiet_to - quiet_from)
+        silent = [t for t, m in ns.got if m == "WATCHDOG=1" and t > quiet_from]
         assert silent == [], "pinged systemd while the engine was hung"
-        ns.drain(1.0)  # the batch ended: healthy again, pings resume
-        assert any(m == "WATCHDOG=1" and t > t0 + 1.6 for t, m in ns.got)
+        ns.drain(max(0.0, t0 + batch_s - time.monotonic()) + 1.0)  # the batch ended: healthy, pings resume
+        assert any(m == "WATCHDOG=1" and t > t0 + batch_s for t, m in ns.got)
     finally:
         peer.close()
         srv.kill()
@@ -99,11 +113,14 @@ def test_watchdog_exit_waits_for_a_scrape_then_exits_3(tmp_path: Path) -> None:
     peer = RawPeer(srv.endpoint)
     try:
         peer.step([StepEntry("w", 0, 1, 1, 1)], random_taps(np.random.default_rng(1), 1), timeout_ms=1)
-        time.sleep(0.6)  # fired; the process holds its exit until Prometheus has seen it
-        assert srv.proc is not None and srv.proc.poll() is None
-        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
-        assert "draft_server_watchdog_fired_total 1.0" in text and "draft_server_healthy 0.0" in text
-        assert srv.proc.wait(5) == 3
+
+        def fired_and_seen() -> bool:
+            assert srv.proc is not None and srv.proc.poll() is None  # it holds its exit until a scrape saw it
+            text = urllib.request.urlopen(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).read().decode()
+            return "draft_server_watchdog_fired_total 1.0" in text and "draft_server_healthy 0.0" in text
+
+        assert wait_for(fired_and_seen, 10)  # fired (0.3 s into the 5 s batch), and this scrape saw it
+        assert srv.proc is not None and srv.proc.wait(5) == 3
     finally:
         peer.close()
         srv.kill()

@@ -321,7 +321,11 @@ def test_kill_9_server_leaves_no_segment_and_drafting_comes_back_through_a_new_r
             assert s.check(s.step()) == 4
         assert reg.get_sample_value("draft_client_shm_steps_total") > shm_before  # rows through the ring again
         assert c.stats()["rows_in_place"] >= 5  # into the new ring too
-        assert not names(os.getpid()) and not names(server_pid)
+        # the killed server left no segment; the old ring and the one in use are unlinked (a step that
+        # missed its budget after the restart may have made a spare, named until used or let go: close()
+        # removes it, checked below)
+        mine = {"/" + n for n in names(os.getpid())}
+        assert first not in mine and c.welcome.ring not in mine and not names(server_pid)  # type: ignore[union-attr]
     finally:
         c.close()
         srv.kill()
@@ -371,7 +375,7 @@ def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_r
             assert c.stats()["spare_rings_used"] == 1
         for _ in range(3):
             assert step_all() == [3, 3]
-        assert not names(me)
+        assert not spares & {"/" + n for n in names(me)}  # used: unlinked (a late miss may have made another)
 
         srv.pause()
         try:
@@ -391,10 +395,12 @@ def test_a_spare_ring_made_while_the_server_is_down_is_named_at_once_after_its_r
         assert wait_for(lambda: not names(me)), names(me)  # no restart: the spares were let go
         assert [c.stats()["spare_rings_used"] for c in clients] == [1, 1]
 
+        opens = [c.stats()["breaker_opens"] for c in clients]  # >= 2: the kill and the pause before
+        assert min(opens) >= 2, opens
         srv.kill()
         for _ in range(2):  # two misses each: the breakers are still closed
             step_all()
-        assert all(c.stats()["breaker_opens"] == 2 for c in clients)  # the kill and the pause before
+        assert [c.stats()["breaker_opens"] for c in clients] == opens
         assert wait_for(lambda: len(names(me)) == 2), names(me)  # the spares are there already
         srv.start()
         until_drafting()

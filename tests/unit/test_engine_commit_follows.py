@@ -20,7 +20,7 @@ from draft_server.engine.scheduler import Engine
 from draft_server.engine.types import Call, Work
 from draft_server.metrics import ServerMetrics
 from protocol import GREEDY, Phase, Status, StepResult
-from tests.conftest import check_on_time, time_marks
+from tests.conftest import check_on_time, time_marks, wait_for
 
 ROWS, K, ANCHOR = 3, 4, 7
 
@@ -112,14 +112,14 @@ def test_taps_wait_for_the_commits_that_follow_and_go_in_one_batch_with_their_dr
         h.check_drafts(a, 2, sa, ROWS)
         h.taps(b, 1, sb, 0, follows=False)
         h.reply(b, 1)  # b's taps acknowledged at admission
-        time.sleep(0.02)  # b samples; its taps are ingested alone meanwhile
+        assert wait_for(lambda: len(h.d.batches) == 2)  # b samples; its taps are ingested alone meanwhile
         h.commit(b, 2, sb, ROWS, after=1)
         h.check_drafts(b, 2, sb, ROWS)
         # a's rows and drafts went in one batch; b's rows alone, then its drafts without rows
         assert h.d.batches == [(len(sa) * ROWS, len(sa)), (len(sb) * ROWS, 0), (0, len(sb))]
         # step 2, staggered the other way round: b's taps first, then a's with the hint
         h.taps(b, 3, sb, ROWS, follows=False)
-        time.sleep(0.02)
+        assert wait_for(lambda: len(h.d.batches) == 4)  # b's taps ingested alone before a's come
         h.taps(a, 3, sa, ROWS, follows=True)
         time.sleep(0.0003)
         h.commit(a, 4, sa, 2 * ROWS, after=3)
