@@ -36,6 +36,7 @@ from target_client import (
     DraftReply,
     StepRequest,
 )
+from target_client.client import breaker as breaker_mod
 from tests.unit.client_fake_server import CONTRACT, FakeServer, fake_drafts
 
 WIDTH = CONTRACT.tap_width
@@ -527,9 +528,11 @@ def test_a_step_against_an_open_breaker_probes_at_once(server, clients, step_pro
         assert server.count("ping") == pings and client.breaker_open  # only the 60 s backoff would probe
 
 
-def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, clients) -> None:
+def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, clients, monkeypatch) -> None:
     # A probe lost on the way (e.g. by a proxy whose backend is still reconnecting) is retried
-    # every breaker_step_probe_ms while steps keep coming, not one 60 s backoff later.
+    # every breaker_step_probe_ms while steps keep coming, not one 60 s backoff later. (The activity
+    # window is widened from 250 ms, so a host stall on a loaded machine cannot end it before 4 probes.)
+    monkeypatch.setattr(breaker_mod, "ACTIVE_S", 5.0)
     server.policy = lambda step, n: "drop"
     server.answer_pings = False
     client = clients(cfg(server.endpoint, breaker_failures=1, breaker_backoff_ms=60_000.0))
@@ -538,8 +541,8 @@ def test_an_open_breaker_probes_fast_while_the_engine_keeps_stepping(server, cli
     assert wait_for(lambda: client.breaker_open)
     pings = server.count("ping")
     assert timed_step(client, [req("q", 1, 1)], taps_for(1, 1))[0].tokens == []  # open: at once, one probe
-    # no further step: the probes that follow within the 250 ms activity window come from the timer
-    assert wait_for(lambda: server.count("ping") >= pings + 4, timeout=0.24)
+    # no further step: the probes that follow within the activity window come from the timer
+    assert wait_for(lambda: server.count("ping") >= pings + 4, timeout=4.0)
     # the I/O thread counts a probe once its send returns, which may be after the server read it
     assert wait_for(lambda: client.stats()["probes_sent"] >= 4, timeout=1.0)
 
