@@ -60,6 +60,7 @@ def test_proxy_drops_requests_and_replies_as_told_and_logs_them(server, proxy):
     peer.send(Ping(2))
     assert peer.recv(300) is None
     assert wait_for(lambda: server.metrics()['draft_server_messages_total{kind="ping"}'] == 1)  # it got there
+    assert wait_for(lambda: proxy.stats.dropped_replies == 1)  # and its reply was dropped before dropping stops
     proxy.cfg.drop_reply_p = 0.0
     peer.send(Ping(3))
     r = peer.recv()
