@@ -7,12 +7,15 @@ can pause (SIGSTOP), kill (SIGKILL) and restart them on the same port.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -233,6 +236,15 @@ class ServerProc:
 
     def metrics(self) -> dict[str, float]:
         return scrape(self.metrics_port)
+
+    def healthz(self) -> tuple[int, dict]:
+        """/healthz: its HTTP status (200 green, 503 red) and its JSON body."""
+        url = f"http://127.0.0.1:{self.metrics_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
 
 
 @pytest.fixture

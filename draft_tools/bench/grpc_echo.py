@@ -50,6 +50,11 @@ def spawn(port: int) -> subprocess.Popen:
     return spawn_ready([sys.executable, "-m", "draft_tools.bench.grpc_echo", str(port)])
 
 
+def one_message(frames: Sequence[Any]) -> bytes:
+    """A Step's frames joined into the one message an RPC framework's echo carries."""
+    return b"".join(bytes(memoryview(f)) for f in frames)
+
+
 def echo_ms(port: int, frames: Sequence[Any], iters: int) -> float:
     """Median ms of one call carrying ``frames`` (joined into one message each call), after 10 untimed."""
     import grpc
@@ -58,7 +63,7 @@ def echo_ms(port: int, frames: Sequence[Any], iters: int) -> float:
     call = ch.unary_unary(METHOD)
 
     try:
-        return median_ms(lambda: call(b"".join(bytes(memoryview(f)) for f in frames)), iters)
+        return median_ms(lambda: call(one_message(frames)), iters)
     finally:
         ch.close()
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             ref = None
             same = True
             for c in candidates(n):
-                name = f"n{c.block_n}_v{c.block_v}_i{c.iters}_w{c.warps}_s{c.stages}"
+                name = str(c)
                 try:
                     times[name], toks = chain_ms(base, prev, w1, w2, c)
                 except Exception as e:  # a shape this GPU cannot hold (shared memory, registers)

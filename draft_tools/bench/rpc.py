@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--ray-python {args.ray_python}: cannot import ray.serve")
         ns = [int(x) for x in args.sessions.split(",")]
         # the k3 payloads of each session count, as gRPC's echo sends them (one message)
-        joined = [b"".join(bytes(memoryview(f)) for f in step_frames(n, ROWS["k3"], K3.tap_width)) for n in ns]
+        joined = [grpc_echo.one_message(step_frames(n, ROWS["k3"], K3.tap_width)) for n in ns]
         ray_info = ray_echo.echo_ms(joined, args.iters, args.ray_python)
         ray_ms = dict(zip(ns, ray_info["ms"], strict=True))
         print(f"ray serve handle echo (ray {ray_info['ray']}, up in {ray_info['startup_s']} s): {ray_ms}", flush=True)

@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -73,17 +72,9 @@ def test_healthz_turns_red_when_the_engine_overruns(server_factory):
     srv = server_factory("--checksum-delay-ms", "1500", "--watchdog-s", "0.3")
     peer = RawPeer(srv.endpoint)
     peer.step([StepEntry("w", 0, 1, 1, 1)], random_taps(np.random.default_rng(1), 1), timeout_ms=1)
-    url = f"http://127.0.0.1:{srv.metrics_port}/healthz"
-
-    def healthz() -> tuple[int, dict]:
-        try:
-            r = urllib.request.urlopen(url, timeout=5)
-            return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
 
     def is_(code: int, healthy: bool) -> bool:
-        got = healthz()
+        got = srv.healthz()
         return got[0] == code and got[1]["healthy"] is healthy
 
     assert wait_for(lambda: is_(503, False), 10)  # red once the batch runs past the watchdog's 0.3 s (of 1.5)
