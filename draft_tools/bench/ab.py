@@ -7,7 +7,8 @@ load falls on both sides alike), each run writing its JSON to a file of its own 
 module's ``--out``. The runs of a side are merged: every number is the median over its rounds,
 anything else is the first run's. Writes one JSON: the command, the machine, both commits, the
 rounds, ``before`` and ``after``, and every run's own JSON (``runs``: the spread behind each median);
-and prints each side's runs as they end.
+and prints each side's runs as they end. The JSON is written after every run, ``complete`` false
+until the last: a call cut off by a time limit keeps the runs that finished.
 
     python -m draft_tools.bench.ab --base HEAD~1 --rounds 4 --out bench/results/x_ab.json -- \\
         draft_tools.bench.rpc --iters 200
@@ -136,24 +137,30 @@ def main(argv: list[str] | None = None) -> int:
     base, base_sha = worktree(repo, a.base)
     after_sha = this_tree(repo)
     sides: dict[str, list[Any]] = {"before": [], "after": []}
+
+    def report(complete: bool) -> dict[str, Any]:
+        return {
+            "benchmark": f"A/B of {module}",
+            "command": "python -m draft_tools.bench.ab " + " ".join(argv),
+            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+            "commits": {"before": base_sha, "after": after_sha},
+            "rounds": a.rounds,
+            # False while runs are still to come: a run cut short (a device call's time limit) keeps what finished
+            "complete": complete,
+            "method": "the sides run alternately, the order flipping every round; every number is its side's median",
+            "before": merge(sides["before"]) if sides["before"] else None,
+            "after": merge(sides["after"]) if sides["after"] else None,
+            "runs": sides,  # each round's JSON as it came, so the spread behind each median shows
+        }
+
     with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
         for r in range(a.rounds):
             order = [("before", base), ("after", repo)]
             for side, tree in order if r % 2 == 0 else order[::-1]:
                 out = os.path.join(tmp, f"{side}-{r}.json")
                 sides[side].append(run_once(tree, module, args, out, a.timeout_s))
-    report = {
-        "benchmark": f"A/B of {module}",
-        "command": "python -m draft_tools.bench.ab " + " ".join(argv),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
-        "commits": {"before": base_sha, "after": after_sha},
-        "rounds": a.rounds,
-        "method": "the sides run alternately, the order flipping every round; every number is its side's median",
-        "before": merge(sides["before"]),
-        "after": merge(sides["after"]),
-        "runs": sides,  # each round's JSON as it came, so the spread behind each median shows
-    }
-    write_report(a.out, report)
+                write_report(a.out, report(complete=False))
+    write_report(a.out, report(complete=True))
     return 0
 
 

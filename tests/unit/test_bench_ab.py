@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from draft_tools.bench.ab import main, merge
 
 BENCH = """
@@ -27,7 +29,8 @@ def _git(repo: Path, *args: str) -> None:
     subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
 
 
-def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -> None:
+def _repo(tmp_path: Path, after: str = BENCH.format(speed=4)) -> Path:
+    """A repository whose last commit is a slow benchmark and whose tree holds ``after``, committed."""
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
@@ -37,8 +40,13 @@ def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -
     (repo / "benchmod.py").write_text(BENCH.format(speed=10))
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "slow")
-    (repo / "benchmod.py").write_text(BENCH.format(speed=4))
+    (repo / "benchmod.py").write_text(after)
     _git(repo, "commit", "-q", "-am", "fast")
+    return repo
+
+
+def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
     out = tmp_path / "ab.json"
     args = ["--repo", str(repo), "--base", "HEAD~1", "--rounds", "3", "--out", str(out), "--", "benchmod"]
     assert main([*args, "--scale", "2"]) == 0
@@ -54,6 +62,20 @@ def test_each_side_runs_its_own_commit_and_numbers_are_medians(tmp_path: Path) -
     # every run kept as it came: the spread behind each median
     assert sorted(r["rows"][0]["ms"] for r in rep["runs"]["after"]) in ([8, 8, 9], [8, 9, 9])
     assert [r["tree"] for r in rep["runs"]["before"]] == [10, 10, 10]
+    assert rep["complete"] is True
+
+
+def test_a_run_cut_short_leaves_the_runs_that_finished_on_disk(tmp_path: Path) -> None:
+    # the after side's benchmark fails on its second call: rounds go before, after | after (fails)
+    fails = BENCH.format(speed=4).replace("row = {", "sys.exit(3) if calls == 2 else None\nrow = {")
+    repo = _repo(tmp_path, after=fails)
+    out = tmp_path / "ab.json"
+    with pytest.raises(SystemExit, match="benchmod failed"):
+        main(["--repo", str(repo), "--base", "HEAD~1", "--rounds", "2", "--out", str(out), "--", "benchmod"])
+    rep = json.loads(out.read_text())
+    assert rep["complete"] is False
+    assert [r["tree"] for r in rep["runs"]["before"]] == [10] and [r["tree"] for r in rep["runs"]["after"]] == [4]
+    assert rep["before"]["tree"] == 10 and rep["after"]["rows"][0]["ms"] == 5  # its one run: 4 + calls % 2
 
 
 def test_merge() -> None:
