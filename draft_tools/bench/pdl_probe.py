@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from draft_tools.bench.l2_prefetch_probe import replay_ms
 from draft_tools.common import write_report
 
 MODES = {"off": 0, "wait": 1, "prefetch": 2}
@@ -124,27 +124,6 @@ def tiny(x: torch.Tensor, mode: int) -> torch.Tensor:
     n = x.numel()
     _tiny_kernel[(triton.cdiv(n, 1024),)](x, y, n, PDL=mode > 0, BLOCK=1024, num_warps=4, launch_pdl=mode > 0)
     return y
-
-
-def replay_ms(fn: Any, runs: int) -> tuple[float, Any]:
-    """Median ms of ``fn`` captured in a CUDA graph, and one replay's output."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    res = out.clone()
-    del g
-    return statistics.median(times), res
 
 
 def main(argv: list[str] | None = None) -> int:
