@@ -39,6 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from draft_server.models.gemm import graph_ms
 from draft_tools.common import write_report
 
 # per preset: the layer's GEMMs (name, out, in) in step order, and the attention stand-in
@@ -178,28 +179,15 @@ def chain(m: dict[str, Any], mode: str, how: str, cap: int, programs: int, side:
 
 
 def replay_ms(fn: Any, runs: int) -> tuple[float, torch.Tensor]:
-    """Median ms of ``fn`` captured in one CUDA graph, and a replay's output."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    times = []
-    for _ in range(runs):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    res = out.clone()
-    del g
-    return statistics.median(times), res
+    """Median ms of ``fn`` captured in one CUDA graph and replayed (``gemm.graph_ms``, no L2 flush), and
+    the last replay's output."""
+    box: dict[str, torch.Tensor] = {}
+
+    def body() -> None:
+        box["out"] = fn()
+
+    ms = graph_ms(body, flush_l2=False, runs=runs)
+    return ms, box["out"].clone()
 
 
 def copy_bandwidth(dev: torch.device) -> float:
