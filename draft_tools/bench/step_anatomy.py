@@ -163,7 +163,7 @@ def anatomy_part(name: str, dev: torch.device, sizes: list[int]) -> dict[str, An
     rng = np.random.default_rng(1)
     S = Sessions(d, rng, 0)
     # taps in registered host memory, as the server's receive arena and shm rings hold them (before
-    # 2026-12-07 the rows were staged from ordinary memory: ``torch.cat`` on the intra-op threads)
+    # 2026-12-08 the rows were staged from ordinary memory: ``torch.cat`` on the intra-op threads)
     registered = S.register(d)
     keys = S.open(max(sizes), CTX)
     host_ingest: list[float] = []  # ms of host time in each step's ingest call (it returns before its GPU work)
