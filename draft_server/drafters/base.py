@@ -128,6 +128,17 @@ class IngestItem:
     fmt: str = WireFormat.BF16.value  # the wire format of the rows
 
 
+def by_format(items: Sequence[IngestItem]) -> list[tuple[str, Sequence[IngestItem]]]:
+    """``items`` grouped by wire format, each group in order (one group, the items themselves, when all share one)."""
+    fmt = items[0].fmt if items else ""
+    if all(it.fmt == fmt for it in items):
+        return [(fmt, items)] if items else []
+    groups: dict[str, list[IngestItem]] = {}
+    for it in items:
+        groups.setdefault(it.fmt, []).append(it)
+    return list(groups.items())
+
+
 @dataclass(slots=True)
 class DraftItem:
     key: int

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from draft_server.drafters.base import Drafter, DraftItem, DraftOut, IngestItem
+from draft_server.drafters.base import Drafter, DraftItem, DraftOut, IngestItem, by_format
 from draft_server.models.attention import DenseContext
 from draft_server.models.config import CheckpointError, DSparkConfig
 from draft_server.models.kv_cache import PagedKVCache
@@ -211,19 +211,18 @@ class DSparkDrafter(Drafter):
     def _ingest(self, items: Sequence[IngestItem], wait: bool) -> None:
         pending = [it for it in items if len(it.taps)]
         while pending:  # a key repeated within one call is applied in order, one pass per repeat
-            batch: list[IngestItem] = []
-            rest: list[IngestItem] = []
-            seen: set[int] = set()
-            for it in pending:
-                (rest if it.key in seen else batch).append(it)
-                seen.add(it.key)
-            by_format: dict[str, list[IngestItem]] = {}
-            for it in batch:  # distinct keys: the formats' groups are independent
-                by_format.setdefault(it.fmt, []).append(it)
-            for fmt, group in by_format.items():
-                if self.fast is not None:
-                    self.fast.ingest(group, wait=wait)
-                else:
+            if len({it.key for it in pending}) == len(pending):  # distinct keys (a decode step): one pass
+                batch, rest = pending, []
+            else:
+                batch, rest = [], []
+                seen: set[int] = set()
+                for it in pending:
+                    (rest if it.key in seen else batch).append(it)
+                    seen.add(it.key)
+            if self.fast is not None:  # distinct keys: the formats' groups are independent
+                self.fast.ingest(batch, wait=wait)
+            else:
+                for fmt, group in by_format(batch):
                     self._ingest_once(fmt, group)
             pending = rest
 

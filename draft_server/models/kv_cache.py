@@ -24,6 +24,7 @@ latent + 64 roped key); GQA: (2, kv_heads, head_dim) for K and V.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,15 +143,28 @@ class PagedKVCache:
     def pages(self, key: int, start: int, end: int) -> tuple[int, np.ndarray]:
         """(origin, physical pages: a read-only int64 view) covering positions [start, end), where
         position t is at offset (t - origin) % P of page (t - origin) // P of the list (origin: the
-        position at offset 0 of its first page); raises if not held. A step asks for the same pages
-        step after step: the array is kept until the session's pages change."""
-        P = self.page_size
-        s = self._sessions.get(key)
-        base = s.base if s is not None else 0
-        lo, hi = (start - base) // P, (end - 1 - base) // P + 1
-        if s is None or lo < 0 or hi > len(s.pages):
-            raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
-        return base + lo * P, _array(s)[lo:hi]
+        position at offset 0 of its first page); raises if not held."""
+        origins, pages = self.spans((key,), (start,), (end,))
+        return origins[0], pages[0]
+
+    def spans(
+        self, keys: Sequence[int], starts: Sequence[int], ends: Sequence[int]
+    ) -> tuple[list[int], list[np.ndarray]]:
+        """``pages`` of many sessions in one pass (a step's batch): their origins and page views, in
+        order. A step asks for the same pages step after step: each session's array is kept until its
+        pages change, so a view is a slice, not a copy."""
+        P, sessions = self.page_size, self._sessions
+        origins: list[int] = []
+        pages: list[np.ndarray] = []
+        for key, start, end in zip(keys, starts, ends, strict=True):
+            s = sessions.get(key)
+            base = s.base if s is not None else 0
+            lo, hi = (start - base) // P, (end - 1 - base) // P + 1
+            if s is None or lo < 0 or hi > len(s.pages):
+                raise RuntimeError(f"KV cache: session {key} has no pages reserved for [{start}, {end})")
+            origins.append(base + lo * P)
+            pages.append((s.array if s.array is not None else _array(s))[lo:hi])
+        return origins, pages
 
     def layer(self, layer: int) -> torch.Tensor:
         """One layer's pages: [num_pages + 1, page_size, *token_shape] (the last is the trash page)."""

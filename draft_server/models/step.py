@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem, device_runs
+from draft_server.drafters.base import DeviceRows, DraftItem, IngestItem, by_format, device_runs
 from draft_server.models import gemm
 from draft_server.models.attention import PagedBatch, PagedContext
 from draft_server.models.kernels import flash_mla as fm
@@ -101,6 +101,14 @@ def _copy_runs(dst: torch.Tensor, runs: Sequence[np.ndarray]) -> None:
     for run in runs:
         dst[off : off + len(run)].copy_(torch.from_numpy(run), non_blocking=True)
         off += len(run)
+
+
+def _join(parts: Sequence[np.ndarray], out: np.ndarray) -> None:
+    """``parts`` one after another into ``out`` (exactly their total length), cast to its dtype."""
+    if len(parts) == 1:
+        out[:] = parts[0]
+    elif parts:
+        np.concatenate(parts, out=out, casting="unsafe")
 
 
 @contextlib.contextmanager
@@ -177,6 +185,7 @@ class FastStep:
         pin = self.dev.type == "cuda"
         self.host = torch.empty(total, dtype=torch.int32, pin_memory=pin)
         self.host_np = self.host.numpy()
+        self._fields = self.host_np[: self._count_at].reshape(len(SESSION_FIELDS), n)  # a view: [field, session]
         self.stage = torch.empty(total, dtype=torch.int32, device=self.dev)
         self.ids = torch.zeros(n, B, dtype=torch.int32, device=self.dev)
         self.positions = torch.zeros(n, B, dtype=torch.int32, device=self.dev)
@@ -204,6 +213,7 @@ class FastStep:
         self._rows_read = torch.cuda.Event() if self.dev.type == "cuda" else None
         self._rows_pending = False  # copies from callers' registered rows not yet waited for
         self._staging_pending = False  # copies from rows_host / spec_host queued since the stream was last waited for
+        self._unrecorded: torch.cuda.Stream | None = None  # the stream of an ingest pass that recorded no events
         # byte ranges of ``rows`` that may be non-zero (all others are zero): the head the last ingest
         # wrote, and what longer ingests before it wrote past the rows it zeroed
         self._rows_dirty: list[tuple[int, int]] = []
@@ -385,13 +395,9 @@ class FastStep:
         self.rows.zero_()
         self._rows_dirty = []
 
-    def _per_session(self) -> np.ndarray:
-        """The pinned buffer's per-session fields as [len(SESSION_FIELDS), n_max] (a view)."""
-        return self.host_np[: self._count_at].reshape(len(SESSION_FIELDS), self.n_max)
-
     def _pad(self, a: int, b: int) -> None:
         """Sessions a..b of the pinned buffer as padding: no context, no work (lo > pos), full width."""
-        self._per_session()[2:, a:b] = ((1,), (0,), (0,), (self.B,))  # lo, pos, first, width
+        self._fields[2:, a:b] = ((1,), (0,), (0,), (self.B,))  # lo, pos, first, width
 
     # ------------------------------------------------------------------ per step
 
@@ -400,49 +406,67 @@ class FastStep:
         wire format and row bucket. ``wait=False``: rows in registered host memory may still be on
         their way to the device when this returns; ``rows_done`` (or the end of the next ``draft``,
         which waits for the stream) makes them the caller's again."""
-        by_format: dict[str, list[IngestItem]] = {}
-        for it in items:
-            by_format.setdefault(it.fmt, []).append(it)
         stream = torch.cuda.current_stream(self.dev) if self.dev.type == "cuda" else None  # once: ~5 us a lookup
         try:
-            for fmt, group in by_format.items():
+            groups = by_format(items)
+            for g, (fmt, group) in enumerate(groups):
                 rows = sum(len(it.taps) for it in group)
                 for a in range(0, rows, self.r_max):
-                    self._ingest_rows(fmt, group, a, min(rows, a + self.r_max), stream)
+                    b = min(rows, a + self.r_max)
+                    # the last pass of a call that does not wait records no events: the draft after it
+                    # waits for the whole stream (``settle`` where anything else needs its copies done)
+                    record = wait or b < rows or g + 1 < len(groups)
+                    self._ingest_rows(fmt, group, a, b, stream, record)
         finally:
             if wait:
                 self.rows_done()
 
     def rows_done(self) -> None:
         """Return once every device copy from the callers' registered rows has finished."""
+        self._settle()
         if self._rows_pending and self._rows_read is not None:
             self._rows_read.synchronize()
         self._rows_pending = False
 
+    def _settle(self) -> None:
+        """An ingest pass that recorded no events (``ingest(wait=False)``'s last) waited for by its whole
+        stream: every copy it queued, from the callers' rows and from the staging buffers, is done."""
+        if self._unrecorded is not None:
+            self._unrecorded.synchronize()
+            self._unrecorded = None
+            self._rows_pending = self._staging_pending = False
+
     def _ingest_rows(
-        self, fmt: str, items: Sequence[IngestItem], a: int, b: int, stream: torch.cuda.Stream | None
+        self, fmt: str, items: Sequence[IngestItem], a: int, b: int, stream: torch.cuda.Stream | None, record: bool
     ) -> None:
         """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket.
         The rows' copy to the device is issued first, so it runs while the host describes the items
-        (``_describe``: the graph's first kernel makes the rows' cache slots from that)."""
+        (``_describe``: the graph's first kernel makes the rows' cache slots from that). ``record``: the
+        events that free the callers' rows and the staging buffers are recorded (two CUDA calls); else
+        the pass leaves its stream to be waited for (``_settle``)."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
-        keys, firsts, counts, parts = [], [], [], []
-        row = 0
-        for it in items:
-            lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
-            if lo_r < hi_r:
-                keys.append(it.key)
-                firsts.append(it.pos + lo_r)
-                counts.append(hi_r - lo_r)
-                parts.append(it.taps[lo_r:hi_r])
-            row += len(it.taps)
+        counts = [len(it.taps) for it in items]
+        if a == 0 and b == sum(counts) and min(counts) > 0:  # every item whole (a decode step)
+            keys, firsts, parts = [it.key for it in items], [it.pos for it in items], [it.taps for it in items]
+        else:  # rows a..b of a longer ingest (a prefill past r_max rows): the items' parts in that window
+            keys, firsts, counts, parts = [], [], [], []
+            row = 0
+            for it in items:
+                lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
+                if lo_r < hi_r:
+                    keys.append(it.key)
+                    firsts.append(it.pos + lo_r)
+                    counts.append(hi_r - lo_r)
+                    parts.append(it.taps[lo_r:hi_r])
+                row += len(it.taps)
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
         on_device = any(isinstance(p, DeviceRows) for p in parts)
         runs = None if on_device else self._registered_runs(parts)
         landed = None
         if runs is not None and r >= PIPELINED_ROWS and self._copy_stream is not None:
             landed = self._land(fmt, runs)  # issued before waiting for the previous chunk's staging copies
+        self._settle()
         if self._staging_read is not None and self._staging_pending:
             # the pinned buffers are free again once the last chunk's copies from them ran (they precede its
             # graph): the host prepares this chunk while that graph computes, and the GPU finds it queued
@@ -460,7 +484,10 @@ class FastStep:
         elif runs is not None:  # rows already in registered (pinned) host memory: straight to the device
             _copy_runs(dev, runs)
             if self._rows_read is not None:
-                self._rows_read.record(stream)  # the caller may reuse its rows once these copies are done
+                if record:
+                    self._rows_read.record(stream)  # the caller may reuse its rows once these copies are done
+                else:
+                    self._unrecorded = stream
                 self._rows_pending = True
             self._zero_tail(dev, r, rb)
         else:
@@ -474,7 +501,10 @@ class FastStep:
             self._zero_tail(dev, r, rb, zeroed=True)
         self._describe(keys, firsts, counts, r)
         if self._staging_read is not None:  # the staging buffers' last reads are queued: free once they ran
-            self._staging_read.record(stream)
+            if record:
+                self._staging_read.record(stream)
+            else:
+                self._unrecorded = stream
             self._staging_pending = True
         g = self._ingest_graphs.get((fmt, rb))
         if g is not None:
@@ -602,25 +632,19 @@ class FastStep:
         """The ingest's items into the pinned description and on to the device (``pa.ingest_rows``
         makes each row's slot and position from it inside the ingest graph): per item its first row,
         first position and page base, then the pages; a few ints and one page list per item."""
-        n = len(keys)
+        n, P = len(keys), self.P
+        origins, pages = self.cache.spans(keys, firsts, [a + c for a, c in zip(firsts, counts, strict=True)])
+        used = list(itertools.accumulate(map(len, pages), initial=0))  # pages before each item, then all
         h = self.spec_host_np
-        row0s: list[int] = []
-        bases: list[int] = []
-        pages: list[np.ndarray] = []
-        row0 = used = 0
-        cache_pages, P = self.cache.pages, self.P
-        for key, a, c in zip(keys, firsts, counts, strict=True):
-            origin, pg = cache_pages(key, a, a + c)
-            row0s.append(row0)
-            bases.append(origin - used * P)
-            pages.append(pg)
-            used += len(pg)
-            row0 += c
         h[0], h[1] = n, r
-        h[2 : 2 + n], h[2 + n : 2 + 2 * n], h[2 + 2 * n : 2 + 3 * n] = row0s, firsts, bases
-        at = 2 + 3 * n
-        h[at : at + used] = np.concatenate(pages) if len(pages) > 1 else pages[0]
-        self.spec[: at + used].copy_(self.spec_host[: at + used], non_blocking=True)
+        h[2 : 2 + 3 * n] = [
+            *itertools.accumulate(counts[:-1], initial=0),  # each item's first row
+            *firsts,
+            *(o - u * P for o, u in zip(origins, used, strict=False)),  # its page base
+        ]
+        at, end = 2 + 3 * n, 2 + 3 * n + used[-1]
+        _join(pages, h[at:end])
+        self.spec[:end].copy_(self.spec_host[:end], non_blocking=True)
 
     def draft(self, items: Sequence[DraftItem]) -> tuple[np.ndarray, np.ndarray | None]:
         """Greedy drafts [N, B] (target ids) and confidence [N, B] (or None) of a batch of sessions."""
@@ -640,6 +664,7 @@ class FastStep:
         if self.dev.type == "cuda":
             torch.cuda.current_stream(self.dev).synchronize()
             self._rows_pending = self._staging_pending = False  # the stream is idle: every earlier copy is done
+            self._unrecorded = None
         res = self.out_host[:n].numpy()
         conf = res[:, B:].astype(np.float32) if self.m.conf_w is not None else None
         return res[:, :B].astype(np.int64), conf
@@ -666,33 +691,32 @@ class FastStep:
         it, because some session's context starts mid-page (FlashMLA reads a sequence from its table's
         first token). The cache starts every span on a page boundary, so only a draft asked from a
         later start than its span's (never the server's engine) does."""
-        n = len(items)
-        B, P = self.B, self.P
+        n, B, P = len(items), self.B, self.P
         nb = _bucket(n, self.session_buckets)
+        keys, starts, poss, anchors, ks = zip(*[(i.key, i.start, i.pos, i.anchor, i.k) for i in items], strict=True)
+        origins, pages = self.cache.spans(keys, starts, [p + B for p in poss])
+        used = list(itertools.accumulate(map(len, pages), initial=0))  # pages before each session, then all
+        if used[-1] > self.pages_cap:
+            raise RuntimeError("a batch's pages exceed the fast path's page list")
         h = self.host_np
-        pages = h[self._pages_at :]
-        cols: list[tuple[int, int, int, int, int, int]] = []
-        lens: list[int] = []
-        used, mid = 0, False
-        cache_pages, width = self.cache.pages, self.width
-        for it in items:  # the ragged page list: each session's pages over [start, pos + B)
-            origin, pg = cache_pages(it.key, it.start, it.pos + B)
-            k = len(pg)
-            if used + k > self.pages_cap:
-                raise RuntimeError("a batch's pages exceed the fast path's page list")
-            pages[used : used + k] = pg
-            # the kernels see positions from each session's first page (the cache's origin): a
-            # context starts at 0 there, on a page boundary, wherever it starts in the sequence
-            lo = it.start - origin
-            cols.append((it.anchor, it.pos, lo, it.pos - origin, -used, width(it.k)))  # first: row stride 0
-            mid = mid or lo % P != 0
-            lens.append(it.pos - it.start)
-            used += k
-        self._per_session()[:, :n] = np.array(cols, dtype=np.int64).T
+        _join(pages, h[self._pages_at : self._pages_at + used[-1]])  # the ragged page list
+        # the kernels see positions from each session's first page (the cache's origin): a context
+        # starts at 0 there, on a page boundary, wherever it starts in the sequence
+        lo = [s - o for s, o in zip(starts, origins, strict=True)]
+        self._fields[:, :n] = (  # SESSION_FIELDS, in one conversion
+            anchors,
+            poss,  # t0
+            lo,
+            [p - o for p, o in zip(poss, origins, strict=True)],
+            [-u for u in used[:-1]],  # first: the page list is read with row stride 0
+            [*map(self.width, ks)],
+        )
+        mid = any(x % P for x in lo)
+        lens = [p - s for p, s in zip(poss, starts, strict=True)]
         if nb > n:
             self._pad(n, nb)
         h[self._count_at] = n
-        end = self._pages_at + max(used, 1)
+        end = self._pages_at + max(used[-1], 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
         return n, nb, lens, mid and self.flash is not None
 

@@ -40,8 +40,8 @@ def _rows(rng: np.random.Generator, n: int, w: int) -> np.ndarray:
     return (rng.standard_normal((n, w), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _kv(d, key: int) -> torch.Tensor:
-    slots = torch.from_numpy(d.cache.slots(key, np.arange(ROWS))).cuda()
+def _kv(d, key: int, rows: int = ROWS) -> torch.Tensor:
+    slots = torch.from_numpy(d.cache.slots(key, np.arange(rows))).cuda()
     return d.cache._flat.index_select(1, slots).clone()
 
 
@@ -89,3 +89,42 @@ def test_every_way_rows_arrive_leaves_the_same_kv(drafter) -> None:
     assert _prefill(d, 12, DeviceRows(on_dev, ready)) == want_drafts
     assert torch.equal(_kv(d, 12), want)
     d.release(12)
+
+
+def test_a_step_gives_its_rows_back_copied(drafter) -> None:
+    """``Drafter.step`` records no ingest events (its draft waits for the stream): the registered rows are
+    the caller's again when it returns, also when the draft raises and with a session repeated in the
+    step (a second ingest pass, which must wait for the first's staging copies)."""
+    d = drafter
+    rng = np.random.default_rng(5)
+    w, B = d.contract.tap_width, d.cfg.block_size
+    rows = _rows(rng, 8, w)
+    buf = bytearray(rows.nbytes)
+    reg = np.frombuffer(buf, dtype=np.uint16).reshape(rows.shape)
+    assert d.register_host(memoryview(buf))
+    try:
+        cases = {  # key -> the step's ingest items over rows [0, 8) of the session, in passes
+            30: lambda src: [IngestItem(30, 0, 0, src[:8])],
+            31: lambda src: [IngestItem(31, 0, 0, src[:5]), IngestItem(31, 0, 5, src[5:8])],
+        }
+        for key, items in cases.items():
+            assert d.reserve(key + 10, 0, 1 + B)
+            d.ingest([IngestItem(key + 10, 0, 0, rows[:1])])  # the session drafting beside them
+            assert d.reserve(key, 0, 8 + B)
+            d.ingest(items(rows))  # the reference: ordinary memory, staged, waited for
+            ref = _kv(d, key, 8)
+            for k in (7, B + 1):  # B + 1: the draft raises after the rows' copies were queued
+                d.release(key)
+                assert d.reserve(key, 0, 8 + B)
+                reg[:] = rows
+                if k <= B:
+                    assert len(d.step(items(reg), [DraftItem(key + 10, 0, 1, 5, k, GREEDY)])[0].tokens) == k
+                else:
+                    with pytest.raises(ValueError, match="exceeds block_size"):
+                        d.step(items(reg), [DraftItem(key + 10, 0, 1, 5, k, GREEDY)])
+                reg[:] = 0x7FC0  # NaN bits where the rows were: must not reach the cache
+                assert torch.equal(_kv(d, key, 8), ref), f"session {key}, k={k}"
+            d.release(key)
+            d.release(key + 10)
+    finally:
+        d.unregister_host(memoryview(buf))

@@ -87,6 +87,10 @@ def test_a_new_start_is_a_new_span_from_a_page_boundary() -> None:
     assert np.array_equal(kv.slots(1, np.arange(7, 13)), held)
     origin, pages = kv.pages(1, 9, 13)
     assert origin == 7 and len(pages) == 2  # position t at offset (t - 7) % P of page (t - 7) // P
+    with pytest.raises(RuntimeError, match="session 1 has no pages reserved for \\[6, 13\\)"):
+        kv.spans([2, 1], [0, 6], [P, 13])  # one session of the batch past its span: named
+    with pytest.raises(RuntimeError, match="session 9 has no pages"):
+        kv.spans([1, 9], [7, 0], [13, 1])
 
 
 ops = st.lists(
@@ -133,6 +137,13 @@ def test_reserve_release_invariants(seq):
                 origin, pg = kv.pages(k, a, b)  # the array it keeps between calls follows every change
                 t = np.arange(a, b) - origin
                 assert origin == a and np.array_equal(pg[t // P] * P + t % P, slots)
+        spans = [(k, a, b) for k, (a, b) in held.items() if b > a]
+        if spans:  # a batch's lookup in one pass: the same as each session's own
+            keys, starts, ends = zip(*spans, strict=True)
+            origins, pgs = kv.spans(keys, starts, ends)
+            for (k, a, b), origin, pg in zip(spans, origins, pgs, strict=True):
+                want_origin, want = kv.pages(k, a, b)
+                assert origin == want_origin and np.array_equal(pg, want)
         all_pages = [p for k in held for p in kv._sessions[k].pages]
         assert len(all_pages) == len(set(all_pages))  # no page owned twice
 
