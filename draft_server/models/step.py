@@ -446,20 +446,17 @@ class FastStep:
         the pass leaves its stream to be waited for (``_settle``)."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
-        counts = [len(it.taps) for it in items]
-        if a == 0 and b == sum(counts) and min(counts) > 0:  # every item whole (a decode step)
-            keys, firsts, parts = [it.key for it in items], [it.pos for it in items], [it.taps for it in items]
-        else:  # rows a..b of a longer ingest (a prefill past r_max rows): the items' parts in that window
-            keys, firsts, counts, parts = [], [], [], []
-            row = 0
+        # (key, first position, rows, rows' part) of each item in the window: every item whole in a
+        # decode step; rows a..b of a longer ingest (a prefill past r_max rows) cut from the items
+        cut = [(it.key, it.pos, len(it.taps), it.taps) for it in items]
+        if a != 0 or b != sum(c[2] for c in cut) or any(not c[2] for c in cut):
+            cut, row = [], 0
             for it in items:
                 lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
                 if lo_r < hi_r:
-                    keys.append(it.key)
-                    firsts.append(it.pos + lo_r)
-                    counts.append(hi_r - lo_r)
-                    parts.append(it.taps[lo_r:hi_r])
+                    cut.append((it.key, it.pos + lo_r, hi_r - lo_r, it.taps[lo_r:hi_r]))
                 row += len(it.taps)
+        keys, firsts, counts, parts = zip(*cut, strict=True)
         host, dev = self._rows(self.rows_host, fmt), self._rows(self.rows, fmt)
         on_device = any(isinstance(p, DeviceRows) for p in parts)
         runs = None if on_device else self._registered_runs(parts)
@@ -634,15 +631,19 @@ class FastStep:
         first position and page base, then the pages; a few ints and one page list per item."""
         n, P = len(keys), self.P
         origins, pages = self.cache.spans(keys, firsts, [a + c for a, c in zip(firsts, counts, strict=True)])
-        used = list(itertools.accumulate(map(len, pages), initial=0))  # pages before each item, then all
+        row0s: list[int] = []
+        bases: list[int] = []
+        row0 = used = 0
+        for c, origin, pg in zip(counts, origins, pages, strict=True):
+            row0s.append(row0)
+            bases.append(origin - used * P)
+            row0 += c
+            used += len(pg)
         h = self.spec_host_np
         h[0], h[1] = n, r
-        h[2 : 2 + 3 * n] = [
-            *itertools.accumulate(counts[:-1], initial=0),  # each item's first row
-            *firsts,
-            *(o - u * P for o, u in zip(origins, used, strict=False)),  # its page base
-        ]
-        at, end = 2 + 3 * n, 2 + 3 * n + used[-1]
+        h[2 : 2 + 3 * n] = [*row0s, *firsts, *bases]
+        at = 2 + 3 * n
+        end = at + used
         _join(pages, h[at:end])
         self.spec[:end].copy_(self.spec_host[:end], non_blocking=True)
 
@@ -693,30 +694,27 @@ class FastStep:
         later start than its span's (never the server's engine) does."""
         n, B, P = len(items), self.B, self.P
         nb = _bucket(n, self.session_buckets)
-        keys, starts, poss, anchors, ks = zip(*[(i.key, i.start, i.pos, i.anchor, i.k) for i in items], strict=True)
-        origins, pages = self.cache.spans(keys, starts, [p + B for p in poss])
-        used = list(itertools.accumulate(map(len, pages), initial=0))  # pages before each session, then all
-        if used[-1] > self.pages_cap:
+        origins, pages = self.cache.spans([i.key for i in items], [i.start for i in items], [i.pos + B for i in items])
+        cols: list[tuple[int, ...]] = []
+        lens: list[int] = []
+        used, mid, width = 0, False, self.width
+        for it, origin, pg in zip(items, origins, pages, strict=True):
+            # the kernels see positions from each session's first page (the cache's origin): a context
+            # starts at 0 there, on a page boundary, wherever it starts in the sequence
+            lo = it.start - origin
+            cols.append((it.anchor, it.pos, lo, it.pos - origin, -used, width(it.k)))  # first: row stride 0
+            mid = mid or lo % P != 0
+            lens.append(it.pos - it.start)
+            used += len(pg)
+        if used > self.pages_cap:
             raise RuntimeError("a batch's pages exceed the fast path's page list")
         h = self.host_np
-        _join(pages, h[self._pages_at : self._pages_at + used[-1]])  # the ragged page list
-        # the kernels see positions from each session's first page (the cache's origin): a context
-        # starts at 0 there, on a page boundary, wherever it starts in the sequence
-        lo = [s - o for s, o in zip(starts, origins, strict=True)]
-        self._fields[:, :n] = (  # SESSION_FIELDS, in one conversion
-            anchors,
-            poss,  # t0
-            lo,
-            [p - o for p, o in zip(poss, origins, strict=True)],
-            [-u for u in used[:-1]],  # first: the page list is read with row stride 0
-            [*map(self.width, ks)],
-        )
-        mid = any(x % P for x in lo)
-        lens = [p - s for p, s in zip(poss, starts, strict=True)]
+        _join(pages, h[self._pages_at : self._pages_at + used])  # the ragged page list
+        self._fields[:, :n] = np.array(cols, dtype=np.int64).T
         if nb > n:
             self._pad(n, nb)
         h[self._count_at] = n
-        end = self._pages_at + max(used[-1], 1)
+        end = self._pages_at + max(used, 1)
         self.stage[:end].copy_(self.host[:end], non_blocking=True)
         return n, nb, lens, mid and self.flash is not None
 
