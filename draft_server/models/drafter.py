@@ -255,23 +255,24 @@ class DSparkDrafter(Drafter):
 
     def _draft_fast(self, fast: FastStep, items: Sequence[DraftItem]) -> list[DraftOut]:
         """Greedy batches: paged kernels, device-side Markov chain, one copy back (CUDA graphs on a GPU)."""
-        outs = [DraftOut(tokens=[]) for _ in items]
-        act = [n for n, it in enumerate(items) if it.k > 0]
-        if not act:
-            return outs
+        ks = [it.k for it in items]
         B = self.cfg.block_size
-        for n in act:
-            if items[n].k > B:
-                raise ValueError(f"session {items[n].key}: k={items[n].k} exceeds block_size {B}")
-        tokens, conf = fast.draft([items[n] for n in act])
+        if max(ks) > B:
+            it = items[ks.index(max(ks))]
+            raise ValueError(f"session {it.key}: k={it.k} exceeds block_size {B}")
+        act = [n for n, k in enumerate(ks) if k > 0]
+        if not act:
+            return [DraftOut(tokens=[]) for _ in items]
+        tokens, conf = fast.draft(items if len(act) == len(items) else [items[n] for n in act])
         rows = tokens.tolist()  # one conversion for the batch, then a slice per session
-        confs = conf.tolist() if conf is not None else None
+        confs = conf.tolist() if conf is not None else [[]] * len(act)
+        outs = [DraftOut(tokens=rows[r][: ks[n]], confidence=confs[r][: ks[n]]) for r, n in enumerate(act)]
+        if len(act) == len(items):
+            return outs
+        full = [DraftOut(tokens=[]) for _ in items]
         for r, n in enumerate(act):
-            k = items[n].k
-            outs[n].tokens = rows[r][:k]
-            if confs is not None:
-                outs[n].confidence = confs[r][:k]
-        return outs
+            full[n] = outs[r]
+        return full
 
     @torch.inference_mode()
     def draft_debug(self, items: Sequence[DraftItem]) -> tuple[list[DraftOut], list[torch.Tensor | None]]:

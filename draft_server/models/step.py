@@ -410,13 +410,15 @@ class FastStep:
         try:
             groups = by_format(items)
             for g, (fmt, group) in enumerate(groups):
-                rows = sum(len(it.taps) for it in group)
+                counts = [len(it.taps) for it in group]
+                rows = sum(counts)
                 for a in range(0, rows, self.r_max):
                     b = min(rows, a + self.r_max)
                     # the last pass of a call that does not wait records no events: the draft after it
                     # waits for the whole stream (``settle`` where anything else needs its copies done)
                     record = wait or b < rows or g + 1 < len(groups)
-                    self._ingest_rows(fmt, group, a, b, stream, record)
+                    whole = a == 0 and b == rows and 0 not in counts
+                    self._ingest_rows(fmt, group, a, b, stream, record, whole)
         finally:
             if wait:
                 self.rows_done()
@@ -437,19 +439,28 @@ class FastStep:
             self._rows_pending = self._staging_pending = False
 
     def _ingest_rows(
-        self, fmt: str, items: Sequence[IngestItem], a: int, b: int, stream: torch.cuda.Stream | None, record: bool
+        self,
+        fmt: str,
+        items: Sequence[IngestItem],
+        a: int,
+        b: int,
+        stream: torch.cuda.Stream | None,
+        record: bool,
+        whole: bool,
     ) -> None:
         """Rows a..b (in item order, all of wire format ``fmt``) through the ingest graph of their bucket.
         The rows' copy to the device is issued first, so it runs while the host describes the items
         (``_describe``: the graph's first kernel makes the rows' cache slots from that). ``record``: the
         events that free the callers' rows and the staging buffers are recorded (two CUDA calls); else
-        the pass leaves its stream to be waited for (``_settle``)."""
+        the pass leaves its stream to be waited for (``_settle``). ``whole``: the pass is every row of
+        every item (a decode step), none of them empty."""
         r = b - a
         rb = _bucket(max(r, 16), self.row_buckets)
         # (key, first position, rows, rows' part) of each item in the window: every item whole in a
         # decode step; rows a..b of a longer ingest (a prefill past r_max rows) cut from the items
-        cut = [(it.key, it.pos, len(it.taps), it.taps) for it in items]
-        if a != 0 or b != sum(c[2] for c in cut) or any(not c[2] for c in cut):
+        if whole:
+            cut = [(it.key, it.pos, len(it.taps), it.taps) for it in items]
+        else:
             cut, row = [], 0
             for it in items:
                 lo_r, hi_r = max(a - row, 0), min(b - row, len(it.taps))
