@@ -415,7 +415,7 @@ class FastStep:
                 for a in range(0, rows, self.r_max):
                     b = min(rows, a + self.r_max)
                     # the last pass of a call that does not wait records no events: the draft after it
-                    # waits for the whole stream (``settle`` where anything else needs its copies done)
+                    # waits for the whole stream (``_settle`` where anything else needs its copies done)
                     record = wait or b < rows or g + 1 < len(groups)
                     whole = a == 0 and b == rows and 0 not in counts
                     self._ingest_rows(fmt, group, a, b, stream, record, whole)

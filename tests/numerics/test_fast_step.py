@@ -87,6 +87,26 @@ def test_a_batch_of_twenty_sessions_drafts_what_the_dense_reference_drafts(tmp_p
         assert [o.tokens for o in outs_fast] == [o.tokens for o in outs_dense]
 
 
+def test_sessions_asking_no_drafts_keep_their_places_in_the_batch(tmp_path) -> None:
+    """A greedy batch where some sessions ask k = 0: each output stays at its session's index (empty for
+    those), the others' drafts are the dense path's; an empty batch drafts nothing; k past the block
+    is refused naming the session."""
+    dense, fast = _pair(tmp_path, "k3")
+    W, B = dense.contract.tap_width, dense.cfg.block_size
+    for d in (dense, fast):
+        for k in range(4):
+            assert d.reserve(k, 0, 8 + B)
+            d.ingest([IngestItem(k, 0, 0, _bits(np.random.default_rng(k), 8, W))])
+    items = [DraftItem(k, 0, 8, 2 + k, (0, 5, 0, B)[k], GREEDY) for k in range(4)]
+    want = [o.tokens for o in dense.draft(items)]
+    got = [o.tokens for o in fast.draft(items)]
+    assert got == want and [len(t) for t in got] == [0, 5, 0, B]
+    assert fast.draft([]) == []
+    assert [o.tokens for o in fast.draft([DraftItem(1, 0, 8, 2, 0, GREEDY)])] == [[]]
+    with pytest.raises(ValueError, match=f"session 3: k={B + 1} exceeds block_size"):
+        fast.draft([DraftItem(1, 0, 8, 2, 3, GREEDY), DraftItem(3, 0, 8, 2, B + 1, GREEDY)])
+
+
 def test_a_poisoned_session_never_reaches_its_neighbours(tmp_path) -> None:
     """One session's taps hold NaN and Inf: every other session drafts exactly what it drafts when
     that session's taps are clean, on the dense path and the fast path alike. The poisoned session
