@@ -257,8 +257,9 @@ class DSparkDrafter(Drafter):
         """Greedy batches: paged kernels, device-side Markov chain, one copy back (CUDA graphs on a GPU)."""
         ks = [it.k for it in items]
         B = self.cfg.block_size
-        if max(ks, default=0) > B:
-            it = items[ks.index(max(ks))]
+        top = max(ks, default=0)
+        if top > B:
+            it = items[ks.index(top)]
             raise ValueError(f"session {it.key}: k={it.k} exceeds block_size {B}")
         act = [n for n, k in enumerate(ks) if k > 0]
         if not act:

@@ -92,14 +92,6 @@ def measure(steps: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _commit(tree: str) -> str:
-    """The tree's commit, "+ uncommitted changes" when its tracked files differ from it."""
-    git = ["git", "-C", tree]
-    sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return sha + (" + uncommitted changes" if dirty.stdout.strip() else "")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=300)
@@ -123,7 +115,9 @@ def main() -> int:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--steps", str(a.steps)]
                 p = subprocess.run(cmd, env=env, cwd=t, capture_output=True, text=True, check=True)
                 series[t].append(json.loads(p.stdout.strip().splitlines()[-1]))
-        report = {"series": series, "commits": {t: _commit(t) for t in trees}}
+        from draft_tools.bench.ab import this_tree  # the parent only: a child's draft_tools is its tree's
+
+        report = {"series": series, "commits": {t: this_tree(t) for t in trees}}
         for t, runs in series.items():
             for n in map(str, SIZES):
                 for key in ("ingest_host_ms", "draft_host_ms", "step_host_ms"):
